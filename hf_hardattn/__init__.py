@@ -1,0 +1,43 @@
+"""hf_hardattn: alternatives to Transformer attention for encoder-decoder translation, as HuggingFace models.
+
+Importing the package registers every model type with ``AutoConfig`` / ``AutoModelForSeq2SeqLM`` and marks the
+classes for remote-code saving, so a saved folder also loads with ``trust_remote_code=True`` where hf_hardattn is
+not installed.
+"""
+
+from transformers import AutoConfig, AutoModelForSeq2SeqLM
+
+from .configuration_hardattn import ATTENTION_KINDS, HardAttnConfig
+from .hard_retrieval import HardRetrievalConfig, HardRetrievalForConditionalGeneration
+from .modeling_hardattn import HardAttnCache, HardAttnForConditionalGeneration
+from .soft import SoftTransformerConfig, SoftTransformerForConditionalGeneration
+
+__version__ = "0.1.0"
+
+MODEL_CLASSES = {
+    SoftTransformerConfig: SoftTransformerForConditionalGeneration,
+    HardRetrievalConfig: HardRetrievalForConditionalGeneration,
+}
+
+
+def _register():
+    for config_class, model_class in MODEL_CLASSES.items():
+        AutoConfig.register(config_class.model_type, config_class, exist_ok=True)
+        AutoModelForSeq2SeqLM.register(config_class, model_class, exist_ok=True)
+        config_class.register_for_auto_class()
+        model_class.register_for_auto_class("AutoModelForSeq2SeqLM")
+
+
+_register()
+
+__all__ = [
+    "ATTENTION_KINDS",
+    "HardAttnCache",
+    "HardAttnConfig",
+    "HardAttnForConditionalGeneration",
+    "HardRetrievalConfig",
+    "HardRetrievalForConditionalGeneration",
+    "MODEL_CLASSES",
+    "SoftTransformerConfig",
+    "SoftTransformerForConditionalGeneration",
+]

@@ -1,0 +1,150 @@
+"""Configuration shared by every hf_hardattn encoder-decoder model.
+
+Each variant (soft baseline, hard retrieval, Gaussian, recurrent, hybrid, beam-joint) subclasses
+:class:`HardAttnConfig` with its own ``model_type`` and defaults.  The attention used by each *role*
+(encoder self-attention, decoder self-attention, cross-attention) is a config field holding either one
+kind for every layer or a list with one kind per layer, so that a config can mix kinds.
+
+This file is part of the runtime code shipped with saved models (``trust_remote_code``): keep it flat,
+with same-folder relative imports only.
+"""
+
+from transformers import PreTrainedConfig
+from transformers.activations import ACT2FN
+
+# Attention kinds the skeleton can build, with the roles each one may fill.  "none" removes the sub-layer
+# entirely (no parameters, no computation).  Variants add their kind here and in
+# ``modeling_hardattn.attention_classes``.
+ATTENTION_KINDS = {
+    "soft": ("encoder", "decoder", "cross"),
+    "hard_retrieval": ("encoder", "decoder", "cross"),
+    "none": ("encoder", "decoder", "cross"),
+}
+ROLES = {  # role -> (config field, field holding the number of layers of that role)
+    "encoder": ("encoder_attention", "encoder_layers"),
+    "decoder": ("decoder_attention", "decoder_layers"),
+    "cross": ("cross_attention", "decoder_layers"),
+}
+POSITION_EMBEDDINGS = ("sinusoidal", "learned")
+
+
+def _check_range(name, value, low, high, high_inclusive=False):
+    ok = low <= value <= high if high_inclusive else low <= value < high
+    if not ok:
+        bracket = "]" if high_inclusive else ")"
+        raise ValueError(f"`{name}` must be in [{low}, {high}{bracket}, got {value!r}.")
+
+
+class HardAttnConfig(PreTrainedConfig):
+    r"""Transformer encoder-decoder (Vaswani et al., 2017) whose attention kind is chosen per role.
+
+    Args:
+        vocab_size: size of the joint (shared source/target) vocabulary.
+        d_model: model width.
+        encoder_layers / decoder_layers: number of layers.
+        encoder_attention_heads / decoder_attention_heads: heads per attention sub-layer; must divide d_model.
+        encoder_ffn_dim / decoder_ffn_dim: inner size of the feed-forward sub-layers.
+        activation_function: FFN non-linearity (any key of ``transformers.activations.ACT2FN``).
+        dropout / attention_dropout / activation_dropout: dropout on sub-layer outputs and embeddings, on
+            attention probabilities, and inside the FFN.
+        label_smoothing: label smoothing of the training loss.
+        max_position_embeddings: size of the position table.  Learned positions cannot go beyond it;
+            sinusoidal positions are computed on the fly beyond it.
+        position_embedding: ``"sinusoidal"`` or ``"learned"``.
+        normalize_before: pre-norm (True) instead of the original post-norm (False).
+        scale_embedding: multiply token embeddings by sqrt(d_model).
+        encoder_attention / decoder_attention / cross_attention: the attention kind of each role, one of
+            ``ATTENTION_KINDS``, either a single kind for every layer or a list with one kind per layer.
+    """
+
+    model_type = "hardattn"
+    keys_to_ignore_at_inference = ["past_key_values"]
+    attribute_map = {
+        "hidden_size": "d_model",
+        "num_attention_heads": "decoder_attention_heads",
+        "num_hidden_layers": "decoder_layers",
+    }
+
+    vocab_size: int = 8000
+    d_model: int = 512
+    encoder_layers: int = 6
+    decoder_layers: int = 6
+    encoder_attention_heads: int = 8
+    decoder_attention_heads: int = 8
+    encoder_ffn_dim: int = 2048
+    decoder_ffn_dim: int = 2048
+    activation_function: str = "relu"
+    dropout: float | int = 0.1
+    attention_dropout: float | int = 0.0
+    activation_dropout: float | int = 0.0
+    label_smoothing: float | int = 0.1
+    max_position_embeddings: int = 1024
+    position_embedding: str = "sinusoidal"
+    normalize_before: bool = False
+    scale_embedding: bool = True
+    layer_norm_eps: float = 1e-5
+    init_std: float = 0.02
+    encoder_attention: str | list[str] = "soft"
+    decoder_attention: str | list[str] = "soft"
+    cross_attention: str | list[str] = "soft"
+    use_cache: bool = True
+    is_encoder_decoder: bool = True
+    tie_word_embeddings: bool = True
+    pad_token_id: int | None = 0
+    bos_token_id: int | None = 1
+    eos_token_id: int | list[int] | None = 2
+    decoder_start_token_id: int | None = 1
+
+    def __post_init__(self, **kwargs):
+        super().__post_init__(**kwargs)
+        self.check()
+
+    # -- validation -------------------------------------------------------------------------------------
+    def check(self):
+        """Raise a ValueError naming the parameter and its allowed values for any inconsistent field."""
+        for name in ("vocab_size", "d_model", "encoder_layers", "decoder_layers", "encoder_attention_heads",
+                     "decoder_attention_heads", "encoder_ffn_dim", "decoder_ffn_dim", "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
+        for name in ("encoder_attention_heads", "decoder_attention_heads"):
+            heads = getattr(self, name)
+            if self.d_model % heads:
+                divisors = [h for h in range(1, self.d_model + 1) if self.d_model % h == 0 and h <= 64]
+                raise ValueError(
+                    f"`{name}`={heads} does not divide `d_model`={self.d_model}; allowed values are divisors of "
+                    f"d_model, e.g. {divisors}."
+                )
+        for name in ("dropout", "attention_dropout", "activation_dropout", "label_smoothing"):
+            _check_range(name, getattr(self, name), 0.0, 1.0)
+        if self.position_embedding not in POSITION_EMBEDDINGS:
+            raise ValueError(
+                f"`position_embedding` must be one of {POSITION_EMBEDDINGS}, got {self.position_embedding!r}."
+            )
+        if self.activation_function not in ACT2FN:
+            raise ValueError(
+                f"`activation_function` must be one of {sorted(ACT2FN)}, got {self.activation_function!r}."
+            )
+        for role in ROLES:
+            self.attention_kinds(role)
+
+    def attention_kinds(self, role: str) -> list[str]:
+        """The attention kind of every layer of ``role`` ("encoder", "decoder" or "cross")."""
+        if role not in ROLES:
+            raise ValueError(f"`role` must be one of {tuple(ROLES)}, got {role!r}.")
+        field, layers_field = ROLES[role]
+        value, n_layers = getattr(self, field), getattr(self, layers_field)
+        kinds = [value] * n_layers if isinstance(value, str) else list(value)
+        if len(kinds) != n_layers:
+            raise ValueError(
+                f"`{field}` has {len(kinds)} entries but `{layers_field}`={n_layers}: give one kind for every "
+                f"layer, or a single string for all of them."
+            )
+        allowed = sorted(k for k, roles in ATTENTION_KINDS.items() if role in roles)
+        for kind in kinds:
+            if kind not in allowed:
+                raise ValueError(f"`{field}` entry {kind!r} is not a known attention kind; allowed: {allowed}.")
+        return kinds
+
+
+__all__ = ["HardAttnConfig", "ATTENTION_KINDS", "ROLES"]

@@ -1,0 +1,130 @@
+"""Hard retrieval attention (Xu et al., "Efficient Transformer Decoding with Hard Retrieval Attention").
+
+Every head of a hard-retrieval attention layer attends to exactly ONE key and returns its value row.
+
+* Training (Sec. 3.1): P = softmax(QK^T / sqrt(d_k)) (Eq. 1-2, attention dropout applied); one index per query row
+  is sampled from P (multinomial, Eq. 4-5) and the output is the value row at that index (Eq. 6). The sampling
+  is treated as noise (Eq. 7): the gradient of the one-hot P_hard is passed straight to P (Eq. 8), with
+  P_hard^g = A^g V^T (Eq. 9) and V^g[i] = sum of A^g[j] over the queries j that retrieved i (Eq. 10), computed by
+  indexing (scatter-add) rather than a one-hot matmul.
+* Inference (Sec. 3.2): no scaling, no softmax, no P.V: index = argmax of the raw masked scores S = QK^T (Eq. 11),
+  output = V[index] (Eq. 6).
+
+Runtime code shipped with saved models: flat, same-folder relative imports only.
+"""
+
+import torch
+
+from .configuration_hardattn import HardAttnConfig
+from .modeling_hardattn import HardAttnForConditionalGeneration, SoftAttention, causal_mask
+
+
+def gather_rows(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """values [B, H, Tk, D], index [B, H, Tq] -> values[b, h, index[b, h, q]]: [B, H, Tq, D] (Eq. 6)."""
+    return torch.gather(values, 2, index.unsqueeze(-1).expand(*index.shape, values.shape[-1]))
+
+
+class HardRetrieval(torch.autograd.Function):
+    """Forward: retrieve V[index] (Eq. 6). Backward: straight-through to the probabilities (Eq. 8-9) and a
+    scatter-add into the retrieved value rows (Eq. 10)."""
+
+    @staticmethod
+    def forward(ctx, probs, values, index):
+        ctx.save_for_backward(values, index)
+        return gather_rows(values, index)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        values, index = ctx.saved_tensors
+        grad_probs = grad_values = None
+        if ctx.needs_input_grad[0]:
+            grad_probs = grad_out @ values.transpose(-1, -2)  # Eq. 8-9: P^g = P_hard^g = A^g V^T
+        if ctx.needs_input_grad[1]:  # Eq. 10, by indexing
+            expanded = index.unsqueeze(-1).expand_as(grad_out)
+            grad_values = torch.zeros_like(values).scatter_add_(2, expanded, grad_out.to(values.dtype))
+        return grad_probs, grad_values, None
+
+
+def full_mask(mask, causal, query_length, key_length, device):
+    """The bool mask (True = may attend) implied by ``mask`` / ``causal``, or None when everything is visible."""
+    if causal:
+        tri = causal_mask(query_length, key_length, device)
+        return tri if mask is None else mask & tri
+    return mask
+
+
+def sample_indices(probs: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
+    """One index per row of ``probs`` [..., Tk] by multinomial sampling (Eq. 4-5). Rows that attention dropout
+    zeroed entirely are drawn from ``fallback`` (the probabilities before dropout) instead, so a masked
+    (zero-probability) position is never drawn."""
+    flat = probs.reshape(-1, probs.shape[-1])
+    empty = flat.sum(-1) <= 0
+    if bool(empty.any()):
+        flat = torch.where(empty[:, None], fallback.reshape(-1, fallback.shape[-1]), flat)
+    return torch.multinomial(flat.float(), 1).view(probs.shape[:-1])
+
+
+def inference_indices(q, k, mask, causal):
+    """Eq. 11: argmax over the raw masked scores S = QK^T, without scaling or softmax."""
+    scores = q @ k.transpose(-1, -2)
+    mask = full_mask(mask, causal, q.shape[-2], k.shape[-2], q.device)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return scores.argmax(-1)
+
+
+class HardRetrievalAttention(SoftAttention):
+    """Multi-head attention whose heads each retrieve one value row (same parameters as soft attention, so a model
+    can be decoded with the other kind than it was trained with; hard-retrieval paper, Table 4)."""
+
+    def training_probabilities(self, q, k, mask, causal):
+        """P = softmax(QK^T / sqrt(d_k)) (Eq. 1-2) over the visible keys, before attention dropout."""
+        scores = (q @ k.transpose(-1, -2)) * self.head_dim**-0.5
+        mask = full_mask(mask, causal, q.shape[-2], k.shape[-2], q.device)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        return torch.softmax(scores, dim=-1)
+
+    def attend(self, q, k, v, mask, causal):
+        if not self.training:
+            return gather_rows(v, inference_indices(q, k, mask, causal))  # Eq. 11 + Eq. 6
+        probs = self.training_probabilities(q, k, mask, causal)
+        dropped = torch.nn.functional.dropout(probs, self.dropout, True) if self.dropout > 0 else probs
+        index = sample_indices(dropped.detach(), probs.detach())  # Eq. 4-5
+        return HardRetrieval.apply(dropped, v, index)  # Eq. 6, backward Eq. 8-10
+
+
+class HardRetrievalConfig(HardAttnConfig):
+    """Hard retrieval in decoder self- and cross-attention, soft encoder (the paper's main setting). Any role can be
+    set to "hard_retrieval" or "soft" (e.g. ``cross_attention="hard_retrieval", decoder_attention="soft"``)."""
+
+    model_type = "hard_retrieval_transformer"
+    decoder_attention: str | list[str] = "hard_retrieval"
+    cross_attention: str | list[str] = "hard_retrieval"
+
+
+class HardRetrievalForConditionalGeneration(HardAttnForConditionalGeneration):
+    config_class = HardRetrievalConfig
+    card_title = "Transformer with hard retrieval decoder attention"
+    card_description = (
+        "Each head of a hard-retrieval attention layer attends to exactly one token. Training samples one index per "
+        "query from the softmax attention probabilities and back-propagates straight through (Eqs. 7-10); inference "
+        "takes the argmax of the raw scores and indexes the value rows (Eq. 11), with no softmax and no weighted sum. "
+        "The default uses it in decoder self- and cross-attention with a soft encoder. Soft and hard attention share "
+        "their parameters: `model.with_attention(cross_attention=\"soft\")` decodes with the other kind."
+    )
+    card_citation = (
+        "Hongfei Xu, Qiuhui Liu, Josef van Genabith, Deyi Xiong. Efficient Transformer Decoding with Hard Retrieval "
+        "Attention (hard-retrieval-decoder-attention)."
+    )
+
+
+__all__ = [
+    "HardRetrievalAttention",
+    "HardRetrieval",
+    "HardRetrievalConfig",
+    "HardRetrievalForConditionalGeneration",
+    "gather_rows",
+    "sample_indices",
+    "inference_indices",
+]

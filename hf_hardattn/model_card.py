@@ -1,0 +1,84 @@
+"""Model cards written next to every saved hf_hardattn model (README.md with Hub metadata).
+
+Runtime code shipped with saved models: flat, standard library only.
+"""
+
+import json
+import os
+
+RESULTS_FILE = "hardattn_results.json"  # optional: a variant's measured results, shown in the card
+
+
+def _kinds_table(config) -> str:
+    rows = ["| role | kind per layer |", "| --- | --- |"]
+    for role, field in (("encoder self-attention", "encoder_attention"), ("decoder self-attention", "decoder_attention"),
+                        ("cross-attention", "cross_attention")):
+        if hasattr(config, field):
+            rows.append(f"| {role} | {getattr(config, field)} |")
+    return "\n".join(rows)
+
+
+def render_model_card(model, results: dict | None = None) -> str:
+    config = model.config
+    auto_map = getattr(config, "auto_map", None) or {}
+    n_params = sum(p.numel() for p in model.parameters())
+    fields = ["d_model", "encoder_layers", "decoder_layers", "encoder_attention_heads", "decoder_attention_heads",
+              "encoder_ffn_dim", "decoder_ffn_dim", "vocab_size", "position_embedding", "normalize_before"]
+    sizes = ", ".join(f"{f}={getattr(config, f)}" for f in fields if hasattr(config, f))
+    lines = [
+        "---",
+        "library_name: transformers",
+        "pipeline_tag: translation",
+        "tags:",
+        "- hf_hardattn",
+        f"- {config.model_type}",
+        "- trust_remote_code",
+        "---",
+        "",
+        f"# {model.card_title} ({config.model_type})",
+        "",
+        model.card_description.strip(),
+        "",
+        "## Architecture",
+        "",
+        f"- parameters: {n_params:,}",
+        f"- sizes: {sizes}",
+        "",
+        _kinds_table(config),
+        "",
+        "## Usage",
+        "",
+        "```python",
+        "from transformers import AutoModelForSeq2SeqLM, AutoTokenizer",
+        "",
+        'model = AutoModelForSeq2SeqLM.from_pretrained("PATH_OR_REPO", trust_remote_code=True)',
+        'tokenizer = AutoTokenizer.from_pretrained("PATH_OR_REPO")',
+        'batch = tokenizer(["A man is riding a bike."], return_tensors="pt")',
+        "print(tokenizer.batch_decode(model.generate(**batch, num_beams=4, max_new_tokens=64), skip_special_tokens=True))",
+        "```",
+        "",
+        "The modeling code is stored with the weights (`trust_remote_code=True`); with `pip install hf-hardattn` and "
+        "`import hf_hardattn`, `AutoModelForSeq2SeqLM` resolves this model type without remote code.",
+    ]
+    if auto_map:
+        lines += ["", f"Remote code entry points: `{json.dumps(auto_map)}`"]
+    if results:
+        lines += ["", "## Results", ""]
+        if isinstance(results.get("table"), str):
+            lines.append(results["table"])
+        else:
+            lines += ["| metric | value |", "| --- | --- |"] + [f"| {k} | {v} |" for k, v in results.items()]
+    lines += ["", "## Citation", "", model.card_citation.strip(), ""]
+    return "\n".join(lines)
+
+
+def write_model_card(model, save_directory, results: dict | None = None) -> str:
+    """Write README.md into ``save_directory``; results come from the argument or from ``hardattn_results.json``."""
+    path = os.path.join(str(save_directory), RESULTS_FILE)
+    if results is None and os.path.exists(path):
+        with open(path) as handle:
+            results = json.load(handle)
+    card = render_model_card(model, results)
+    with open(os.path.join(str(save_directory), "README.md"), "w") as handle:
+        handle.write(card)
+    return card

@@ -1,0 +1,572 @@
+"""The shared encoder-decoder skeleton of hf_hardattn (Vaswani et al., 2017).
+
+Written once; every variant plugs into it:
+
+* an attention *kind* per role (encoder self-attention, decoder self-attention, cross-attention), looked up in
+  :func:`attention_classes`; every kind implements the small interface of :class:`SoftAttention`
+  (``forward(hidden, memory=None, mask=None, causal=False, cache=None)``), usually by overriding ``attend``;
+* :class:`HardAttnCache`, an ``EncoderDecoderCache`` that also carries per-step recurrent state
+  (``cache.states``) and reorders it for beam search;
+* :class:`HardAttnForConditionalGeneration`, the ``PreTrainedModel`` + ``GenerationMixin`` that every variant
+  subclasses with its own config class.
+
+Runtime code shipped with saved models (``trust_remote_code``): keep it flat, same-folder relative imports only.
+"""
+
+import copy
+import math
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers import initialization as init
+from transformers.activations import ACT2FN
+from transformers.cache_utils import DynamicCache, EncoderDecoderCache
+from transformers.modeling_outputs import BaseModelOutput, Seq2SeqLMOutput
+
+from .configuration_hardattn import ROLES, HardAttnConfig
+from .model_card import write_model_card
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Cache
+# ----------------------------------------------------------------------------------------------------------------
+class HardAttnCache(EncoderDecoderCache):
+    """``EncoderDecoderCache`` plus the state that a decoder carries from one step to the next.
+
+    * self-attention keys/values are appended per step (``self_attention_cache``), cross-attention keys/values are
+      computed once per sentence (``cross_attention_cache`` + ``is_updated``), exactly as in transformers;
+    * ``states`` maps a name (e.g. ``"gru.0"`` or ``"prev_context.3"``) to a tensor whose first dimension is the
+      batch; :meth:`reorder_cache` reorders them together with the keys/values, so beam search never mixes beams;
+    * ``seen_tokens`` counts the target positions processed, so that decoders without a self-attention cache
+      (an RNN decoder) still report the right ``get_seq_length()`` to ``generate()``.
+
+    Beam search only ever reorders beams *within* a sentence, and every beam of a sentence has the same
+    cross-attention keys/values, so :meth:`reorder_cache` leaves the cross-attention cache alone (it is the same
+    tensor after reordering). Use :meth:`batch_select_indices` for an arbitrary selection.
+    """
+
+    def __init__(self, self_attention_cache=None, cross_attention_cache=None):
+        super().__init__(
+            self_attention_cache if self_attention_cache is not None else DynamicCache(),
+            cross_attention_cache if cross_attention_cache is not None else DynamicCache(),
+        )
+        self.states: dict[str, torch.Tensor] = {}
+        self.seen_tokens = 0
+
+    @classmethod
+    def from_cache(cls, cache):
+        """Our cache for ``cache`` (None, a plain ``EncoderDecoderCache`` made by ``generate()``, or ours)."""
+        if cache is None:
+            return cls()
+        if isinstance(cache, cls):
+            return cache
+        if isinstance(cache, EncoderDecoderCache):
+            new = cls(cache.self_attention_cache, cache.cross_attention_cache)
+            new.is_updated = dict(cache.is_updated)
+            new.seen_tokens = cache.get_seq_length()
+            return new
+        raise TypeError(
+            f"`past_key_values` must be None or an EncoderDecoderCache (e.g. HardAttnCache), got {type(cache).__name__}."
+        )
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.seen_tokens
+
+    def reorder_cache(self, beam_idx: torch.LongTensor):
+        self.self_attention_cache.reorder_cache(beam_idx)
+        for name, state in self.states.items():
+            self.states[name] = state.index_select(0, beam_idx.to(state.device))
+
+    def batch_repeat_interleave(self, repeats: int):
+        super().batch_repeat_interleave(repeats)
+        for name, state in self.states.items():
+            self.states[name] = state.repeat_interleave(repeats, dim=0)
+
+    def batch_select_indices(self, indices: torch.Tensor):
+        super().batch_select_indices(indices)
+        for name, state in self.states.items():
+            self.states[name] = state[indices]
+
+    def reset(self):
+        super().reset()
+        self.states.clear()
+        self.seen_tokens = 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if self.states:
+            raise NotImplementedError("`crop` is not possible for a decoder with recurrent state (it cannot be undone).")
+        super().crop(tokens_to_remove)
+        self.seen_tokens -= abs(tokens_to_remove)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Building blocks
+# ----------------------------------------------------------------------------------------------------------------
+def sinusoidal_table(num_positions: int, dim: int, offset: int = 0) -> torch.Tensor:
+    """Vaswani et al. (2017), Sec. 3.5: PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(...)."""
+    position = torch.arange(offset, offset + num_positions, dtype=torch.float32)[:, None]
+    inv_freq = torch.exp(torch.arange(0, dim, 2, dtype=torch.float32) * (-math.log(10000.0) / dim))
+    table = torch.zeros(num_positions, dim)
+    table[:, 0::2] = torch.sin(position * inv_freq)
+    table[:, 1::2] = torch.cos(position * inv_freq[: dim // 2])
+    return table
+
+
+class PositionEmbedding(nn.Module):
+    """Sinusoidal (default) or learned absolute positions."""
+
+    def __init__(self, config: HardAttnConfig):
+        super().__init__()
+        self.kind, self.limit, self.dim = config.position_embedding, config.max_position_embeddings, config.d_model
+        if self.kind == "learned":
+            self.embed = nn.Embedding(self.limit, self.dim)
+        else:
+            self.register_buffer("table", sinusoidal_table(self.limit, self.dim), persistent=False)
+
+    def forward(self, start: int, length: int) -> torch.Tensor:
+        end = start + length
+        if self.kind == "learned":
+            if end > self.limit:
+                raise ValueError(
+                    f"Sequence of {end} positions exceeds `max_position_embeddings`={self.limit} with "
+                    f"`position_embedding`='learned'; allowed: at most {self.limit} positions (truncate the input, "
+                    f"or use position_embedding='sinusoidal', which extends beyond the table)."
+                )
+            return self.embed.weight[start:end]
+        if end > self.limit:  # sinusoidal positions extend beyond the table
+            return sinusoidal_table(length, self.dim, offset=start).to(self.table)
+        return self.table[start:end]
+
+
+class FeedForward(nn.Module):
+    def __init__(self, d_model: int, ffn_dim: int, activation: str, activation_dropout: float):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(d_model, ffn_dim), nn.Linear(ffn_dim, d_model)
+        self.act, self.activation_dropout = ACT2FN[activation], activation_dropout
+
+    def forward(self, x):
+        return self.fc2(F.dropout(self.act(self.fc1(x)), self.activation_dropout, self.training))
+
+
+def causal_mask(query_length: int, key_length: int, device) -> torch.Tensor:
+    """Boolean [Tq, Tk] mask, True where query i (the last Tq of Tk positions) may attend to key j."""
+    return torch.ones(query_length, key_length, dtype=torch.bool, device=device).tril(key_length - query_length)
+
+
+class SoftAttention(nn.Module):
+    """Multi-head scaled dot-product attention, softmax(QK^T / sqrt(d_k)) V (Vaswani et al., 2017, Eq. 1).
+
+    The interface every attention kind implements:
+
+    ``forward(hidden, memory=None, mask=None, causal=False, cache=None) -> [B, Tq, d_model]``
+
+    * ``hidden``: the queries' layer input [B, Tq, d]; ``memory``: the encoder output [B, S, d] (cross-attention);
+    * ``mask``: bool, broadcastable to [B, heads, Tq, Tk], True = may attend, or None;
+    * ``causal``: the decoder's causal mask when ``mask`` is None and Tq == Tk (training, no cache);
+    * ``cache``: a :class:`HardAttnCache` during cached decoding.
+
+    Kinds that keep the projections and change only how the weights are formed override :meth:`attend`.
+    """
+
+    def __init__(self, config: HardAttnConfig, role: str, layer_idx: int):
+        super().__init__()
+        self.role, self.layer_idx, self.is_cross = role, layer_idx, role == "cross"
+        d_model = config.d_model
+        self.num_heads = config.encoder_attention_heads if role == "encoder" else config.decoder_attention_heads
+        self.head_dim = d_model // self.num_heads
+        self.dropout = config.attention_dropout
+        if self.is_cross:  # queries from the decoder; keys and values (fused) from the encoder output, once
+            self.q_proj, self.kv_proj = nn.Linear(d_model, d_model), nn.Linear(d_model, 2 * d_model)
+        else:  # fused query/key/value projection
+            self.qkv_proj = nn.Linear(d_model, 3 * d_model)
+        self.out_proj = nn.Linear(d_model, d_model)
+
+    def _split(self, x: torch.Tensor, parts: int):
+        """[B, T, parts * d] -> `parts` tensors [B, H, T, head_dim]."""
+        batch, length, _ = x.shape
+        return x.view(batch, length, parts, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+
+    def project(self, hidden, memory, cache):
+        """Queries, keys and values [B, H, T, head_dim], with the keys/values of earlier steps from the cache."""
+        if not self.is_cross:
+            q, k, v = self._split(self.qkv_proj(hidden), 3)
+            if cache is not None:
+                k, v = cache.self_attention_cache.update(k, v, self.layer_idx)
+            return q, k, v
+        (q,) = self._split(self.q_proj(hidden), 1)
+        if cache is not None and cache.is_updated.get(self.layer_idx):
+            layer = cache.cross_attention_cache.layers[self.layer_idx]
+            return q, layer.keys, layer.values
+        k, v = self._split(self.kv_proj(memory), 2)
+        if cache is not None:
+            k, v = cache.cross_attention_cache.update(k, v, self.layer_idx)
+            cache.is_updated[self.layer_idx] = True
+        return q, k, v
+
+    def attend(self, q, k, v, mask, causal):
+        """Eq. 1 of Vaswani et al.: [B, H, Tq, head_dim]."""
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0, is_causal=causal
+        )
+
+    def merge(self, out: torch.Tensor) -> torch.Tensor:
+        """[B, H, Tq, head_dim] heads -> output projection [B, Tq, d_model]."""
+        batch, _, length, _ = out.shape
+        return self.out_proj(out.transpose(1, 2).reshape(batch, length, self.num_heads * self.head_dim))
+
+    def forward(self, hidden, memory=None, mask=None, causal=False, cache=None):
+        q, k, v = self.project(hidden, memory, cache)
+        return self.merge(self.attend(q, k, v, mask, causal))
+
+
+def attention_classes() -> dict:
+    """Attention kind name -> module class. Imported lazily: the kind files import this skeleton."""
+    from .hard_retrieval import HardRetrievalAttention
+
+    return {"soft": SoftAttention, "hard_retrieval": HardRetrievalAttention}
+
+
+def build_attention(kind: str, config: HardAttnConfig, role: str, layer_idx: int):
+    """The attention module of ``kind`` for ``role`` in layer ``layer_idx``; None for kind "none" (no sub-layer)."""
+    if kind == "none":
+        return None
+    classes = attention_classes()
+    if kind not in classes:
+        raise ValueError(f"`{ROLES[role][0]}` entry {kind!r} is not a known attention kind; allowed: {sorted(classes) + ['none']}.")
+    return classes[kind](config, role, layer_idx)
+
+
+class SubLayer(nn.Module):
+    """Residual connection + layer norm around one sub-layer: post-norm LN(x + f(x)) or pre-norm x + f(LN(x))."""
+
+    def __init__(self, config: HardAttnConfig, module: nn.Module):
+        super().__init__()
+        self.module, self.norm = module, nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+        self.pre_norm, self.dropout = config.normalize_before, config.dropout
+
+    def forward(self, x, *args, **kwargs):
+        if self.pre_norm:
+            return x + F.dropout(self.module(self.norm(x), *args, **kwargs), self.dropout, self.training)
+        return self.norm(x + F.dropout(self.module(x, *args, **kwargs), self.dropout, self.training))
+
+
+class EncoderLayer(nn.Module):
+    def __init__(self, config: HardAttnConfig, layer_idx: int, kind: str):
+        super().__init__()
+        attention = build_attention(kind, config, "encoder", layer_idx)
+        self.self_attn = SubLayer(config, attention) if attention is not None else None
+        ffn = FeedForward(config.d_model, config.encoder_ffn_dim, config.activation_function, config.activation_dropout)
+        self.ffn = SubLayer(config, ffn)
+
+    def forward(self, x, mask):
+        if self.self_attn is not None:
+            x = self.self_attn(x, mask=mask)
+        return self.ffn(x)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: HardAttnConfig, layer_idx: int, self_kind: str, cross_kind: str):
+        super().__init__()
+        attention = build_attention(self_kind, config, "decoder", layer_idx)
+        self.self_attn = SubLayer(config, attention) if attention is not None else None
+        attention = build_attention(cross_kind, config, "cross", layer_idx)
+        self.cross_attn = SubLayer(config, attention) if attention is not None else None
+        ffn = FeedForward(config.d_model, config.decoder_ffn_dim, config.activation_function, config.activation_dropout)
+        self.ffn = SubLayer(config, ffn)
+
+    def forward(self, x, memory, self_mask, causal, cross_mask, cache):
+        if self.self_attn is not None:
+            x = self.self_attn(x, mask=self_mask, causal=causal, cache=cache)
+        if self.cross_attn is not None:
+            x = self.cross_attn(x, memory=memory, mask=cross_mask, cache=cache)
+        return self.ffn(x)
+
+
+def padding_mask(attention_mask):
+    """[B, S] 0/1 mask -> bool [B, 1, 1, S] key mask, or None when nothing is padded (enables fast kernels)."""
+    if attention_mask is None or bool(attention_mask.all()):
+        return None
+    return attention_mask[:, None, None, :].bool()
+
+
+class HardAttnEncoder(nn.Module):
+    def __init__(self, config: HardAttnConfig, embed_tokens: nn.Embedding):
+        super().__init__()
+        self.config = config
+        self.embed_tokens, self.embed_positions = embed_tokens, PositionEmbedding(config)
+        self.embed_scale = math.sqrt(config.d_model) if config.scale_embedding else 1.0
+        kinds = config.attention_kinds("encoder")
+        self.layers = nn.ModuleList(EncoderLayer(config, i, kind) for i, kind in enumerate(kinds))
+        self.final_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps) if config.normalize_before else None
+
+    def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, return_dict=True, **kwargs):
+        _refuse_unsupported_outputs(kwargs)
+        if inputs_embeds is None:
+            if input_ids is None:
+                raise ValueError("The encoder needs `input_ids` or `inputs_embeds`.")
+            inputs_embeds = self.embed_tokens(input_ids) * self.embed_scale
+        x = inputs_embeds + self.embed_positions(0, inputs_embeds.shape[1])
+        x = F.dropout(x, self.config.dropout, self.training)
+        mask = padding_mask(attention_mask)
+        for layer in self.layers:
+            x = layer(x, mask)
+        if self.final_norm is not None:
+            x = self.final_norm(x)
+        return BaseModelOutput(last_hidden_state=x)
+
+
+class HardAttnDecoder(nn.Module):
+    def __init__(self, config: HardAttnConfig, embed_tokens: nn.Embedding):
+        super().__init__()
+        self.config = config
+        self.embed_tokens, self.embed_positions = embed_tokens, PositionEmbedding(config)
+        self.embed_scale = math.sqrt(config.d_model) if config.scale_embedding else 1.0
+        self_kinds, cross_kinds = config.attention_kinds("decoder"), config.attention_kinds("cross")
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, s, c) for i, (s, c) in enumerate(zip(self_kinds, cross_kinds))
+        )
+        self.final_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps) if config.normalize_before else None
+
+    def embed(self, input_ids, inputs_embeds, past_length):
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids) * self.embed_scale
+        x = inputs_embeds + self.embed_positions(past_length, inputs_embeds.shape[1])
+        return F.dropout(x, self.config.dropout, self.training)
+
+    @staticmethod
+    def self_attention_mask(decoder_attention_mask, query_length, past_length, device):
+        """(mask, causal) for decoder self-attention: no mask at all for one cached step, SDPA's causal flag for a
+        whole unpadded sequence, an explicit bool mask otherwise."""
+        key_length = past_length + query_length
+        if decoder_attention_mask is not None and not bool(decoder_attention_mask.all()):
+            pad = decoder_attention_mask[:, None, None, -key_length:].bool()
+            return causal_mask(query_length, key_length, device) & pad, False
+        if query_length == 1:
+            return None, False
+        if past_length == 0:
+            return None, True
+        return causal_mask(query_length, key_length, device), False
+
+    def forward(self, input_ids, encoder_hidden_states, encoder_attention_mask=None, attention_mask=None,
+                inputs_embeds=None, cache=None):
+        past_length = cache.get_seq_length() if cache is not None else 0
+        x = self.embed(input_ids, inputs_embeds, past_length)
+        self_mask, causal = self.self_attention_mask(attention_mask, x.shape[1], past_length, x.device)
+        cross_mask = padding_mask(encoder_attention_mask)
+        for layer in self.layers:
+            x = layer(x, encoder_hidden_states, self_mask, causal, cross_mask, cache)
+        if cache is not None:
+            cache.seen_tokens += x.shape[1]
+        if self.final_norm is not None:
+            x = self.final_norm(x)
+        return x
+
+
+def _refuse_unsupported_outputs(kwargs):
+    for name in ("output_attentions", "output_hidden_states"):
+        if kwargs.get(name):
+            raise ValueError(f"`{name}=True` is not supported by hf_hardattn models; allowed: False.")
+
+
+def shift_tokens_right(labels: torch.Tensor, pad_token_id: int, decoder_start_token_id: int) -> torch.Tensor:
+    """Teacher-forcing decoder inputs: [start, y_1, ..., y_{n-1}], with -100 label padding replaced by pad."""
+    shifted = labels.new_empty(labels.shape)
+    shifted[:, 1:] = labels[:, :-1]
+    shifted[:, 0] = decoder_start_token_id
+    return shifted.masked_fill_(shifted == -100, pad_token_id)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# PreTrainedModel
+# ----------------------------------------------------------------------------------------------------------------
+class HardAttnPreTrainedModel(PreTrainedModel):
+    config_class = HardAttnConfig
+    base_model_prefix = "model"
+    main_input_name = "input_ids"
+    supports_gradient_checkpointing = False
+    _supports_sdpa = True
+    _no_split_modules = ["EncoderLayer", "DecoderLayer"]
+
+    # Shown in the model card written by save_pretrained (variants override).
+    card_title = "Transformer encoder-decoder"
+    card_description = "Standard Transformer (Vaswani et al., 2017) with scaled dot-product attention."
+    card_citation = "Vaswani et al. (2017). Attention Is All You Need. NeurIPS."
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        """Xavier-uniform linear layers, N(0, d^-1/2) token embeddings (scaled by sqrt(d) on use), unit norms,
+        and the sinusoidal table (a non-persistent buffer, rebuilt after loading on the meta device)."""
+        if isinstance(module, nn.Linear):
+            init.xavier_uniform_(module.weight)
+            if module.bias is not None:
+                init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            init.normal_(module.weight, mean=0.0, std=self.config.d_model**-0.5)
+            if module.padding_idx is not None and not getattr(module.weight, "_is_hf_initialized", False):
+                init.zeros_(module.weight[module.padding_idx])
+        elif isinstance(module, nn.LayerNorm):
+            init.ones_(module.weight)
+            init.zeros_(module.bias)
+        elif isinstance(module, PositionEmbedding) and module.kind == "sinusoidal":
+            init.copy_(module.table, sinusoidal_table(module.limit, module.dim))
+
+    def save_pretrained(self, save_directory, *args, push_to_hub: bool = False, **kwargs):
+        """``PreTrainedModel.save_pretrained`` (safetensors, config, remote code) plus a model card (README.md)."""
+        super().save_pretrained(save_directory, *args, **kwargs)
+        if kwargs.get("is_main_process", True):
+            write_model_card(self, save_directory)
+        if push_to_hub:  # push_to_hub saves into a temporary folder through this method, card included
+            repo_id = kwargs.get("repo_id", os.path.basename(os.path.normpath(str(save_directory))))
+            self.push_to_hub(repo_id, token=kwargs.get("token"), private=kwargs.get("private"))
+
+
+class HardAttnModel(HardAttnPreTrainedModel):
+    """Shared token embeddings + encoder + decoder (no output layer)."""
+
+    _tied_weights_keys = {"encoder.embed_tokens.weight": "shared.weight", "decoder.embed_tokens.weight": "shared.weight"}
+
+    def __init__(self, config: HardAttnConfig):
+        super().__init__(config)
+        self.shared = nn.Embedding(config.vocab_size, config.d_model, padding_idx=config.pad_token_id)
+        self.encoder = HardAttnEncoder(config, self.shared)
+        self.decoder = HardAttnDecoder(config, self.shared)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.shared
+
+    def set_input_embeddings(self, value):
+        self.shared = self.encoder.embed_tokens = self.decoder.embed_tokens = value
+
+    def get_encoder(self, *args, **kwargs):
+        return self.encoder
+
+
+class HardAttnForConditionalGeneration(HardAttnPreTrainedModel, GenerationMixin):
+    """Encoder-decoder with a (tied) vocabulary projection; trains with a label-smoothed cross-entropy and decodes
+    with ``generate()`` (greedy, beam search, sampling) through :class:`HardAttnCache`."""
+
+    _tied_weights_keys = {
+        "lm_head.weight": "model.shared.weight",
+        "model.encoder.embed_tokens.weight": "model.shared.weight",
+        "model.decoder.embed_tokens.weight": "model.shared.weight",
+    }
+    model_class = HardAttnModel  # variants with another decoder (RNN) replace it
+
+    def __init__(self, config: HardAttnConfig):
+        super().__init__(config)
+        self.model = self.model_class(config)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_encoder(self, *args, **kwargs):
+        return self.model.encoder
+
+    def get_decoder(self, *args, **kwargs):
+        return self.model.decoder
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def set_output_embeddings(self, value):
+        self.lm_head = value
+
+    def prepare_decoder_input_ids_from_labels(self, labels: torch.Tensor):
+        return shift_tokens_right(labels, self.config.pad_token_id, self.config.decoder_start_token_id)
+
+    def decode(self, decoder_input_ids, encoder_hidden_states, attention_mask, decoder_attention_mask,
+               decoder_inputs_embeds, cache):
+        """Decoder hidden states [B, T, d]. Variants whose decoder is not the skeleton's override this."""
+        return self.model.decoder(
+            decoder_input_ids, encoder_hidden_states, attention_mask, decoder_attention_mask,
+            decoder_inputs_embeds, cache,
+        )
+
+    def output_logits(self, hidden, **kwargs):
+        """Vocabulary scores [B, T, V] from decoder states (the beam-joint variant overrides this)."""
+        return self.lm_head(hidden)
+
+    def compute_loss(self, logits, labels, num_items_in_batch=None):
+        """Label-smoothed cross-entropy over the non-ignored (-100) target tokens. With ``num_items_in_batch`` (given
+        by the Trainer under gradient accumulation) the token sum is divided by it, so accumulated micro-batches give
+        exactly the loss of one large batch."""
+        loss = F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1).to(logits.device),
+            ignore_index=-100, label_smoothing=self.config.label_smoothing,
+            reduction="mean" if num_items_in_batch is None else "sum",
+        )
+        if num_items_in_batch is not None:
+            loss = loss / num_items_in_batch
+        return loss
+
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        decoder_input_ids=None,
+        decoder_attention_mask=None,
+        encoder_outputs=None,
+        past_key_values=None,
+        inputs_embeds=None,
+        decoder_inputs_embeds=None,
+        labels=None,
+        use_cache=None,
+        return_dict=None,
+        num_items_in_batch=None,
+        **kwargs,
+    ):
+        _refuse_unsupported_outputs(kwargs)
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        if labels is not None:
+            use_cache = False
+            if decoder_input_ids is None and decoder_inputs_embeds is None:
+                decoder_input_ids = self.prepare_decoder_input_ids_from_labels(labels)
+        if encoder_outputs is None:
+            encoder_outputs = self.model.encoder(input_ids, attention_mask, inputs_embeds)
+        elif isinstance(encoder_outputs, (tuple, list)):
+            encoder_outputs = BaseModelOutput(last_hidden_state=encoder_outputs[0])
+        cache = HardAttnCache.from_cache(past_key_values) if use_cache else None
+        hidden = self.decode(
+            decoder_input_ids, encoder_outputs.last_hidden_state, attention_mask, decoder_attention_mask,
+            decoder_inputs_embeds, cache,
+        )
+        logits = self.output_logits(hidden, encoder_hidden_states=encoder_outputs.last_hidden_state,
+                                    attention_mask=attention_mask)
+        loss = self.compute_loss(logits, labels, num_items_in_batch) if labels is not None else None
+        output = Seq2SeqLMOutput(
+            loss=loss, logits=logits, past_key_values=cache,
+            encoder_last_hidden_state=encoder_outputs.last_hidden_state,
+        )
+        return output if return_dict is not False else output.to_tuple()
+
+    def with_attention(self, **kinds):
+        """A copy of this model whose attention kinds are replaced, sharing no tensors with it, e.g.
+        ``model.with_attention(cross_attention="hard_retrieval")`` to decode a soft-trained model with hard
+        retrieval (hard-retrieval paper, Table 4). Keys: encoder_attention, decoder_attention, cross_attention.
+        Kinds with other parameters than the trained ones fail with the missing/unexpected parameter names."""
+        fields = [field for field, _ in ROLES.values()]
+        for key in kinds:
+            if key not in fields:
+                raise ValueError(f"`{key}` is not an attention role field; allowed: {fields}.")
+        config = copy.deepcopy(self.config)
+        for key, value in kinds.items():
+            setattr(config, key, value)
+        config.check()
+        model = type(self)(config).to(device=self.device, dtype=self.dtype)
+        model.load_state_dict(self.state_dict(), strict=True)
+        model.generation_config = copy.deepcopy(self.generation_config)
+        return model.train(self.training)
+
+
+__all__ = [
+    "HardAttnCache",
+    "SoftAttention",
+    "HardAttnModel",
+    "HardAttnPreTrainedModel",
+    "HardAttnForConditionalGeneration",
+    "attention_classes",
+    "build_attention",
+]
