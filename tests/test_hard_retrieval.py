@@ -1,0 +1,141 @@
+"""Hard retrieval attention (Xu et al.) against hand-written references of its equations."""
+
+import math
+
+import pytest
+import torch
+
+from common import fitted, run_generate, tiny_kwargs
+from hf_hardattn import HardRetrievalConfig, HardRetrievalForConditionalGeneration
+from hf_hardattn.hard_retrieval import (HardRetrieval, HardRetrievalAttention, gather_rows, inference_indices,
+                                        sample_indices)
+
+
+def _qkv(batch=2, heads=3, tq=4, tk=5, dim=6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(batch, heads, t, dim, generator=g, dtype=torch.float64) for t in (tq, tk, tk)]
+
+
+def test_forward_equals_hand_written_gather():
+    _, _, v = _qkv()
+    index = torch.randint(0, v.shape[2], (2, 3, 4), generator=torch.Generator().manual_seed(1))
+    probs = torch.softmax(torch.randn(2, 3, 4, 5, dtype=torch.float64), -1)
+    out = HardRetrieval.apply(probs, v, index)
+    expected = torch.empty(2, 3, 4, 6, dtype=torch.float64)
+    for b in range(2):
+        for h in range(3):
+            for j in range(4):
+                expected[b, h, j] = v[b, h, index[b, h, j]]  # Eq. 6
+    assert torch.equal(out, expected)
+
+
+def test_gradients_equal_eq9_eq10_computed_naively():
+    _, _, v = _qkv(tq=7, tk=3)  # more queries than keys: several queries retrieve the same row
+    probs = torch.softmax(torch.randn(2, 3, 7, 3, dtype=torch.float64), -1).requires_grad_()
+    v = v.clone().requires_grad_()
+    index = torch.randint(0, 3, (2, 3, 7), generator=torch.Generator().manual_seed(2))
+    grad_out = torch.randn(2, 3, 7, 6, dtype=torch.float64)
+    HardRetrieval.apply(probs, v, index).backward(grad_out)
+    grad_p = torch.zeros_like(probs)
+    grad_v = torch.zeros_like(v)
+    for b in range(2):
+        for h in range(3):
+            for j in range(7):
+                for i in range(3):  # Eq. 9 (and Eq. 8: P^g = P_hard^g): element (j, i) = <A^g[j], V[i]>
+                    grad_p[b, h, j, i] = (grad_out[b, h, j] * v[b, h, i]).sum()
+                grad_v[b, h, index[b, h, j]] += grad_out[b, h, j]  # Eq. 10: sum over queries retrieving row i
+    assert torch.allclose(probs.grad, grad_p)
+    assert torch.allclose(v.grad, grad_v)
+
+
+def test_sampling_never_hits_masked_positions_and_follows_probabilities():
+    torch.manual_seed(0)
+    probs = torch.tensor([0.1, 0.2, 0.0, 0.3, 0.4, 0.0])  # zeros = masked positions
+    draws = sample_indices(probs.expand(10_000, 6), probs.expand(10_000, 6))
+    counts = torch.bincount(draws, minlength=6).double()
+    assert counts[2] == 0 and counts[5] == 0
+    expected = probs.double() * 10_000
+    visible = probs > 0
+    chi2 = (((counts - expected) ** 2)[visible] / expected[visible]).sum().item()
+    assert chi2 < 16.27, chi2  # chi-square, 3 degrees of freedom, p = 0.001
+
+
+def test_rows_zeroed_by_dropout_fall_back_to_undropped_probabilities():
+    fallback = torch.tensor([[0.0, 0.5, 0.5, 0.0]]).expand(5_000, 4)
+    dropped = torch.zeros(5_000, 4)
+    draws = sample_indices(dropped, fallback)
+    assert set(draws.tolist()) <= {1, 2}
+
+
+def test_training_path_with_heavy_dropout_never_samples_masked_positions():
+    config = HardRetrievalConfig(**tiny_kwargs(attention_dropout=0.9))
+    attn = HardRetrievalAttention(config, "decoder", 0).train()
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(64, 4, 6, 8) for _ in range(3))
+    v = torch.arange(6.0).view(1, 1, 6, 1).expand(64, 4, 6, 8).clone()  # value row i holds i: output reveals index
+    key_padding = torch.ones(64, 1, 1, 6, dtype=torch.bool)
+    key_padding[:, :, :, 4:] = False  # positions 4, 5 are padding
+    for _ in range(20):
+        out = attn.attend(q, k, v, key_padding, causal=True)
+        index = out[..., 0]
+        query_pos = torch.arange(6).view(1, 1, 6)
+        assert (index <= query_pos).all(), "future position sampled"
+        assert (index < 4).all(), "padding position sampled"
+
+
+def test_inference_argmax_equals_training_probability_argmax():
+    config = HardRetrievalConfig(**tiny_kwargs())
+    attn = HardRetrievalAttention(config, "cross", 0)
+    q, k, v = (t.float() for t in _qkv(tq=5, tk=7, dim=8, seed=3))
+    mask = torch.ones(2, 1, 1, 7, dtype=torch.bool)
+    mask[1, :, :, 5:] = False
+    probs = attn.training_probabilities(q, k, mask, causal=False)  # Eq. 1-2 with scaling and softmax
+    index = inference_indices(q, k, mask, causal=False)  # Eq. 11: raw scores, no softmax
+    assert torch.equal(index, probs.argmax(-1))
+    attn.eval()
+    assert torch.equal(attn.attend(q, k, v, mask, False), gather_rows(v, probs.argmax(-1)))
+
+
+def test_causal_inference_matches_explicit_mask():
+    q, k, _ = _qkv(tq=5, tk=5, seed=4)
+    causal = inference_indices(q, k, None, causal=True)
+    scores = q @ k.transpose(-1, -2)
+    scores = scores.masked_fill(~torch.ones(5, 5, dtype=torch.bool).tril(), -math.inf)
+    assert torch.equal(causal, scores.argmax(-1))
+    assert (causal <= torch.arange(5).view(1, 1, 5)).all()
+
+
+def test_gradient_reaches_queries_keys_and_values_in_a_model():
+    model = HardRetrievalForConditionalGeneration(HardRetrievalConfig(**tiny_kwargs())).train()
+    ids = torch.tensor([[5, 6, 7, 2]])
+    model(input_ids=ids, labels=torch.tensor([[8, 9, 2]])).loss.backward()
+    for layer in model.model.decoder.layers:
+        attention = layer.cross_attn.module
+        assert attention.q_proj.weight.grad.abs().sum() > 0  # through the straight-through probabilities (Eq. 8-9)
+        assert attention.kv_proj.weight.grad.abs().sum() > 0  # keys via P, values via Eq. 10
+
+
+def test_decode_with_the_other_kind_shares_weights():
+    """Table 4 of the paper: a hard-trained model decoded soft (and back) with the same parameters."""
+    hard = fitted(HardRetrievalForConditionalGeneration(HardRetrievalConfig(**tiny_kwargs())))
+    soft = hard.with_attention(decoder_attention="soft", cross_attention="soft")
+    assert soft.config.attention_kinds("cross") == ["soft", "soft"]
+    for (name, p), (name2, p2) in zip(hard.state_dict().items(), soft.state_dict().items()):
+        assert name == name2 and torch.equal(p, p2)
+    back = soft.with_attention(decoder_attention="hard_retrieval", cross_attention="hard_retrieval")
+    assert torch.equal(run_generate(hard, "greedy", True), run_generate(back, "greedy", True))
+    assert not torch.equal(run_generate(hard, "greedy", True), run_generate(soft, "greedy", True))
+    with pytest.raises(ValueError, match="encoder_attention"):
+        hard.with_attention(encoder_attention="bogus")
+    with pytest.raises(ValueError, match="allowed"):
+        hard.with_attention(self_attention="soft")
+
+
+def test_load_with_a_kind_override(tmp_path):
+    from transformers import AutoModelForSeq2SeqLM
+
+    hard = fitted(HardRetrievalForConditionalGeneration(HardRetrievalConfig(**tiny_kwargs())))
+    hard.save_pretrained(tmp_path)
+    soft = AutoModelForSeq2SeqLM.from_pretrained(tmp_path, cross_attention="soft", decoder_attention="soft").eval()
+    reference = hard.with_attention(cross_attention="soft", decoder_attention="soft")
+    assert torch.equal(run_generate(soft, "greedy", True), run_generate(reference, "greedy", True))

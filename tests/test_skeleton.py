@@ -1,0 +1,133 @@
+"""The shared skeleton: validation, masks, positions, loss under gradient accumulation, Trainer."""
+
+import pytest
+import torch
+
+from common import check_trainer, collate, copy_task, tiny_kwargs
+from hf_hardattn import (HardAttnCache, HardRetrievalConfig, HardRetrievalForConditionalGeneration,
+                         SoftTransformerConfig, SoftTransformerForConditionalGeneration)
+from hf_hardattn.modeling_hardattn import sinusoidal_table
+
+
+@pytest.mark.parametrize(
+    "kwargs, pattern",
+    [
+        (dict(cross_attention="bogus"), r"`cross_attention` entry 'bogus'.*allowed: \['hard_retrieval', 'none', 'soft'"),
+        (dict(encoder_attention=["soft", "bogus"]), r"`encoder_attention` entry 'bogus'.*allowed"),
+        (dict(d_model=30), r"`encoder_attention_heads`=4 does not divide `d_model`=30.*allowed values"),
+        (dict(decoder_attention_heads=5), r"`decoder_attention_heads`=5 does not divide `d_model`=32"),
+        (dict(cross_attention=["soft"] * 3), r"`cross_attention` has 3 entries but `decoder_layers`=2"),
+        (dict(encoder_attention=["soft"]), r"`encoder_attention` has 1 entries but `encoder_layers`=2"),
+        (dict(position_embedding="rotary"), r"`position_embedding` must be one of \('sinusoidal', 'learned'\)"),
+        (dict(dropout=1.5), r"`dropout` must be in \[0.0, 1.0\)"),
+        (dict(activation_function="nope"), r"`activation_function` must be one of"),
+    ],
+)
+def test_bad_config_raises_naming_parameter_and_allowed_values(kwargs, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        SoftTransformerConfig(**tiny_kwargs(**kwargs))
+
+
+def test_learned_positions_refuse_too_long_inputs():
+    model = SoftTransformerForConditionalGeneration(
+        SoftTransformerConfig(**tiny_kwargs(position_embedding="learned", max_position_embeddings=8)))
+    ok = torch.full((1, 8), 5)
+    model(input_ids=ok, decoder_input_ids=ok[:, :3])
+    with pytest.raises(ValueError, match=r"exceeds `max_position_embeddings`=8 with `position_embedding`='learned'"):
+        model(input_ids=torch.full((1, 9), 5), decoder_input_ids=ok[:, :3])
+
+
+def test_sinusoidal_positions_extend_beyond_the_table():
+    model = SoftTransformerForConditionalGeneration(SoftTransformerConfig(**tiny_kwargs(max_position_embeddings=8)))
+    positions = model.model.encoder.embed_positions
+    assert torch.allclose(positions(6, 4), sinusoidal_table(10, 32)[6:10], atol=1e-6)
+    table = sinusoidal_table(3, 4)  # hand computation of Vaswani et al. Sec. 3.5 for pos 2, d 4
+    assert torch.allclose(table[2], torch.tensor([torch.sin(torch.tensor(2.0)), torch.cos(torch.tensor(2.0)),
+                                                  torch.sin(torch.tensor(0.02)), torch.cos(torch.tensor(0.02))]))
+
+
+def test_pre_norm_and_learned_positions_build_and_train():
+    model = SoftTransformerForConditionalGeneration(
+        SoftTransformerConfig(**tiny_kwargs(normalize_before=True, position_embedding="learned")))
+    batch = collate(copy_task(4))
+    model(**batch).loss.backward()
+    assert model.model.encoder.final_norm is not None and model.model.encoder.embed_positions.embed.weight.grad is not None
+
+
+def test_mixed_kinds_per_layer_and_none():
+    config = HardRetrievalConfig(**tiny_kwargs(cross_attention=["none", "hard_retrieval"], decoder_attention="soft"))
+    model = HardRetrievalForConditionalGeneration(config)
+    layers = model.model.decoder.layers
+    assert layers[0].cross_attn is None and not any("layers.0.cross_attn" in n for n, _ in model.named_parameters())
+    assert type(layers[1].cross_attn.module).__name__ == "HardRetrievalAttention"
+    assert type(layers[0].self_attn.module).__name__ == "SoftAttention"
+
+
+def test_tied_embeddings():
+    model = SoftTransformerForConditionalGeneration(SoftTransformerConfig(**tiny_kwargs()))
+    shared = model.model.shared.weight
+    assert model.lm_head.weight is shared
+    assert model.model.encoder.embed_tokens.weight is shared and model.model.decoder.embed_tokens.weight is shared
+
+
+def test_label_smoothed_loss_equals_hand_computation():
+    model = SoftTransformerForConditionalGeneration(SoftTransformerConfig(**tiny_kwargs(label_smoothing=0.1))).eval()
+    batch = collate(copy_task(3))
+    out = model(**batch)
+    logp = torch.log_softmax(out.logits.double(), -1)
+    keep = batch["labels"] != -100
+    nll = -logp.gather(-1, batch["labels"].clamp(min=0)[..., None])[..., 0]
+    smooth = -logp.mean(-1)
+    expected = ((0.9 * nll + 0.1 * smooth)[keep]).mean()
+    assert torch.allclose(out.loss.double(), expected, atol=1e-5)
+    total = model(**batch, num_items_in_batch=torch.tensor(7)).loss
+    assert torch.allclose(total.double(), (0.9 * nll + 0.1 * smooth)[keep].sum() / 7, atol=1e-5)
+
+
+def test_gradient_accumulation_equals_one_large_batch():
+    """Micro-batches of unequal token counts, normalised by num_items_in_batch, give the large batch's gradient."""
+    torch.manual_seed(0)
+    model = SoftTransformerForConditionalGeneration(SoftTransformerConfig(**tiny_kwargs())).train()
+    rows = copy_task(8, length=(2, 9))
+    full = collate(rows)
+    n_items = (full["labels"] != -100).sum()
+    model.zero_grad()
+    model(**full).loss.backward()
+    reference = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    for part in (rows[:3], rows[3:]):
+        model(**collate(part), num_items_in_batch=n_items).loss.backward()
+    for p, ref in zip(model.parameters(), reference):
+        assert torch.allclose(p.grad, ref, atol=1e-5)
+
+
+def test_cache_reorders_state_and_self_attention_only():
+    cache = HardAttnCache()
+    cache.states["gru.0"] = torch.arange(4.0)[:, None]
+    k = torch.arange(4.0).view(4, 1, 1, 1)
+    cache.self_attention_cache.update(k, k, 0)
+    cache.cross_attention_cache.update(k, k, 0)
+    cache.reorder_cache(torch.tensor([1, 1, 3, 2]))
+    assert cache.states["gru.0"].flatten().tolist() == [1, 1, 3, 2]
+    assert cache.self_attention_cache.layers[0].keys.flatten().tolist() == [1, 1, 3, 2]
+    assert cache.cross_attention_cache.layers[0].keys.flatten().tolist() == [0, 1, 2, 3]
+    cache.batch_select_indices(torch.tensor([0, 2]))
+    assert cache.states["gru.0"].flatten().tolist() == [1, 3]
+    with pytest.raises(NotImplementedError):
+        cache.crop(-1)
+
+
+def test_refuses_output_attentions():
+    model = SoftTransformerForConditionalGeneration(SoftTransformerConfig(**tiny_kwargs()))
+    with pytest.raises(ValueError, match="output_attentions"):
+        model(input_ids=torch.tensor([[5, 2]]), decoder_input_ids=torch.tensor([[1]]), output_attentions=True)
+
+
+@pytest.mark.parametrize("name", ["soft", "hard"])
+def test_seq2seq_trainer_lowers_loss_and_reports_bleu(name, tmp_path):
+    if name == "soft":
+        model = SoftTransformerForConditionalGeneration(SoftTransformerConfig(**tiny_kwargs()))
+    else:
+        model = HardRetrievalForConditionalGeneration(HardRetrievalConfig(**tiny_kwargs()))
+    first, last, bleu = check_trainer(model, tmp_path)
+    assert 0.0 <= bleu <= 100.0
