@@ -7,9 +7,14 @@ not installed.
 
 from transformers import AutoConfig, AutoModelForSeq2SeqLM
 
+from .beam_joint import (BeamJointRNNConfig, BeamJointRNNForConditionalGeneration, BeamJointTransformerConfig,
+                         BeamJointTransformerForConditionalGeneration)
 from .configuration_hardattn import ATTENTION_KINDS, HardAttnConfig
+from .gaussian import GaussianConfig, GaussianForConditionalGeneration, fit_length_ratio
 from .hard_retrieval import HardRetrievalConfig, HardRetrievalForConditionalGeneration
+from .hybrid import HybridConfig, HybridForConditionalGeneration
 from .modeling_hardattn import HardAttnCache, HardAttnForConditionalGeneration
+from .recurrent import RecurrentConfig, RecurrentForConditionalGeneration
 from .soft import SoftTransformerConfig, SoftTransformerForConditionalGeneration
 
 __version__ = "0.1.0"
@@ -17,6 +22,11 @@ __version__ = "0.1.0"
 MODEL_CLASSES = {
     SoftTransformerConfig: SoftTransformerForConditionalGeneration,
     HardRetrievalConfig: HardRetrievalForConditionalGeneration,
+    GaussianConfig: GaussianForConditionalGeneration,
+    HybridConfig: HybridForConditionalGeneration,
+    RecurrentConfig: RecurrentForConditionalGeneration,
+    BeamJointTransformerConfig: BeamJointTransformerForConditionalGeneration,
+    BeamJointRNNConfig: BeamJointRNNForConditionalGeneration,
 }
 
 
@@ -32,12 +42,23 @@ _register()
 
 __all__ = [
     "ATTENTION_KINDS",
+    "BeamJointRNNConfig",
+    "BeamJointRNNForConditionalGeneration",
+    "BeamJointTransformerConfig",
+    "BeamJointTransformerForConditionalGeneration",
+    "GaussianConfig",
+    "GaussianForConditionalGeneration",
     "HardAttnCache",
     "HardAttnConfig",
     "HardAttnForConditionalGeneration",
     "HardRetrievalConfig",
     "HardRetrievalForConditionalGeneration",
+    "HybridConfig",
+    "HybridForConditionalGeneration",
     "MODEL_CLASSES",
+    "fit_length_ratio",
+    "RecurrentConfig",
+    "RecurrentForConditionalGeneration",
     "SoftTransformerConfig",
     "SoftTransformerForConditionalGeneration",
 ]

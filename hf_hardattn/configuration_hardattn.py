@@ -19,6 +19,8 @@ ATTENTION_KINDS = {
     "soft": ("encoder", "decoder", "cross"),
     "hard_retrieval": ("encoder", "decoder", "cross"),
     "none": ("encoder", "decoder", "cross"),
+    "gaussian": ("encoder", "decoder", "cross"),
+    "recurrent": ("cross",),
 }
 ROLES = {  # role -> (config field, field holding the number of layers of that role)
     "encoder": ("encoder_attention", "encoder_layers"),

@@ -12,6 +12,7 @@ Tooling, not runtime code.
 from __future__ import annotations
 
 import csv
+import functools
 import gzip
 import os
 import random
@@ -79,8 +80,14 @@ def multi30k(split: str, root=None, src: str = "en", tgt: str = "de") -> dataset
     return load_parallel(root, split, src, tgt)
 
 
-def _noun_paradigms(gender: bool):
-    """(lemma, gender, [(case, number, form), ...]) for every plain noun of the german-nouns package."""
+@functools.lru_cache(maxsize=2)
+def _noun_paradigms(gender: bool) -> tuple:
+    """(lemma, gender, ((case, number, form), ...)) for every plain noun of the german-nouns package (parsed once
+    per process)."""
+    return tuple(_read_noun_paradigms(gender))
+
+
+def _read_noun_paradigms(gender: bool):
     from german_nouns.config import CSV_FILE_PATH  # the CSV behind german_nouns.lookup.Nouns
 
     with open(CSV_FILE_PATH, encoding="utf-8") as handle:
@@ -105,7 +112,7 @@ def _noun_paradigms(gender: bool):
                     if form and _WORD.fullmatch(form):  # skip empty cells and dialect / bracketed entries
                         cells.append((case, number, form))
             if cells:
-                yield lemma, (genus if gender and genus in GENDERS else ""), cells
+                yield lemma, (genus if gender and genus in GENDERS else ""), tuple(cells)
 
 
 def german_nouns(
@@ -143,7 +150,7 @@ def german_nouns(
     if max_examples is not None and (not isinstance(max_examples, int) or max_examples < 1):
         raise ValueError(f"`max_examples` must be a positive integer or None, got {max_examples!r}.")
 
-    paradigms = sorted(_noun_paradigms(gender))  # sorted: independent of the CSV order
+    paradigms = sorted(_noun_paradigms(gender))  # a new list, sorted: independent of the CSV order
     random.Random(seed).shuffle(paradigms)
     if max_examples is not None:
         kept, total = [], 0

@@ -176,6 +176,8 @@ class SoftAttention(nn.Module):
         self.role, self.layer_idx, self.is_cross = role, layer_idx, role == "cross"
         d_model = config.d_model
         self.num_heads = config.encoder_attention_heads if role == "encoder" else config.decoder_attention_heads
+        if self.is_cross and getattr(config, "cross_attention_heads", None):  # per-role head count (Gaussian sh-x)
+            self.num_heads = config.cross_attention_heads
         self.head_dim = d_model // self.num_heads
         self.dropout = config.attention_dropout
         if self.is_cross:  # queries from the decoder; keys and values (fused) from the encoder output, once
@@ -224,9 +226,12 @@ class SoftAttention(nn.Module):
 
 def attention_classes() -> dict:
     """Attention kind name -> module class. Imported lazily: the kind files import this skeleton."""
+    from .gaussian import GaussianAttention
     from .hard_retrieval import HardRetrievalAttention
+    from .recurrent import RecurrentCrossAttention
 
-    return {"soft": SoftAttention, "hard_retrieval": HardRetrievalAttention}
+    return {"soft": SoftAttention, "hard_retrieval": HardRetrievalAttention,
+            "recurrent": RecurrentCrossAttention, "gaussian": GaussianAttention}
 
 
 def build_attention(kind: str, config: HardAttnConfig, role: str, layer_idx: int):

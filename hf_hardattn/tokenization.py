@@ -129,19 +129,12 @@ def train_tokenizer(
         )
         tok.train_from_iterator(texts, trainer=trainer)
     else:
-        splitter = pre_tokenizers.Split(Regex(CHAR_PATTERN), behavior="isolated")
-        counts: dict[str, int] = {}
-        for text in texts:
-            for piece, _ in splitter.pre_tokenize_str(text):
-                counts[piece] = counts.get(piece, 0) + 1
-        symbols = sorted((s for s, c in counts.items() if c >= min_frequency and s not in special_tokens),
-                         key=lambda s: (-counts[s], s))[: vocab_size - len(special_tokens)]
-        vocab = {token: i for i, token in enumerate(special_tokens)}
-        vocab.update({s: len(special_tokens) + i for i, s in enumerate(sorted(symbols))})
-        tok = Tokenizer(models.WordLevel(vocab, unk_token=unk))
-        tok.pre_tokenizer = splitter
+        tok = Tokenizer(models.WordLevel(unk_token=unk))
+        tok.pre_tokenizer = pre_tokenizers.Split(Regex(CHAR_PATTERN), behavior="isolated")
+        trainer = trainers.WordLevelTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
+                                            special_tokens=special_tokens, show_progress=False)
+        tok.train_from_iterator(texts, trainer=trainer)  # the "words" are the pre-tokenized characters / tags
         tok.decoder = decoders.Fuse()  # concatenate: the space character is a token of its own
-        tok.add_special_tokens(special_tokens)
 
     for i, token in enumerate(special_tokens[:4]):
         if tok.token_to_id(token) != i:

@@ -1,0 +1,178 @@
+"""Train a soft Transformer teacher, distil the hybrid (Transformer encoder + GRU decoder) student, compare BLEU and
+decoding speed (hybrid paper, Sec. 2.2 and Table 2) on Multi30k En-De.
+
+Stages:
+1. joint BPE tokenizer; soft Transformer teacher trained with MLE;
+2. hybrid student pre-trained with MLE on the original data (the paper's first stage);
+3. sequence-level KD: the teacher translates the training sources (beam search, resumable shards);
+4. the student is fine-tuned on the distilled data with Eq. 1 (NLL + lambda * KL(teacher || student) per token);
+5. BLEU (sacrebleu, beam 4) of teacher, hybrid (MLE) and hybrid + KD, and their decoding speed (beam 4, 30 forced
+   tokens, same test batch).
+
+    python examples/distill_hybrid.py                 # small models, CPU, about 30 minutes
+    python examples/distill_hybrid.py --max-steps 5 --train-examples 200 --test-examples 20   # smoke test
+    python examples/distill_hybrid.py --paper         # paper sizes: 6-6 teacher d512; hybrid 6-1, GRU 1024 (GPU)
+
+Needs the Multi30k files (``hf_hardattn.data.multi30k``: $HF_HARDATTN_MULTI30K or ../shared/data/multi30k).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+from transformers import DataCollatorForSeq2Seq, PrinterCallback, ProgressCallback, Seq2SeqTrainingArguments
+
+from hf_hardattn import (HybridConfig, HybridForConditionalGeneration, SoftTransformerConfig,
+                         SoftTransformerForConditionalGeneration)
+from hf_hardattn.data import multi30k
+from hf_hardattn.distill import DistillationTrainer, translate_dataset
+from hf_hardattn.tokenization import train_tokenizer
+from hf_hardattn.training import ProgressBar, TimeBudget, bleu, decode_speed, tokenize_dataset, train_seq2seq
+
+SIZES = {
+    # small: trains visibly in minutes on 2 CPU cores
+    "small": dict(teacher=dict(d_model=256, encoder_layers=3, decoder_layers=3, encoder_attention_heads=4,
+                               decoder_attention_heads=4, encoder_ffn_dim=1024, decoder_ffn_dim=1024),
+                  student=dict(d_model=256, encoder_layers=3, decoder_layers=1, encoder_attention_heads=4,
+                               decoder_attention_heads=4, encoder_ffn_dim=1024, rnn_hidden_size=512),
+                  vocab=6000),
+    # paper (Sec. 3.1): Transformer-base teacher 6-6, d 512, FFN 2048, 8 heads; hybrid 6-1, 512 embedding, GRU 1024
+    "paper": dict(teacher=dict(d_model=512, encoder_layers=6, decoder_layers=6),
+                  student=dict(d_model=512, encoder_layers=6, decoder_layers=1, rnn_hidden_size=1024),
+                  vocab=8000),
+}
+
+
+def log(*args):
+    print(*args, flush=True)
+
+
+def special_ids(tokenizer):
+    return dict(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                eos_token_id=tokenizer.eos_token_id, decoder_start_token_id=tokenizer.bos_token_id)
+
+
+def kd_finetune(student, teacher, tokenizer, train, args, output_dir):
+    """Eq. 1 fine-tuning (DistillationTrainer) with the same optimiser recipe as train_seq2seq."""
+    steps = args.max_steps if args.max_steps is not None else 10**9
+    training_args = Seq2SeqTrainingArguments(
+        output_dir=output_dir, per_device_train_batch_size=args.batch_size, learning_rate=args.kd_learning_rate,
+        adam_beta1=0.9, adam_beta2=0.98, adam_epsilon=1e-9, max_grad_norm=1.0, lr_scheduler_type="constant_with_warmup",
+        warmup_steps=min(100, steps), max_steps=steps, logging_steps=25, save_strategy="no", report_to=[],
+        train_sampling_strategy="group_by_length", dataloader_num_workers=0, disable_tqdm=True,
+        use_cpu=not torch.cuda.is_available(), seed=args.seed,
+    )
+    budget = TimeBudget(args.kd_minutes)
+    trainer = DistillationTrainer(
+        model=student.train(), args=training_args, train_dataset=train, processing_class=tokenizer,
+        data_collator=DataCollatorForSeq2Seq(tokenizer, model=student, label_pad_token_id=-100),
+        teacher_model=teacher, kd_lambda=args.kd_lambda, callbacks=[budget],
+    )
+    trainer.remove_callback(PrinterCallback)
+    trainer.remove_callback(ProgressCallback)
+    trainer.add_callback(ProgressBar(budget, desc="KD (Eq. 1) hybrid"))
+    trainer.train()
+    student.eval()
+    return trainer
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--paper", action="store_true", help="paper sizes (slow on CPU; use a GPU)")
+    parser.add_argument("--output-dir", default=os.path.join("outputs", "distill_hybrid"))
+    parser.add_argument("--train-examples", type=int, default=None, help="default: all (29k) / 12000 small")
+    parser.add_argument("--test-examples", type=int, default=300, help="test_2016_flickr sentences scored")
+    parser.add_argument("--teacher-minutes", type=float, default=None, help="default 10 small / 120 paper")
+    parser.add_argument("--student-minutes", type=float, default=None, help="default 6 small / 60 paper")
+    parser.add_argument("--kd-minutes", type=float, default=None, help="default 4 small / 30 paper")
+    parser.add_argument("--max-steps", type=int, default=None, help="also stop every training stage after N steps")
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--learning-rate", type=float, default=1e-3)
+    parser.add_argument("--kd-learning-rate", type=float, default=3e-4)
+    parser.add_argument("--kd-lambda", type=float, default=1.0, help="lambda of Eq. 1 (paper: 1)")
+    parser.add_argument("--rnn-attention", default="additive", choices=["additive", "dot", "multihead"])
+    parser.add_argument("--kd-beams", type=int, default=4, help="teacher beam for sequence-level KD")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    size = SIZES["paper" if args.paper else "small"]
+    defaults = dict(teacher_minutes=(120, 10), student_minutes=(60, 6), kd_minutes=(30, 4))
+    for name, (paper, small) in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, paper if args.paper else small)
+    if args.train_examples is None and not args.paper:
+        args.train_examples = 12000
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    os.makedirs(args.output_dir, exist_ok=True)
+    start_all = time.perf_counter()
+
+    # -- data + tokenizer ---------------------------------------------------------------------------------------------
+    train_raw = multi30k("train")
+    if args.train_examples:
+        train_raw = train_raw.shuffle(seed=args.seed).select(range(min(args.train_examples, len(train_raw))))
+    test = multi30k("test_2016_flickr")
+    test = test.select(range(min(args.test_examples, len(test))))
+    tokenizer = train_tokenizer(train_raw, vocab_size=size["vocab"])
+    tokenizer.save_pretrained(os.path.join(args.output_dir, "tokenizer"))
+    train = tokenize_dataset(train_raw, tokenizer, max_length=64)
+    log(f"data: {len(train_raw)} training pairs, {len(test)} test pairs, BPE vocabulary {len(tokenizer)}")
+
+    # -- 1. teacher -----------------------------------------------------------------------------------------------------
+    torch.manual_seed(args.seed)
+    teacher = SoftTransformerForConditionalGeneration(SoftTransformerConfig(**size["teacher"], **special_ids(tokenizer)))
+    train_seq2seq(teacher, tokenizer, train, output_dir=os.path.join(args.output_dir, "trainer", "teacher"),
+                  minutes=args.teacher_minutes, max_steps=args.max_steps, batch_size=args.batch_size,
+                  learning_rate=args.learning_rate, warmup_steps=min(400, args.max_steps or 400), seed=args.seed)
+    teacher.save_pretrained(os.path.join(args.output_dir, "teacher"))
+
+    # -- 2. hybrid student, MLE -----------------------------------------------------------------------------------------
+    torch.manual_seed(args.seed)
+    config = HybridConfig(**size["student"], rnn_attention=args.rnn_attention, **special_ids(tokenizer))
+    student = HybridForConditionalGeneration(config)
+    train_seq2seq(student, tokenizer, train, output_dir=os.path.join(args.output_dir, "trainer", "hybrid"),
+                  minutes=args.student_minutes, max_steps=args.max_steps, batch_size=args.batch_size,
+                  learning_rate=args.learning_rate, warmup_steps=min(400, args.max_steps or 400), seed=args.seed)
+    student.save_pretrained(os.path.join(args.output_dir, "hybrid_mle"))
+    mle_student = HybridForConditionalGeneration.from_pretrained(os.path.join(args.output_dir, "hybrid_mle")).eval()
+
+    # -- 3. sequence-level KD data (resumable: rerunning skips finished shards) -----------------------------------------
+    distilled = translate_dataset(teacher, tokenizer, train_raw, os.path.join(args.output_dir, "kd_data"),
+                                  num_beams=args.kd_beams, batch_size=64, shard_size=1000, max_new_tokens=64)
+    kd_train = tokenize_dataset(distilled, tokenizer, max_length=64)
+
+    # -- 4. Eq. 1 fine-tuning on the distilled data ---------------------------------------------------------------------
+    trainer = kd_finetune(student, teacher, tokenizer, kd_train, args, os.path.join(args.output_dir, "trainer", "kd"))
+    student.save_pretrained(os.path.join(args.output_dir, "hybrid_kd"))
+    log(f"KD fine-tuning: {trainer.state.global_step} steps, last parts {trainer.kd_parts}")
+
+    # -- 5. BLEU + speed ------------------------------------------------------------------------------------------------
+    models = {"teacher (soft Transformer)": teacher, "hybrid (MLE)": mle_student, "hybrid + KD": student}
+    batch = tokenizer(test["source"][:32], padding=True, return_tensors="pt")
+    results = {}
+    for name, model in models.items():
+        model.eval()
+        score = bleu(model, tokenizer, test["source"], test["target"], num_beams=4, batch_size=64)
+        speed = decode_speed(model, batch["input_ids"], batch["attention_mask"], num_beams=4, new_tokens=30,
+                             repeats=3)
+        n_layers = f"{model.config.encoder_layers}-{model.config.decoder_layers}"
+        results[name] = dict(layers=n_layers, bleu=round(score.score, 2), sentences_per_s=round(speed, 2),
+                             params=sum(p.numel() for p in model.parameters()))
+    base = results["teacher (soft Transformer)"]["sentences_per_s"]
+    log(f"\n| model | N | params | BLEU (test_2016_flickr[:{len(test)}], beam 4) | sentences/s (beam 4, batch 32, "
+        "30 tokens) | speed-up |\n|---|---|---|---|---|---|")
+    for name, r in results.items():
+        log(f"| {name} | {r['layers']} | {r['params'] / 1e6:.1f}M | {r['bleu']} | {r['sentences_per_s']} | "
+            f"{r['sentences_per_s'] / base:.2f}x |")
+    summary = dict(settings=vars(args), results=results, minutes=round((time.perf_counter() - start_all) / 60, 1))
+    with open(os.path.join(args.output_dir, "results.json"), "w") as handle:
+        json.dump(summary, handle, indent=2)
+    log(f"\ntotal {summary['minutes']} min; saved models, KD data and results.json in {args.output_dir}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,6 @@
+"""``python -m hf_hardattn ...`` = the ``hf-hardattn`` command (see :mod:`hf_hardattn.cli`)."""
+
+from .cli import main
+
+if __name__ == "__main__":
+    raise SystemExit(main())

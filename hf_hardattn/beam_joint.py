@@ -1,0 +1,492 @@
+"""Beam-joint / full-joint attention (Shankar, Garg & Sarawagi, "Surprisingly Easy Hard-Attention for Sequence to
+Sequence Learning", EMNLP 2018) as an *output mechanism*.
+
+Soft attention marginalises early: P(y_t) = P(y_t | sum_a P_t(a) x_a) (Eq. 2). The joint model marginalises late:
+
+    log P_t(y_t) = log sum_a P_t(a) P_t(y_t | x_a)                      (Eq. 4, "full-joint")
+    log P_t(y_t) ~= log sum_{a in TopK(P_t)} P_t(a) P_t(y_t | x_a)       (Eq. 5, "beam-joint")
+
+where P_t(y | x_a) is the output distribution computed with hard attention on source state a (the same output layer
+as the soft path, the context replaced by that single state). TopK is a pass-through operator: no gradient flows
+through the *selection*, the gradient reaches the attention scores through the mixture weights P_t(a_k).
+
+The mixture is computed in log space (logsumexp, fp32) and returned as ``logits`` holding LOG-PROBABILITIES, so
+generate() (greedy / beam / sampling) and the Trainer's loss work unchanged: log_softmax of log-probabilities is the
+identity. The K x vocabulary logits are never all alive at once: :class:`JointMixture` computes them chunk by chunk
+and recomputes them chunk by chunk in backward (memory O(tokens x V + chunk x V), not O(tokens x K x V)).
+
+Two settings:
+
+* :class:`BeamJointTransformerForConditionalGeneration` (the paper's future work, multi-head Transformer): in one
+  designated decoder cross-attention layer (default the last) the joint is taken over source positions with the
+  head-averaged attention distribution; per selected position every head attends only to it, and the rest of that
+  layer (output projection, residual, norms, FFN), any later layers and the vocabulary projection run per candidate.
+* :class:`BeamJointRNNForConditionalGeneration` (the paper's own setting): on the hybrid model's GRU decoder
+  (``hybrid.py``). The soft context c_t still drives the GRU recurrence; only the output distribution is the
+  mixture over the top-K hard contexts.
+
+Runtime code shipped with saved models: flat, same-folder relative imports only.
+"""
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from .configuration_hardattn import HardAttnConfig
+from .hybrid import HybridConfig, HybridForConditionalGeneration
+from .modeling_hardattn import HardAttnForConditionalGeneration, causal_mask, padding_mask
+
+# Masked attention scores: a large finite negative instead of -inf, so that log-probabilities and their gradients
+# stay finite at padded positions (their probability is exactly 0 after exp).
+_NEG = torch.finfo(torch.float32).min
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The mixture (Eq. 4-5), shared by both settings
+# ----------------------------------------------------------------------------------------------------------------
+def _at_least_fp32(x):
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+class JointMixture(torch.autograd.Function):
+    """out[n, v] = logsumexp_k( log_weights[n, k] + log_softmax(hidden[n, k] @ weight^T)[v] )   (Eq. 4-5, log space)
+
+    hidden [N, K, d] (one output-layer input per candidate), log_weights [N, K] (fp32; -inf = absent candidate),
+    weight [V, d] (the tied vocabulary projection). Rows are processed ``chunk_rows // K`` tokens at a time; backward
+    recomputes each chunk's logits instead of storing N x K x V values. With r_k[v] = exp(lw_k + lsm_k[v] - out[v])
+    (the posterior of candidate k given v) and G = dL/dout (the last chunk's log-softmax is kept from forward, so a
+    batch of at most ``chunk_rows`` candidate rows is never recomputed):
+        dL/dlw_k = sum_v G[v] r_k[v],      dL/dz_k[u] = G[u] r_k[u] - softmax(z_k)[u] * dL/dlw_k.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, log_weights, weight, chunk_rows):
+        n_tokens, k, _ = hidden.shape
+        step = max(1, chunk_rows // k)
+        acc = torch.promote_types(hidden.dtype, torch.float32)  # fp32 (fp64 stays fp64)
+        out = torch.empty(n_tokens, weight.shape[0], dtype=acc, device=hidden.device)
+        for start in range(0, n_tokens, step):
+            lsm = (hidden[start : start + step] @ weight.t()).to(acc).log_softmax(-1)
+            out[start : start + step] = torch.logsumexp(lsm + log_weights[start : start + step, :, None].to(acc), dim=1)
+        ctx.save_for_backward(hidden, log_weights, weight, out)
+        ctx.step = step
+        ctx.last = lsm if any(ctx.needs_input_grad[:3]) else None  # kept: no recompute for it
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        hidden, log_weights, weight, out = ctx.saved_tensors
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_lw = torch.empty_like(log_weights) if ctx.needs_input_grad[1] else None
+        acc = out.dtype
+        grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if ctx.needs_input_grad[2] else None
+        grad_out = grad_out.to(acc)
+        starts = range(0, hidden.shape[0], ctx.step)
+        for start in reversed(starts):
+            chunk = slice(start, start + ctx.step)
+            h = hidden[chunk]
+            if start == starts[-1] and ctx.last is not None:
+                lsm, ctx.last = ctx.last, None  # the forward's last chunk (the only one when all rows fit)
+            else:
+                lsm = (h @ weight.t()).to(acc).log_softmax(-1)  # recomputed [n, K, V]
+            weighted = grad_out[chunk, None, :] * torch.exp(lsm + log_weights[chunk, :, None].to(acc) - out[chunk, None, :])
+            g_lw = weighted.sum(-1)  # [n, K]
+            if grad_lw is not None:
+                grad_lw[chunk] = g_lw.to(grad_lw.dtype)
+            if grad_hidden is None and grad_weight is None:
+                continue
+            g_z = weighted - lsm.exp() * g_lw[..., None]  # [n, K, V]
+            if grad_hidden is not None:
+                grad_hidden[chunk] = (g_z.to(weight.dtype) @ weight).to(hidden.dtype)
+            if grad_weight is not None:
+                grad_weight += g_z.reshape(-1, g_z.shape[-1]).t() @ h.reshape(-1, h.shape[-1]).to(acc)
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(weight.dtype)
+        return grad_hidden, grad_lw, grad_weight, None
+
+
+def joint_log_probs(hidden, log_weights, weight, chunk_rows=4096):
+    """hidden [..., K, d], log_weights [..., K] -> mixture log-probabilities [..., V] in fp32 (fp64 for fp64
+    inputs) (Eq. 4-5)."""
+    lead = hidden.shape[:-2]
+    out = JointMixture.apply(hidden.reshape(-1, *hidden.shape[-2:]), log_weights.reshape(-1, log_weights.shape[-1]),
+                             weight, chunk_rows)
+    return out.view(*lead, weight.shape[0])
+
+
+def select_candidates(log_p, k, full_joint, renormalize):
+    """The attention beam: log_p [..., S] (log P_t(a), padded positions ~ -3e38) -> (log weights [..., K'], indices
+    [..., K']). Full-joint keeps every position (Eq. 4); beam-joint the top-K (Eq. 5; K' = min(K, S): a K larger than
+    a sentence's length keeps all its unpadded positions, the padded ones selected to fill K' get weight exactly 0).
+    Renormalisation divides the top-K weights by their sum. TopK is pass-through: the indices carry no gradient."""
+    if full_joint:
+        index = torch.arange(log_p.shape[-1], device=log_p.device).expand_as(log_p)
+        return log_p, index
+    log_w, index = log_p.topk(min(k, log_p.shape[-1]), dim=-1)
+    if renormalize:
+        log_w = log_w - torch.logsumexp(log_w, dim=-1, keepdim=True)
+    return log_w, index
+
+
+class JointCandidates(NamedTuple):
+    """What a beam-joint ``decode`` hands to ``output_logits``: the output-layer input of every candidate
+    [B, T, K, d] and the candidates' log mixture weights [B, T, K]."""
+
+    hidden: torch.Tensor
+    log_weights: torch.Tensor
+
+
+JOINT_DOC = """
+        joint_k: K of the attention beam (Eq. 5) during training (default 6, the paper's default).
+        joint_inference_k: K in eval mode (generation); None = ``joint_k``. The paper's Table 2 trains with K=6
+            and decodes with K=1.
+        full_joint: mix over every source position (Eq. 4) instead of the top K; for small vocabularies and short
+            sources such as character-level inflection.
+        full_joint_max_source_length: full-joint refuses (ValueError) batches whose padded source length exceeds
+            this, since its cost is source length x vocabulary per target token.
+        renormalize_joint: divide the top-K weights by their sum so that the mixture is a distribution (default
+            True; the reference implementation's softmax cross-entropy over the mixture effectively does the same).
+            With False, the log-probabilities of the un-renormalised Eq. 5 sum to sum_k P(a_k) <= 1 and the loss
+            trains that bound directly; generate() still works (beam search renormalises with log_softmax).
+        joint_chunk_size: candidate rows (tokens x K) whose vocabulary logits are materialised at once; bounds the
+            memory of the K x vocabulary logits in forward and backward.
+"""
+
+
+def check_joint_fields(config):
+    for name in ("joint_k", "full_joint_max_source_length", "joint_chunk_size"):
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"`{name}` must be an integer >= 1, got {value!r}.")
+    value = config.joint_inference_k
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"`joint_inference_k` must be None (= joint_k) or an integer >= 1, got {value!r}.")
+    for name in ("full_joint", "renormalize_joint"):
+        if not isinstance(getattr(config, name), bool):
+            raise ValueError(f"`{name}` must be True or False, got {getattr(config, name)!r}.")
+
+
+class JointOutputMixin:
+    """Shared by both settings: the active K, the full-joint length guard, the mixture head and the loss."""
+
+    def active_k(self) -> int:
+        check_joint_fields(self.config)  # fields may have been edited after construction
+        k = self.config.joint_k
+        if not self.training and self.config.joint_inference_k is not None:
+            k = self.config.joint_inference_k
+        return k
+
+    def check_source_length(self, source_length: int):
+        limit = self.config.full_joint_max_source_length
+        if self.config.full_joint and source_length > limit:
+            raise ValueError(
+                f"full_joint=True mixes over every source position; this batch has source length {source_length} > "
+                f"`full_joint_max_source_length`={limit}. Allowed: sources of at most {limit} positions (raise the "
+                f"limit, or use full_joint=False with joint_k)."
+            )
+
+    def output_logits(self, hidden, **kwargs):
+        """LOG-probabilities [B, T, V] of the mixture (Eq. 4-5), fp32."""
+        if not isinstance(hidden, JointCandidates):
+            raise TypeError("beam-joint output_logits expects the JointCandidates returned by `decode`.")
+        return joint_log_probs(hidden.hidden, hidden.log_weights, self.lm_head.weight, self.config.joint_chunk_size)
+
+    def compute_loss(self, logits, labels, num_items_in_batch=None):
+        """Label-smoothed negative log-likelihood of the mixture log-probabilities, used as they are (no extra
+        log_softmax), so that ``renormalize_joint=False`` really trains the un-renormalised Eq. 5. With renormalised
+        weights it equals the skeleton's cross-entropy exactly (log_softmax of log-probabilities is the identity)."""
+        log_probs = logits.reshape(-1, logits.shape[-1]).float()
+        labels = labels.reshape(-1).to(log_probs.device)
+        valid = labels != -100
+        nll = -log_probs.gather(1, labels.clamp(min=0)[:, None]).squeeze(1)
+        eps = self.config.label_smoothing
+        per_token = (1.0 - eps) * nll - eps * log_probs.mean(-1) if eps > 0 else nll
+        total = per_token.masked_fill(~valid, 0.0).sum()
+        if num_items_in_batch is not None:
+            return total / num_items_in_batch
+        return total / valid.sum().clamp(min=1)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Setting 2: multi-head Transformer decoder
+# ----------------------------------------------------------------------------------------------------------------
+class BeamJointTransformerConfig(HardAttnConfig):
+    __doc__ = (
+        """Transformer whose output is the beam-joint (Eq. 5) or full-joint (Eq. 4) attention-output mixture taken
+    in one decoder cross-attention layer.
+
+    Args (besides :class:`HardAttnConfig`'s):
+        joint_layer: the decoder layer whose cross-attention defines P_t(a) (head-averaged) and is made hard per
+            candidate; -1 (default) = the last layer; negative values count from the end. Its cross-attention kind
+            must be "soft"; decoder self-attention of the layers after it must be "soft" or "none"."""
+        + JOINT_DOC
+    )
+
+    model_type = "beam_joint_transformer"
+    joint_k: int = 6
+    joint_inference_k: int | None = None
+    full_joint: bool = False
+    full_joint_max_source_length: int = 64
+    renormalize_joint: bool = True
+    joint_chunk_size: int = 4096
+    joint_layer: int = -1
+
+    def check(self):
+        super().check()
+        check_joint_fields(self)
+        self.joint_layer_index()
+
+    def joint_layer_index(self) -> int:
+        n = self.decoder_layers
+        layer = self.joint_layer
+        if isinstance(layer, bool) or not isinstance(layer, int) or not -n <= layer < n:
+            raise ValueError(f"`joint_layer` must be a decoder layer index in [{-n}, {n - 1}], got {layer!r}.")
+        layer = layer % n
+        cross = self.attention_kinds("cross")[layer]
+        if cross != "soft":
+            raise ValueError(
+                f"`cross_attention` of the joint layer {layer} must be 'soft' (its distribution is P_t(a)), got {cross!r}."
+            )
+        for index, kind in enumerate(self.attention_kinds("decoder")[layer + 1 :], start=layer + 1):
+            if kind not in ("soft", "none"):
+                raise ValueError(
+                    f"`decoder_attention` of layer {index} (after `joint_layer`={layer}) must be 'soft' or 'none' "
+                    f"(candidates attend to the soft history), got {kind!r}."
+                )
+        return layer
+
+
+def _residual(sublayer, x, out):
+    """The skeleton's SubLayer residual + norm, applied to an already computed sub-layer output ``out``."""
+    out = F.dropout(out, sublayer.dropout, sublayer.training)
+    return x + out if sublayer.pre_norm else sublayer.norm(x + out)
+
+
+def _sublayer_input(sublayer, x):
+    return sublayer.norm(x) if sublayer.pre_norm else x
+
+
+def candidate_self_attention(q, k_own, v_own, k_hist, v_hist, hist_mask, scale, dropout, training):
+    """Self-attention of the candidates of a layer after the joint layer: candidate (t, k) attends to the soft
+    decoder's states of the positions before t (``hist_mask``) and to its own state at t.
+    q/k_own/v_own [B, H, T*K, hd]; k_hist/v_hist [B, H, Tk, hd]; hist_mask bool [.., T*K, Tk]."""
+    hist = (q @ k_hist.transpose(-1, -2)) * scale
+    hist = hist.masked_fill(~hist_mask, _NEG)
+    own = (q * k_own).sum(-1, keepdim=True) * scale
+    probs = torch.cat([hist, own], dim=-1).softmax(-1)
+    probs = F.dropout(probs, dropout, training)
+    return probs[..., :-1] @ v_hist + probs[..., -1:] * v_own
+
+
+class BeamJointTransformerForConditionalGeneration(JointOutputMixin, HardAttnForConditionalGeneration):
+    """Beam-joint attention on a multi-head Transformer decoder (the paper's "future work").
+
+    In the joint layer L (``config.joint_layer``): P_t(a) = mean over heads of softmax(q k^T / sqrt(d_k)) (Eq. 1,
+    head-averaged); for each of the top-K positions a every head attends only to a, i.e. the attention output is
+    out_proj(concat_h v_h[a]) = x_a; the residual, norms and FFN of layer L, every later layer and the vocabulary
+    projection run once per candidate, and the K output distributions are mixed (Eq. 5). Decoder positions
+    are causal: the state of position t that later positions (and later layers' self-attention) see is the soft
+    one (the soft context feeds the next step, as in the reference implementation); a candidate at t attends to
+    that soft history plus its own state. Attention dropout is not applied to the mixture weights P_t(a) (it still
+    applies to the soft stream that later layers see).
+    """
+
+    config_class = BeamJointTransformerConfig
+    card_title = "Transformer with beam-joint attention"
+    card_description = (
+        "Output mechanism of Shankar, Garg & Sarawagi (2018), extended to a multi-head Transformer decoder as the "
+        "paper's future work proposes. In one designated cross-attention layer (`joint_layer`, default the last "
+        "decoder layer) the attention distribution P_t(a) over source positions is the head-averaged softmax "
+        "attention. For each of the top-K positions (`joint_k`, default 6), every head attends only to that "
+        "position; the rest of that layer (output projection, residual, FFN, norms), any later decoder layers "
+        "(whose self-attention sees the soft decoder's history) and the tied vocabulary projection are computed per "
+        "candidate, and the K output distributions are mixed: log sum_k P_t(a_k) P_t(y | x_{a_k}) (Eq. 5, top-K "
+        "weights renormalised to sum to one by default, `renormalize_joint`). `full_joint=True` mixes over every "
+        "source position (Eq. 4). `joint_inference_k` sets another K for decoding (the paper's Table 2 decodes a "
+        "K=6 model with K=1). The model returns LOG-PROBABILITIES as `logits` (mixture in log space, fp32), so "
+        "generate() and the Trainer work unchanged; K x vocabulary logits are computed in chunks "
+        "(`joint_chunk_size`)."
+    )
+    card_citation = (
+        "Shiv Shankar, Siddhant Garg, Sunita Sarawagi. Surprisingly Easy Hard-Attention for Sequence to Sequence "
+        "Learning. EMNLP 2018."
+    )
+
+    def decode(self, decoder_input_ids, encoder_hidden_states, attention_mask, decoder_attention_mask,
+               decoder_inputs_embeds, cache):
+        config, decoder = self.config, self.model.decoder
+        joint = config.joint_layer_index()
+        k_active = self.active_k()
+        memory = encoder_hidden_states
+        batch, source_length = memory.shape[:2]
+        self.check_source_length(source_length)
+        past = cache.get_seq_length() if cache is not None else 0
+        x = decoder.embed(decoder_input_ids, decoder_inputs_embeds, past)
+        length = x.shape[1]
+        self_mask, causal = decoder.self_attention_mask(decoder_attention_mask, length, past, x.device)
+        cross_mask = padding_mask(attention_mask)
+        n_layers = len(decoder.layers)
+
+        for index, layer in enumerate(decoder.layers):
+            if index < joint:
+                x = layer(x, memory, self_mask, causal, cross_mask, cache)
+                continue
+            if index == joint:
+                if layer.self_attn is not None:
+                    x = layer.self_attn(x, mask=self_mask, causal=causal, cache=cache)
+                sub = layer.cross_attn
+                attn = sub.module
+                q, k, v = attn.project(_sublayer_input(sub, x), memory, cache)  # [B, H, T, hd], [B, H, S, hd]
+                scores = _at_least_fp32(q @ k.transpose(-1, -2)) * attn.head_dim**-0.5  # Eq. 1 per head
+                if cross_mask is not None:
+                    scores = scores.masked_fill(~cross_mask, _NEG)
+                log_p = torch.logsumexp(scores.log_softmax(-1), dim=1) - math.log(attn.num_heads)  # head average
+                log_w, index_k = select_candidates(log_p, k_active, config.full_joint, config.renormalize_joint)
+                # hard attention of every head on position a: out_proj(concat_h v_h[a])  [B, S, d]
+                hard = attn.merge(v)
+                picked = torch.gather(hard, 1, index_k.reshape(batch, -1, 1).expand(-1, -1, hard.shape[-1]))
+                n_cand = index_k.shape[-1]
+                y = _residual(sub, x[:, :, None, :], picked.view(batch, length, n_cand, -1).to(x.dtype))
+                y = layer.ffn(y).reshape(batch, length * n_cand, -1)  # candidates flattened as t * K + k
+                if index < n_layers - 1:  # the soft stream feeds later layers' self-attention
+                    x = _residual(sub, x, attn.merge(attn.attend(q, k, v, cross_mask, False)))
+                    x = layer.ffn(x)
+                continue
+            # layers after the joint layer: candidates attend to the soft history and themselves
+            if layer.self_attn is not None:
+                sub = layer.self_attn
+                attn = sub.module
+                q, k, v = attn.project(_sublayer_input(sub, x), None, cache)  # soft stream (updates the cache)
+                key_length = k.shape[2]
+                hist = causal_mask(length, key_length, x.device).tril(key_length - length - 1)  # strictly earlier
+                hist = hist.repeat_interleave(n_cand, dim=0)
+                if decoder_attention_mask is not None:
+                    hist = hist & decoder_attention_mask[:, None, None, -key_length:].bool()
+                qc, kc, vc = attn._split(attn.qkv_proj(_sublayer_input(sub, y)), 3)
+                out = candidate_self_attention(qc, kc, vc, k, v, hist, attn.head_dim**-0.5, attn.dropout,
+                                               self.training)
+                y = _residual(sub, y, attn.merge(out))
+                if index < n_layers - 1:
+                    x = _residual(sub, x, attn.merge(attn.attend(q, k, v, self_mask, causal)))
+            if layer.cross_attn is not None:
+                if index < n_layers - 1:
+                    x = layer.cross_attn(x, memory=memory, mask=cross_mask, cache=cache)
+                y = layer.cross_attn(y, memory=memory, mask=cross_mask, cache=cache)
+            if index < n_layers - 1:
+                x = layer.ffn(x)
+            y = layer.ffn(y)
+
+        if cache is not None:
+            cache.seen_tokens += length
+        if decoder.final_norm is not None:
+            y = decoder.final_norm(y)
+        return JointCandidates(y.view(batch, length, n_cand, -1), log_w)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Setting 1: the paper's RNN decoder (the hybrid model's GRU decoder)
+# ----------------------------------------------------------------------------------------------------------------
+class BeamJointRNNConfig(HybridConfig):
+    __doc__ = (
+        """Transformer encoder + GRU decoder (:class:`HybridConfig`) whose output is the beam-joint (Eq. 5) or
+    full-joint (Eq. 4) mixture over the GRU attention's distribution a_t (head-averaged for ``rnn_attention=
+    "multihead"``).
+
+    Args (besides :class:`HybridConfig`'s):"""
+        + JOINT_DOC
+    )
+
+    model_type = "beam_joint_rnn"
+    joint_k: int = 6
+    joint_inference_k: int | None = None
+    full_joint: bool = False
+    full_joint_max_source_length: int = 64
+    renormalize_joint: bool = True
+    joint_chunk_size: int = 4096
+
+    def check(self):
+        super().check()
+        check_joint_fields(self)
+
+
+def _log_probs(probs):
+    """log of attention probabilities whose padded entries are exactly 0: -inf there, with a zero (not NaN)
+    gradient."""
+    positive = probs > 0
+    return torch.where(positive, torch.where(positive, probs, torch.ones_like(probs)).log(), float("-inf"))
+
+
+class BeamJointRNNForConditionalGeneration(JointOutputMixin, HybridForConditionalGeneration):
+    """Beam-joint attention in the paper's own setting: at step t the GRU decoder's attention gives P_t(a) and the
+    soft context c_t (which feeds the recurrence as usual, as in the reference implementation). For each of the
+    top-K positions a the output layer is evaluated with the context replaced by the hard context of a
+    (:meth:`HybridDecoder.hard_contexts`): o_{t,a} = readout(s_t, x_a), P_t(y | x_a) = softmax(lm_head(o_{t,a})), and
+    the K distributions are mixed (Eq. 5)."""
+
+    config_class = BeamJointRNNConfig
+    card_title = "Hybrid (Transformer encoder + GRU decoder) with beam-joint attention"
+    card_description = (
+        "Output mechanism of Shankar, Garg & Sarawagi (2018) in the paper's own setting, an attentional RNN decoder "
+        "(here the hybrid model's GRU decoder over a Transformer encoder). At each step the attention distribution "
+        "P_t(a) is computed as usual and its soft context feeds the GRU recurrence; for each of the top-K source "
+        "positions (`joint_k`, default 6) the output layer (readout + tied vocabulary projection) is evaluated with "
+        "the context replaced by that single position's hard context, and the K distributions are mixed: "
+        "log sum_k P_t(a_k) P_t(y | x_{a_k}) (Eq. 5; the top-K weights are renormalised to sum to one by default, "
+        "`renormalize_joint`). For multi-head RNN attention P_t(a) is the head average and the hard context has every "
+        "head attend to a. `full_joint=True` mixes over every source position (Eq. 4, e.g. character-level "
+        "inflection). `joint_inference_k` sets another K for decoding (Table 2: train K=6, decode K=1). The model "
+        "returns LOG-PROBABILITIES as `logits` (mixture in log space, fp32), so generate() and the Trainer work "
+        "unchanged; K x vocabulary logits are computed in chunks (`joint_chunk_size`)."
+    )
+    card_citation = BeamJointTransformerForConditionalGeneration.card_citation
+
+    def hard_contexts(self, encoder_hidden_states, cache):
+        """[B, S, C] hard contexts, computed once per sentence during cached decoding (kept in ``cache.states``, which
+        beam search reorders along with the GRU states)."""
+        if cache is not None and "beam_joint.hard_contexts" in cache.states:
+            return cache.states["beam_joint.hard_contexts"]
+        hard = self.model.decoder.hard_contexts(encoder_hidden_states)
+        if cache is not None:
+            cache.states["beam_joint.hard_contexts"] = hard
+        return hard
+
+    def candidate_readouts(self, states, hard, index):
+        """readout(s_t, x_a) for every selected a: states [B, T, H], hard [B, S, C], index [B, T, K] -> [B, T, K, d].
+        The readout is tanh(W_o [s; c] + b) (HybridDecoder.readout), so W_o = [W_s | W_c] splits: W_s s_t once per
+        step, W_c x_a once per source position, and each candidate costs one gather + add + tanh (tested against
+        ``decoder.readout`` on explicitly built candidates)."""
+        proj = self.model.decoder.readout_proj
+        hidden = states.shape[-1]
+        from_state = F.linear(states, proj.weight[:, :hidden], proj.bias)  # [B, T, d]
+        from_context = F.linear(hard, proj.weight[:, hidden:])  # [B, S, d]
+        batch, length, n_cand = index.shape
+        picked = torch.gather(from_context, 1, index.reshape(batch, -1, 1).expand(-1, -1, from_context.shape[-1]))
+        return torch.tanh(from_state[:, :, None, :] + picked.view(batch, length, n_cand, -1))
+
+    def decode(self, decoder_input_ids, encoder_hidden_states, attention_mask, decoder_attention_mask,
+               decoder_inputs_embeds, cache):
+        self.check_source_length(encoder_hidden_states.shape[1])
+        k_active = self.active_k()
+        out = self.decoder_outputs(decoder_input_ids, encoder_hidden_states, attention_mask, decoder_inputs_embeds,
+                                   cache)
+        log_w, index = select_candidates(_log_probs(_at_least_fp32(out.attentions)), k_active, self.config.full_joint,
+                                         self.config.renormalize_joint)
+        hard = self.hard_contexts(encoder_hidden_states, cache)
+        dropout, training = self.config.dropout, self.training
+        states = F.dropout(out.states, dropout, training)  # as HybridDecoder.forward does before its readout
+        readouts = F.dropout(self.candidate_readouts(states, hard, index), dropout, training)
+        return JointCandidates(readouts, log_w)
+
+
+__all__ = [
+    "BeamJointRNNConfig",
+    "BeamJointRNNForConditionalGeneration",
+    "BeamJointTransformerConfig",
+    "BeamJointTransformerForConditionalGeneration",
+    "JointCandidates",
+    "JointMixture",
+    "joint_log_probs",
+    "select_candidates",
+]

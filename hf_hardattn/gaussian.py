@@ -1,0 +1,410 @@
+"""Hard-coded Gaussian attention (You, Sun & Iyyer, 2020, "Hard-Coded Gaussian Attention for Neural Machine
+Translation").
+
+Every head of a hard-coded layer replaces softmax(q K^T / sqrt(d_k)) V (Eq. 1) by a fixed, input-agnostic standard
+normal density over key positions (Eq. 2):
+
+    Attn(i, V) = N(f(i), sigma^2) V,      f(i) = i + offset          (self-attention, Sec. 3.1)
+                                          f(i) = floor(gamma * i + o) (hard-coded cross-attention, Sec. 3.2)
+
+* no query/key projections; the value and output projections stay learned;
+* the density is cut at the sentence borders (and, in the decoder, at the current position) and NOT renormalised
+  (footnote 5); padded keys get weight 0;
+* offsets are given per head (and optionally per layer); a shorter pattern is repeated to fill the heads
+  (footnote 12: "we duplicate heads"): encoder (l, r) = (-1, +1), decoder (l, c) = (-1, 0), cross (-1, 0, +1);
+* implementations (Sec. 6.3): ``full`` (the density over every position, the paper's main one), ``conv`` (the
+  density truncated to a window, window 3 -> kernel [0.242, 0.399, 0.242]) and ``index`` (binary kernel: each head
+  copies the value row at its centre).
+
+Cached decoding (``HardAttnCache``): a step only reads the keys within the heads' reach: ``conv`` its window,
+``index`` its centre, ``full`` the positions whose density is >= 1e-6 of the peak (|d| <= sigma * sqrt(2 ln 1e6),
+5 positions for sigma = 1); the rest of the prefix contributes < 1e-6 of the peak per position and is skipped.
+Decoder self-attention keeps only that many value rows in ``cache.states`` (beam search reorders them); hard-coded
+cross-attention computes the encoder's values once (``cross_attention_cache``).
+
+Presets (Sec. 3, Table 2): ``GaussianConfig.preset("hc-sa" | "hc-all" | "sh-x", **overrides)``.
+
+Runtime code shipped with saved models: flat, same-folder relative imports only.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .configuration_hardattn import HardAttnConfig
+from .modeling_hardattn import HardAttnForConditionalGeneration
+
+GAUSSIAN_IMPLEMENTATIONS = ("full", "conv", "index")
+PRESETS = ("hc-sa", "hc-all", "sh-x")
+# Sec. 3.1 / Appendix A: encoder (l, r), decoder (l, c); Sec. 3.2: cross floor(gamma*i - 1), floor(gamma*i), floor(gamma*i + 1)
+DEFAULT_OFFSETS = {"encoder": (-1, 1), "decoder": (-1, 0), "cross": (-1, 0, 1)}
+OFFSET_FIELDS = {"encoder": "encoder_offsets", "decoder": "decoder_offsets", "cross": "cross_offsets"}
+# ``full`` during cached decoding skips keys whose weight is below this fraction of the head's peak weight
+FULL_CUTOFF = 1e-6
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Settings (shared by GaussianConfig.check and by the attention module, so the kind also works in a plain
+# HardAttnConfig, where the defaults below apply)
+# ----------------------------------------------------------------------------------------------------------------
+def _setting(config, name):
+    defaults = dict(gaussian_implementation="full", gaussian_sigma=1.0, gaussian_window=3, length_ratio=1.0,
+                    cross_attention_heads=None, **{OFFSET_FIELDS[r]: DEFAULT_OFFSETS[r] for r in OFFSET_FIELDS})
+    return getattr(config, name, defaults[name])
+
+
+def _is_int(x):
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x):
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def role_heads(config, role: str) -> int:
+    """Heads of one attention sub-layer of ``role``; cross-attention may have its own count (sh-x: 1)."""
+    if role == "encoder":
+        return config.encoder_attention_heads
+    cross_heads = _setting(config, "cross_attention_heads") if role == "cross" else None
+    return cross_heads or config.decoder_attention_heads
+
+
+def check_gaussian_settings(config):
+    """ValueError naming the parameter and its allowed values for any invalid Gaussian setting."""
+    implementation = _setting(config, "gaussian_implementation")
+    if implementation not in GAUSSIAN_IMPLEMENTATIONS:
+        raise ValueError(f"`gaussian_implementation` must be one of {GAUSSIAN_IMPLEMENTATIONS}, got {implementation!r}.")
+    sigma = _setting(config, "gaussian_sigma")
+    if not _is_number(sigma) or not sigma > 0 or not math.isfinite(sigma):
+        raise ValueError(f"`gaussian_sigma` must be a positive finite number (the paper uses 1), got {sigma!r}.")
+    window = _setting(config, "gaussian_window")
+    if not _is_int(window) or window < 1 or window % 2 == 0:
+        raise ValueError(f"`gaussian_window` must be an odd integer >= 1 (the paper uses 3), got {window!r}.")
+    gamma = _setting(config, "length_ratio")
+    if not _is_number(gamma) or not gamma > 0 or not math.isfinite(gamma):
+        raise ValueError(
+            f"`length_ratio` (gamma = mean source length / mean target length) must be a positive finite number, "
+            f"got {gamma!r}."
+        )
+    heads = _setting(config, "cross_attention_heads")
+    if heads is not None and (not _is_int(heads) or heads < 1 or config.d_model % heads):
+        raise ValueError(
+            f"`cross_attention_heads` must be None (= decoder_attention_heads) or a positive divisor of "
+            f"`d_model`={config.d_model}, got {heads!r}."
+        )
+    for role in OFFSET_FIELDS:
+        kinds = config.attention_kinds(role)
+        for layer_idx in range(len(kinds)):
+            head_offsets(config, role, layer_idx, validate_heads=kinds[layer_idx] == "gaussian")
+
+
+def head_offsets(config, role: str, layer_idx: int, validate_heads: bool = True) -> tuple:
+    """The centre offset of every head of layer ``layer_idx`` of ``role``.
+
+    The field (``encoder_offsets`` / ``decoder_offsets`` / ``cross_offsets``) is either one pattern of integers for
+    every layer, e.g. ``[-1, 1]``, or a list with one pattern per layer, e.g. ``[[-1, 1], [-1, 1], [0, 0]]``. A
+    pattern with fewer entries than heads is repeated to fill them (footnote 12)."""
+    field = OFFSET_FIELDS[role]
+    value = _setting(config, field)
+    n_layers = config.encoder_layers if role == "encoder" else config.decoder_layers
+    heads = role_heads(config, role)
+    shape_help = (
+        f"a non-empty list of integers (one offset per head, repeated to fill the {heads} heads), or a list of "
+        f"{n_layers} such lists (one per layer)"
+    )
+    if not isinstance(value, (list, tuple)) or not value:
+        raise ValueError(f"`{field}` must be {shape_help}; got {value!r}.")
+    if all(_is_int(x) for x in value):
+        pattern = value
+    elif all(isinstance(x, (list, tuple)) for x in value):
+        if len(value) != n_layers:
+            raise ValueError(f"`{field}` has {len(value)} per-layer lists but there are {n_layers} layers; give "
+                             f"{shape_help}.")
+        pattern = value[layer_idx]
+        if not pattern or not all(_is_int(x) for x in pattern):
+            raise ValueError(f"`{field}` entry {layer_idx} must be a non-empty list of integers, got {pattern!r}.")
+    else:
+        raise ValueError(f"`{field}` must be {shape_help}; got {value!r}.")
+    if validate_heads and len(pattern) > heads:
+        raise ValueError(f"`{field}` gives {len(pattern)} offsets for layer {layer_idx} but the {role} attention has "
+                         f"{heads} heads; allowed: 1 to {heads} offsets per layer.")
+    if role == "decoder" and any(o > 0 for o in pattern):
+        raise ValueError(f"`{field}` must contain offsets <= 0 (decoder self-attention is causal: i - 1 = 'l', "
+                         f"i = 'c'), got {list(pattern)!r}.")
+    return tuple(int(pattern[h % len(pattern)]) for h in range(heads))
+
+
+def gaussian_density(distance: torch.Tensor, sigma: float) -> torch.Tensor:
+    """N(distance; 0, sigma^2): the weight of a key ``distance`` positions from the head's centre (Eq. 2)."""
+    return torch.exp(-0.5 * (distance / sigma) ** 2) / (sigma * math.sqrt(2 * math.pi))
+
+
+def cutoff_radius(sigma: float, cutoff: float = FULL_CUTOFF) -> int:
+    """Largest integer distance whose density is >= ``cutoff`` times the peak: exp(-d^2 / 2 sigma^2) >= cutoff."""
+    return int(math.floor(sigma * math.sqrt(-2.0 * math.log(cutoff)) + 1e-9))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The attention kind
+# ----------------------------------------------------------------------------------------------------------------
+class GaussianAttention(nn.Module):
+    """Hard-coded Gaussian attention (kind ``"gaussian"``), usable as encoder, decoder or cross-attention.
+
+    Parameters: the value projection ``v_proj`` and the output projection ``out_proj`` only (Sec. 3.1)."""
+
+    def __init__(self, config: HardAttnConfig, role: str, layer_idx: int):
+        super().__init__()
+        check_gaussian_settings(config)
+        self.role, self.layer_idx, self.is_cross = role, layer_idx, role == "cross"
+        d_model = config.d_model
+        self.num_heads = role_heads(config, role)
+        self.head_dim = d_model // self.num_heads
+        self.offsets = head_offsets(config, role, layer_idx)
+        self.sigma = float(_setting(config, "gaussian_sigma"))
+        self.implementation = _setting(config, "gaussian_implementation")
+        self.gamma = float(_setting(config, "length_ratio"))
+        self.dropout = config.attention_dropout
+        # how far from its centre a head reads during cached decoding (Sec. 6.3 for conv / index)
+        self.radius = {"full": cutoff_radius(self.sigma), "conv": (_setting(config, "gaussian_window") - 1) // 2,
+                       "index": 0}[self.implementation]
+        # decoder self-attention: value rows of earlier positions a cached step can still reach
+        self.lookback = self.radius - min(self.offsets) if role == "decoder" else 0
+        self.v_proj = nn.Linear(d_model, d_model)
+        self.out_proj = nn.Linear(d_model, d_model)
+        self._weights = {}  # memo of the (constant) weight matrices
+
+    def extra_repr(self):
+        return (f"role={self.role}, implementation={self.implementation}, offsets={self.offsets}, sigma={self.sigma}"
+                + (f", gamma={self.gamma}" if self.is_cross else ""))
+
+    def set_length_ratio(self, gamma: float):
+        self.gamma = float(gamma)
+        self._weights.clear()
+
+    # -- weights ---------------------------------------------------------------------------------------------
+    def centres(self, query_positions: torch.Tensor) -> torch.Tensor:
+        """[H, Tq] integer centre f(i) of every head for every query position i."""
+        offsets = torch.tensor(self.offsets, dtype=torch.float64, device=query_positions.device)[:, None]
+        positions = query_positions.to(torch.float64)[None, :]
+        if self.is_cross:  # Sec. 3.2: floor(gamma * i + o)
+            return torch.floor(self.gamma * positions + offsets)
+        return positions + offsets  # Sec. 3.1: i + o
+
+    def kernel(self, distance: torch.Tensor) -> torch.Tensor:
+        """Weight of a key at ``distance`` from the centre: full = N(0, sigma^2) (Eq. 2), conv = the same truncated
+        to the window, index = 1 at the centre and 0 elsewhere (Sec. 6.3)."""
+        if self.implementation == "index":
+            return (distance == 0).to(distance.dtype)
+        weights = gaussian_density(distance, self.sigma)
+        if self.implementation == "conv":
+            weights = weights * (distance.abs() <= self.radius)
+        return weights
+
+    def weights(self, query_start: int, query_length: int, key_start: int, key_length: int, device, dtype):
+        """[H, Tq, Tk] weights of queries at positions query_start + [0, Tq) over keys at key_start + [0, Tk), cut at
+        the current position for decoder self-attention and never renormalised (footnote 5)."""
+        causal = self.role == "decoder"
+        relative = not self.is_cross  # self-attention weights depend only on key - query positions
+        memo_key = ((key_start - query_start) if relative else (query_start, key_start), query_length, key_length,
+                    device, dtype)
+        weights = self._weights.get(memo_key)
+        if weights is None:
+            q_pos = torch.arange(query_start, query_start + query_length, device=device)
+            k_pos = torch.arange(key_start, key_start + key_length, device=device)
+            distance = k_pos.to(torch.float64)[None, None, :] - self.centres(q_pos)[:, :, None]
+            weights = self.kernel(distance)
+            if causal:
+                weights = weights * (k_pos[None, :] <= q_pos[:, None])
+            weights = weights.to(dtype)
+            if len(self._weights) > 256:
+                self._weights.clear()
+            self._weights[memo_key] = weights
+        return weights
+
+    # -- values ----------------------------------------------------------------------------------------------
+    def _split(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, _ = x.shape
+        return x.view(batch, length, self.num_heads, self.head_dim).transpose(1, 2)
+
+    def self_values(self, hidden, cache):
+        """Values [B, H, Tk, hd] and the position of the first one. Cached decoding keeps only the last
+        ``lookback`` rows (``cache.states``), the only ones later queries give weight."""
+        values = self._split(self.v_proj(hidden))
+        if cache is None:
+            return values, 0, 0
+        query_start, key = cache.seen_tokens, f"gaussian.{self.layer_idx}"
+        past = cache.states.get(key)
+        if past is not None:
+            values = torch.cat([past, values], dim=2)
+        if self.lookback > 0:
+            cache.states[key] = values[:, :, max(values.shape[2] - self.lookback, 0):]
+        return values, query_start, query_start + hidden.shape[1] - values.shape[2]
+
+    def cross_values(self, memory, cache, query_length):
+        """Encoder values [B, H, S', hd] for the queries' reach, and the position of the first one. The values of the
+        whole source are computed once per sentence (``cross_attention_cache``)."""
+        if cache is not None and cache.is_updated.get(self.layer_idx):
+            values = cache.cross_attention_cache.layers[self.layer_idx].values
+        else:
+            values = self._split(self.v_proj(memory))
+            if cache is not None:
+                # no keys: a 1-wide slice stands in for them so the cache layer reports (and batch-selects) its length
+                cache.cross_attention_cache.update(values[..., :1], values, self.layer_idx)
+                cache.is_updated[self.layer_idx] = True
+        if cache is None:
+            return values, 0, 0
+        query_start, source_length = cache.seen_tokens, values.shape[2]
+        first = math.floor(self.gamma * query_start + min(self.offsets)) - self.radius
+        last = math.floor(self.gamma * (query_start + query_length - 1) + max(self.offsets)) + self.radius
+        low, high = min(max(first, 0), source_length), min(max(last + 1, 0), source_length)
+        return values[:, :, low:max(high, low)], query_start, low
+
+    # -- forward ---------------------------------------------------------------------------------------------
+    def forward(self, hidden, memory=None, mask=None, causal=False, cache=None):
+        batch, query_length, _ = hidden.shape
+        if self.is_cross:
+            values, query_start, key_start = self.cross_values(memory, cache, query_length)
+        else:
+            values, query_start, key_start = self.self_values(hidden, cache)
+        key_length = values.shape[2]
+        weights = self.weights(query_start, query_length, key_start, key_length, values.device, values.dtype)
+        if mask is not None:  # padded (or otherwise hidden) keys contribute nothing; no renormalisation
+            if mask.shape[-1] != 1:
+                total = mask.shape[-1]
+                start = key_start if self.is_cross else total - key_length
+                mask = mask[..., start:start + key_length]
+            weights = torch.where(mask, weights, weights.new_zeros(()))
+        if self.training and self.dropout > 0:
+            weights = F.dropout(weights.expand(batch, *weights.shape[-3:]), self.dropout, True)
+        out = weights @ values  # Eq. 2: [B, H, Tq, hd]
+        return self.out_proj(out.transpose(1, 2).reshape(batch, query_length, self.num_heads * self.head_dim))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Config, presets, gamma
+# ----------------------------------------------------------------------------------------------------------------
+class GaussianConfig(HardAttnConfig):
+    r"""Transformer with hard-coded Gaussian attention (default: the paper's hc-sa).
+
+    Args (besides :class:`HardAttnConfig`'s):
+        gaussian_implementation: ``"full"`` (Eq. 2 over every position), ``"conv"`` (density truncated to
+            ``gaussian_window`` positions) or ``"index"`` (each head copies the value at its centre), Sec. 6.3.
+        gaussian_sigma: standard deviation of every head (paper: 1).
+        gaussian_window: odd window of ``conv`` (paper: 3 -> kernel [0.242, 0.399, 0.242]).
+        encoder_offsets / decoder_offsets / cross_offsets: per-head centre offsets, one pattern for all layers or
+            one per layer; repeated to fill the heads. Self: f(i) = i + o; cross: f(i) = floor(length_ratio * i + o).
+            Decoder offsets must be <= 0 (causal).
+        length_ratio: gamma = mean source length / mean target length of the training data (Sec. 3.2); set it
+            with :func:`fit_length_ratio`.
+        cross_attention_heads: heads of every cross-attention sub-layer (None = ``decoder_attention_heads``); sh-x
+            uses 1 (a single full-width learned head).
+
+    Use :meth:`preset` for the paper's configurations.
+    """
+
+    model_type = "gaussian_transformer"
+    encoder_attention: str | list[str] = "gaussian"
+    decoder_attention: str | list[str] = "gaussian"
+    cross_attention: str | list[str] = "soft"
+    gaussian_implementation: str = "full"
+    gaussian_sigma: float | int = 1.0
+    gaussian_window: int = 3
+    encoder_offsets: list[int] | list[list[int]] | tuple = DEFAULT_OFFSETS["encoder"]
+    decoder_offsets: list[int] | list[list[int]] | tuple = DEFAULT_OFFSETS["decoder"]
+    cross_offsets: list[int] | list[list[int]] | tuple = DEFAULT_OFFSETS["cross"]
+    length_ratio: float | int = 1.0
+    cross_attention_heads: int | None = None
+
+    def check(self):
+        super().check()
+        check_gaussian_settings(self)
+
+    @classmethod
+    def preset(cls, name: str, **overrides) -> "GaussianConfig":
+        """The paper's configurations (Table 2), with any field overridden:
+
+        * ``"hc-sa"``: Gaussian encoder and decoder self-attention, learned (soft) cross-attention;
+        * ``"hc-all"``: cross-attention hard-coded too (set ``length_ratio``, e.g. with :func:`fit_length_ratio`);
+        * ``"sh-x"``: Gaussian self-attention; cross-attention only in the last decoder layer, with one learned
+          full-width head (the other decoder layers have no cross-attention sub-layer).
+        Sizes default to Transformer-base (the paper's WMT setting); its IWSLT setting is d_model=288,
+        encoder/decoder_ffn_dim=507, 4 heads, 5 layers."""
+        if name not in PRESETS:
+            raise ValueError(f"`name` must be one of {PRESETS}, got {name!r}.")
+        kinds = dict(encoder_attention="gaussian", decoder_attention="gaussian")
+        if name == "hc-sa":
+            kinds["cross_attention"] = "soft"
+        elif name == "hc-all":
+            kinds["cross_attention"] = "gaussian"
+        else:
+            layers = overrides.get("decoder_layers", cls.__dataclass_fields__["decoder_layers"].default)
+            if not _is_int(layers) or layers < 1:
+                raise ValueError(f"`decoder_layers` must be a positive integer, got {layers!r}.")
+            kinds["cross_attention"] = ["none"] * (layers - 1) + ["soft"]
+            kinds["cross_attention_heads"] = 1
+        kinds.update(overrides)
+        return cls(**kinds)
+
+
+def length_ratio(dataset, tokenizer, source_column: str = "source", target_column: str = "target",
+                 batch_size: int = 1000) -> float:
+    """gamma = mean source length / mean target length in tokens of ``tokenizer`` (Sec. 3.2). ``dataset`` is
+    anything with ``dataset[column]`` giving the texts (a ``datasets.Dataset``, a dict of lists)."""
+    totals = []
+    for column in (source_column, target_column):
+        texts = list(dataset[column])
+        if not texts:
+            raise ValueError(f"`dataset` column {column!r} is empty; gamma needs at least one sentence pair.")
+        tokens = 0
+        for start in range(0, len(texts), batch_size):
+            tokens += sum(len(ids) for ids in tokenizer(texts[start:start + batch_size])["input_ids"])
+        totals.append(tokens / len(texts))
+    if totals[1] <= 0:
+        raise ValueError("`dataset` targets have no tokens; gamma = source length / target length is undefined.")
+    return totals[0] / totals[1]
+
+
+def fit_length_ratio(config_or_model, dataset, tokenizer, **kwargs) -> float:
+    """Compute gamma with :func:`length_ratio` and store it in the config (``length_ratio``) and, for a model, in its
+    hard-coded cross-attention heads. Returns gamma."""
+    gamma = length_ratio(dataset, tokenizer, **kwargs)
+    config = getattr(config_or_model, "config", config_or_model)
+    config.length_ratio = gamma
+    check_gaussian_settings(config)
+    if isinstance(config_or_model, nn.Module):
+        for module in config_or_model.modules():
+            if isinstance(module, GaussianAttention) and module.is_cross:
+                module.set_length_ratio(gamma)
+    return gamma
+
+
+class GaussianForConditionalGeneration(HardAttnForConditionalGeneration):
+    config_class = GaussianConfig
+    card_title = "Transformer with hard-coded Gaussian attention"
+    card_description = (
+        "Attention heads replaced by fixed standard normal distributions over positions (Eq. 2), centred at i - 1, "
+        "i or i + 1 (self-attention) or floor(gamma * i + {-1, 0, 1}) (hard-coded cross-attention, gamma = mean "
+        "source / target length), cut at the sentence borders and not renormalised; no query or key projections, "
+        "learned value and output projections. Presets: hc-sa (hard-coded self-attention, learned cross-attention), "
+        "hc-all (everything hard-coded), sh-x (hard-coded self-attention and a single learned cross-attention head "
+        "in the last decoder layer only). Implementations: full, conv (truncated window) and index (Sec. 6.3)."
+    )
+    card_citation = (
+        "Weiqiu You, Simeng Sun, Mohit Iyyer. Hard-Coded Gaussian Attention for Neural Machine Translation. ACL 2020."
+    )
+
+
+__all__ = [
+    "GaussianAttention",
+    "GaussianConfig",
+    "GaussianForConditionalGeneration",
+    "GAUSSIAN_IMPLEMENTATIONS",
+    "check_gaussian_settings",
+    "cutoff_radius",
+    "fit_length_ratio",
+    "gaussian_density",
+    "head_offsets",
+    "length_ratio",
+]

@@ -1,0 +1,312 @@
+"""Training and evaluation helpers for the hf_hardattn models (tooling, not runtime code).
+
+* :func:`tokenize_dataset` - "source"/"target" strings -> input_ids / attention_mask / labels;
+* :func:`train_seq2seq` - transformers' ``Seq2SeqTrainer`` + ``DataCollatorForSeq2Seq`` with the Transformer
+  recipe (Adam betas (0.9, 0.98), warm-up then inverse-square-root decay, label smoothing from the model config),
+  length-grouped batches (an approximation of token-based batching), an optional wall-clock budget in minutes
+  and a tqdm progress bar;
+* :func:`translate`, :func:`bleu` (detokenised sacrebleu), :func:`accuracy` (exact match) - batched
+  ``generate()`` over inputs sorted by length;
+* :func:`decode_speed` - sentences per second of ``generate()`` with a fixed number of new tokens.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+
+import sacrebleu
+import torch
+from tqdm.auto import tqdm
+from transformers import (
+    DataCollatorForSeq2Seq,
+    PrinterCallback,
+    ProgressCallback,
+    Seq2SeqTrainer,
+    Seq2SeqTrainingArguments,
+    TrainerCallback,
+)
+
+SCHEDULES = ("inverse_sqrt", "linear", "constant_with_warmup", "cosine")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Data
+# ----------------------------------------------------------------------------------------------------------------
+def tokenize_dataset(ds, tokenizer, max_length: int = 128, source_column: str = "source",
+                     target_column: str = "target", num_proc: int | None = None):
+    """Map a Dataset (or DatasetDict) of strings to model inputs: ``source`` -> ``input_ids`` / ``attention_mask``,
+    ``target`` -> ``labels`` (both end with ``</s>``, truncated to ``max_length`` tokens). The other columns are
+    dropped."""
+    if not isinstance(max_length, int) or max_length < 2:
+        raise ValueError(f"`max_length` must be an integer >= 2, got {max_length!r}.")
+    columns = ds.column_names
+    names = columns if isinstance(columns, list) else next(iter(columns.values()))
+    for name, column in (("source_column", source_column), ("target_column", target_column)):
+        if column not in names:
+            raise ValueError(f"`{name}`={column!r} is not a column of the dataset; allowed: {names}.")
+
+    def encode(batch):
+        out = tokenizer(batch[source_column], max_length=max_length, truncation=True)
+        out["labels"] = tokenizer(text_target=batch[target_column], max_length=max_length, truncation=True)["input_ids"]
+        return {"input_ids": out["input_ids"], "attention_mask": out["attention_mask"], "labels": out["labels"]}
+
+    return ds.map(encode, batched=True, remove_columns=names, num_proc=num_proc, desc="tokenize")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Training
+# ----------------------------------------------------------------------------------------------------------------
+class TimeBudget(TrainerCallback):
+    """Stops training once ``minutes`` of wall-clock time have passed since training began (checked after every
+    optimizer step, so the last step may overrun by one step)."""
+
+    def __init__(self, minutes: float):
+        self.seconds, self.start = 60.0 * minutes, None
+
+    def elapsed(self) -> float:
+        return 0.0 if self.start is None else time.perf_counter() - self.start
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.start = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.elapsed() >= self.seconds:
+            control.should_training_stop = True
+
+
+class ProgressBar(TrainerCallback):
+    """One tqdm bar: over seconds when training has a time budget, else over optimizer steps; shows the step, the
+    last logged loss and learning rate."""
+
+    def __init__(self, budget: TimeBudget | None = None, desc: str = "train"):
+        self.budget, self.desc, self.bar, self.postfix = budget, desc, None, {}
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if not state.is_world_process_zero:
+            return
+        if self.budget is not None:
+            self.bar = tqdm(total=round(self.budget.seconds), desc=self.desc, unit="s", dynamic_ncols=True)
+        else:
+            self.bar = tqdm(total=state.max_steps, desc=self.desc, unit="step", dynamic_ncols=True)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.bar is None:
+            return
+        target = round(min(self.budget.elapsed(), self.budget.seconds)) if self.budget is not None else state.global_step
+        self.bar.update(max(0, target - self.bar.n))
+        if self.budget is not None:
+            self.postfix["step"] = state.global_step
+        self.bar.set_postfix(self.postfix, refresh=False)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if self.bar is not None and logs:
+            if "loss" in logs:
+                self.postfix["loss"] = f"{logs['loss']:.3f}"
+            if "learning_rate" in logs:
+                self.postfix["lr"] = f"{logs['learning_rate']:.2e}"
+            if "eval_loss" in logs:
+                self.postfix["eval_loss"] = f"{logs['eval_loss']:.3f}"
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.bar is not None:
+            if self.budget is None:
+                self.bar.update(max(0, state.global_step - self.bar.n))
+            self.bar.set_postfix(self.postfix)
+            self.bar.close()
+            self.bar = None
+
+
+def train_seq2seq(
+    model,
+    tokenizer,
+    train_ds,
+    eval_ds=None,
+    output_dir: str = "outputs/train",
+    max_steps: int | None = None,
+    minutes: float | None = None,
+    batch_size: int = 64,
+    learning_rate: float = 5e-4,
+    warmup_steps: int = 1000,
+    seed: int = 0,
+    lr_scheduler: str = "inverse_sqrt",
+    epochs: float = 1.0,
+    eval_steps: int | None = None,
+    logging_steps: int = 50,
+    group_by_length: bool = True,
+    progress: bool = True,
+    max_grad_norm: float = 1.0,
+    weight_decay: float = 0.0,
+    callbacks=None,
+    **training_args,
+) -> Seq2SeqTrainer:
+    """Train ``model`` on ``train_ds`` (a tokenized Dataset, see :func:`tokenize_dataset`) and return the
+    ``Seq2SeqTrainer`` (``trainer.state.log_history`` holds the losses). The model is left in eval mode.
+
+    Length: ``max_steps`` optimizer steps, or ``minutes`` of wall-clock training (checked after every step), or
+    both (whichever ends first), or neither (``epochs`` passes over the data). Optimizer: Adam(W) with betas
+    (0.9, 0.98), eps 1e-9, ``weight_decay`` 0 by default (= Adam), gradient clipping ``max_grad_norm``.
+    Schedule ``lr_scheduler``: "inverse_sqrt" (Vaswani et al. 2017: linear warm-up for ``warmup_steps``, then
+    lr * sqrt(warmup / step)), "linear", "cosine" (these two decay to 0 at ``max_steps``, so they need it) or
+    "constant_with_warmup". ``group_by_length`` batches sentences of similar length (less padding; an approximation
+    of the papers' token-based batches). Extra keyword arguments go to ``Seq2SeqTrainingArguments``.
+    """
+    if max_steps is not None and (not isinstance(max_steps, int) or max_steps < 1):
+        raise ValueError(f"`max_steps` must be a positive integer or None, got {max_steps!r}.")
+    if minutes is not None and not minutes > 0:
+        raise ValueError(f"`minutes` must be > 0 or None, got {minutes!r}.")
+    if lr_scheduler not in SCHEDULES:
+        raise ValueError(f"`lr_scheduler` must be one of {SCHEDULES}, got {lr_scheduler!r}.")
+    if lr_scheduler in ("linear", "cosine") and max_steps is None:
+        raise ValueError(f"`lr_scheduler`={lr_scheduler!r} decays to 0 at `max_steps`, so it needs `max_steps`; "
+                         "with only a time budget use 'inverse_sqrt' or 'constant_with_warmup'.")
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"`batch_size` must be a positive integer, got {batch_size!r}.")
+    steps = max_steps if max_steps is not None else (10**9 if minutes is not None else -1)
+
+    args = Seq2SeqTrainingArguments(
+        output_dir=str(output_dir),
+        per_device_train_batch_size=batch_size,
+        per_device_eval_batch_size=batch_size,
+        learning_rate=learning_rate,
+        adam_beta1=0.9,
+        adam_beta2=0.98,
+        adam_epsilon=1e-9,
+        weight_decay=weight_decay,
+        max_grad_norm=max_grad_norm,
+        lr_scheduler_type=lr_scheduler,
+        warmup_steps=warmup_steps,
+        max_steps=steps,
+        num_train_epochs=epochs,
+        seed=seed,
+        logging_steps=logging_steps,
+        eval_strategy="steps" if (eval_ds is not None and eval_steps) else "no",
+        eval_steps=eval_steps,
+        save_strategy="no",
+        report_to=[],
+        train_sampling_strategy="group_by_length" if group_by_length else "random",
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        use_cpu=not torch.cuda.is_available(),
+        **training_args,
+    )
+    budget = TimeBudget(minutes) if minutes is not None else None
+    trainer = Seq2SeqTrainer(
+        model=model.train(),
+        args=args,
+        train_dataset=train_ds,
+        eval_dataset=eval_ds,
+        processing_class=tokenizer,
+        data_collator=DataCollatorForSeq2Seq(tokenizer, model=model, label_pad_token_id=-100),
+        callbacks=list(callbacks or []),
+    )
+    trainer.remove_callback(PrinterCallback)
+    trainer.remove_callback(ProgressCallback)
+    if budget is not None:
+        trainer.add_callback(budget)
+    if progress:
+        trainer.add_callback(ProgressBar(budget, desc=f"train {type(model).__name__}"))
+    trainer.train()
+    trainer.model.eval()
+    return trainer
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Evaluation
+# ----------------------------------------------------------------------------------------------------------------
+@torch.no_grad()
+def translate(model, tokenizer, sources, num_beams: int = 4, batch_size: int = 64, max_new_tokens: int | None = None,
+              max_length: int = 128, progress: bool = False, **generate_kwargs) -> list[str]:
+    """Decoded outputs of ``model.generate`` for every string of ``sources`` (in order). The inputs are sorted by
+    length and batched (little padding); ``max_new_tokens`` defaults to 1.5 x the batch's source length + 10."""
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"`batch_size` must be a positive integer, got {batch_size!r}.")
+    if not isinstance(num_beams, int) or num_beams < 1:
+        raise ValueError(f"`num_beams` must be a positive integer, got {num_beams!r}.")
+    sources = list(sources)
+    was_training = model.training
+    model.eval()
+    lengths = [len(ids) for ids in tokenizer(sources, max_length=max_length, truncation=True)["input_ids"]]
+    order = sorted(range(len(sources)), key=lambda i: -lengths[i])
+    outputs = [None] * len(sources)
+    starts = range(0, len(order), batch_size)
+    for start in tqdm(starts, desc="decode", disable=not progress):
+        index = order[start : start + batch_size]
+        batch = tokenizer([sources[i] for i in index], max_length=max_length, truncation=True, padding=True,
+                          return_tensors="pt").to(model.device)
+        limit = max_new_tokens or int(1.5 * batch["input_ids"].shape[1]) + 10
+        generated = model.generate(**batch, num_beams=num_beams, do_sample=False, max_new_tokens=limit,
+                                   **generate_kwargs)
+        for i, text in zip(index, tokenizer.batch_decode(generated, skip_special_tokens=True)):
+            outputs[i] = text.strip()
+    model.train(was_training)
+    return outputs
+
+
+def bleu(model, tokenizer, sources, references, num_beams: int = 4, batch_size: int = 64,
+         max_new_tokens: int | None = None, tokenize: str = "13a", **generate_kwargs) -> sacrebleu.metrics.BLEUScore:
+    """Corpus BLEU (sacrebleu, on detokenised text, default 13a tokenisation) of the model's translations of
+    ``sources`` against ``references`` (one reference per source). The hypotheses are kept in
+    ``score.hypotheses``."""
+    references = list(references)
+    sources = list(sources)
+    if len(sources) != len(references):
+        raise ValueError(f"`sources` ({len(sources)}) and `references` ({len(references)}) must have the same length.")
+    hypotheses = translate(model, tokenizer, sources, num_beams=num_beams, batch_size=batch_size,
+                           max_new_tokens=max_new_tokens, **generate_kwargs)
+    score = sacrebleu.corpus_bleu(hypotheses, [references], tokenize=tokenize)
+    score.hypotheses = hypotheses
+    return score
+
+
+def accuracy(model, tokenizer, sources, references, num_beams: int = 1, batch_size: int = 256,
+             max_new_tokens: int | None = None, return_predictions: bool = False, **generate_kwargs):
+    """Exact-match accuracy in [0, 1] (whitespace-stripped strings) of the model's outputs for ``sources``,
+    greedy by default; with ``return_predictions`` returns (accuracy, predictions)."""
+    references = [r.strip() for r in references]
+    sources = list(sources)
+    if len(sources) != len(references):
+        raise ValueError(f"`sources` ({len(sources)}) and `references` ({len(references)}) must have the same length.")
+    if not sources:
+        raise ValueError("`sources` is empty; exact-match accuracy needs at least one example.")
+    predictions = translate(model, tokenizer, sources, num_beams=num_beams, batch_size=batch_size,
+                            max_new_tokens=max_new_tokens, **generate_kwargs)
+    value = sum(p == r for p, r in zip(predictions, references)) / len(references)
+    return (value, predictions) if return_predictions else value
+
+
+@torch.no_grad()
+def decode_speed(model, input_ids, attention_mask=None, num_beams: int = 1, new_tokens: int = 30, repeats: int = 5,
+                 warmup: int = 1, **generate_kwargs) -> float:
+    """Sentences per second of ``model.generate`` on this batch, forced to produce exactly ``new_tokens`` tokens
+    (min_new_tokens = max_new_tokens, so every model does the same number of steps): batch size / median time of
+    ``repeats`` runs, after ``warmup`` untimed runs."""
+    if not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"`repeats` must be a positive integer, got {repeats!r}.")
+    if not isinstance(new_tokens, int) or new_tokens < 1:
+        raise ValueError(f"`new_tokens` must be a positive integer, got {new_tokens!r}.")
+    was_training = model.training
+    model.eval()
+    input_ids = input_ids.to(model.device)
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask.to(model.device), num_beams=num_beams,
+                  do_sample=False, min_new_tokens=new_tokens, max_new_tokens=new_tokens, **generate_kwargs)
+    for _ in range(warmup):
+        model.generate(**kwargs)
+    times = []
+    for _ in range(repeats):
+        if input_ids.device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        model.generate(**kwargs)
+        if input_ids.device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    model.train(was_training)
+    return input_ids.shape[0] / statistics.median(times)
+
+
+__all__ = ["tokenize_dataset", "train_seq2seq", "translate", "bleu", "accuracy", "decode_speed", "TimeBudget",
+           "ProgressBar"]

@@ -1,0 +1,314 @@
+"""Beam-joint / full-joint attention (Shankar et al., 2018, Eq. 4-5) in both settings: the Transformer decoder
+(setting 2) and the hybrid model's GRU decoder (setting 1).
+
+References are independent code paths: a naive loop that runs the SOFT model once per (target position, source
+position) with that layer's cross-attention of that position masked to the one source position (Transformer), or the
+hybrid decoder's own soft outputs + ``decoder.readout`` on explicitly built hard contexts (RNN), summed as
+log sum_a P(a) P(y | x_a) in float64.
+"""
+
+import pytest
+import torch
+from torch import nn
+
+from common import (check_cache_equivalence, check_padded_batch, check_remote_code, check_save_load,
+                    check_trainer, fitted, randomize, source_batch, tiny_kwargs)
+from hf_hardattn import (BeamJointRNNConfig, BeamJointRNNForConditionalGeneration, BeamJointTransformerConfig,
+                         BeamJointTransformerForConditionalGeneration, HardAttnForConditionalGeneration,
+                         HybridConfig, HybridForConditionalGeneration, SoftTransformerConfig,
+                         SoftTransformerForConditionalGeneration)
+from hf_hardattn.beam_joint import JointMixture
+
+DEC = torch.tensor([[1, 6, 9, 12, 15], [1, 8, 10, 2, 0]])  # decoder inputs (second row ends early)
+RNN_KW = dict(decoder_layers=1, rnn_hidden_size=32)
+
+
+def transformer(**kw):
+    return BeamJointTransformerForConditionalGeneration(BeamJointTransformerConfig(**tiny_kwargs(**kw)))
+
+
+def rnn(**kw):
+    return BeamJointRNNForConditionalGeneration(BeamJointRNNConfig(**tiny_kwargs(**RNN_KW, **kw)))
+
+
+def forward_log_probs(model, ids=None, mask=None, dec=DEC):
+    if ids is None:
+        ids, mask = source_batch()
+    return model(input_ids=ids, attention_mask=mask, decoder_input_ids=dec[: ids.shape[0]]).logits
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Independent references
+# ------------------------------------------------------------------------------------------------------------
+class Probe(nn.Module):
+    """Wraps a soft cross-attention module: records its inputs and can replace its mask."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner, self.mask, self.seen = inner, None, None
+
+    def forward(self, hidden, memory=None, mask=None, causal=False, cache=None):
+        self.seen = (hidden, memory)
+        return self.inner(hidden, memory=memory, mask=mask if self.mask is None else self.mask, cache=cache)
+
+
+def transformer_reference(model, ids, mask, dec, layer):
+    """(log P(a) [B, T, S] head-averaged, log P(y | x_a) [B, T, S, V]) from the soft model with the same weights,
+    float64. P(y | x_a) at position t: layer `layer`'s cross-attention of position t masked to source position a."""
+    config = model.config
+    soft = SoftTransformerForConditionalGeneration(SoftTransformerConfig(**{
+        k: getattr(config, k) for k in tiny_kwargs()
+    })).double()
+    soft.load_state_dict(model.state_dict())
+    soft.train(model.training)
+    params = dict(soft.named_parameters())
+    sub = soft.model.decoder.layers[layer].cross_attn
+    probe = sub.module = Probe(sub.module)
+    B, S = ids.shape
+    T = dec.shape[1]
+    soft(input_ids=ids, attention_mask=mask, decoder_input_ids=dec)
+    hidden, memory = probe.seen
+    attn = probe.inner
+    H, hd = attn.num_heads, attn.head_dim
+    q = attn.q_proj(hidden).view(B, T, H, hd).transpose(1, 2)
+    k = attn.kv_proj(memory)[..., : H * hd].view(B, S, H, hd).transpose(1, 2)
+    scores = (q @ k.transpose(-1, -2)) / hd**0.5
+    scores = scores.masked_fill(~mask.bool()[:, None, None, :], float("-inf"))
+    log_p = scores.softmax(-1).mean(1).clamp_min(1e-300).log()  # head average (Eq. 1 per head); padded ~-690
+    base = mask.bool()[:, None, None, :].expand(B, 1, T, S)
+    rows = [[None] * S for _ in range(T)]
+    for t in range(T):
+        for a in range(S):
+            one_hot = base.clone()
+            one_hot[:, :, t, :] = False
+            one_hot[:, :, t, a] = True
+            probe.mask = one_hot
+            rows[t][a] = soft(input_ids=ids, attention_mask=mask, decoder_input_ids=dec).logits[:, t].log_softmax(-1)
+    return log_p, torch.stack([torch.stack(row, 1) for row in rows], 1), params
+
+
+def rnn_reference(model, ids, mask, dec):
+    """(log P(a) [B, T, S], log P(y | x_a) [B, T, S, V]) from the hybrid decoder's soft outputs and readout(s_t, x_a)."""
+    hybrid = HybridForConditionalGeneration(HybridConfig(**tiny_kwargs(**RNN_KW, rnn_attention=model.config.rnn_attention)))
+    hybrid = hybrid.double()
+    hybrid.load_state_dict(model.state_dict())
+    hybrid.train(model.training)
+    memory = hybrid.model.encoder(ids, mask).last_hidden_state
+    out = hybrid.decoder_outputs(dec, memory, mask)
+    hard = hybrid.model.decoder.hard_contexts(memory)  # [B, S, C]
+    B, T, S = out.attentions.shape
+    per_a = []
+    for a in range(S):
+        readout = hybrid.model.decoder.readout(out.states, hard[:, a : a + 1].expand(B, T, -1))
+        per_a.append(hybrid.lm_head(readout).log_softmax(-1))
+    log_p = out.attentions.clamp_min(1e-300).log()  # padded positions: ~-690 with a zero gradient
+    return log_p, torch.stack(per_a, 2), dict(hybrid.named_parameters())
+
+
+def mix(log_p, log_py, keep=None, renormalize=True):
+    """log sum_{a in keep} w_a P(y | x_a); keep [B, T, S] bool (None = every position, Eq. 4)."""
+    log_w = log_p if keep is None else log_p.masked_fill(~keep, float("-inf"))
+    if keep is not None and renormalize:
+        log_w = log_w - torch.logsumexp(log_w, -1, keepdim=True)
+    return torch.logsumexp(log_w[..., None] + log_py, dim=2)
+
+
+def top_k_mask(log_p, k):
+    index = log_p.topk(min(k, log_p.shape[-1]), -1).indices
+    return torch.zeros_like(log_p, dtype=torch.bool).scatter_(-1, index, True)
+
+
+def reference(model, ids, mask, dec, with_params=False):
+    if isinstance(model, BeamJointRNNForConditionalGeneration):
+        log_p, log_py, params = rnn_reference(model, ids, mask, dec)
+    else:
+        layer = model.config.joint_layer % model.config.decoder_layers
+        log_p, log_py, params = transformer_reference(model, ids, mask, dec, layer)
+    return (log_p, log_py, params) if with_params else (log_p, log_py)
+
+
+SETTINGS = {
+    "transformer_last": lambda **kw: transformer(**kw),
+    "transformer_layer0": lambda **kw: transformer(joint_layer=0, **kw),
+    "rnn_additive": lambda **kw: rnn(**kw),
+    "rnn_multihead": lambda **kw: rnn(rnn_attention="multihead", **kw),
+}
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The mixture
+# ------------------------------------------------------------------------------------------------------------
+def test_mixture_matches_naive_and_gradcheck():
+    torch.manual_seed(0)
+    hidden = torch.randn(5, 3, 4, dtype=torch.float64, requires_grad=True)
+    log_w = torch.randn(5, 3, dtype=torch.float64).log_softmax(-1)
+    log_w[1, 2] = float("-inf")  # an absent candidate (padding)
+    log_w.requires_grad_(True)
+    weight = torch.randn(7, 4, dtype=torch.float64, requires_grad=True)
+    out = JointMixture.apply(hidden, log_w, weight, 4)  # 4 rows = 1 token per chunk: 5 chunks
+    naive = torch.log((log_w.exp()[..., None] * (hidden @ weight.t()).softmax(-1)).sum(1))
+    torch.testing.assert_close(out.double(), naive)
+    assert torch.autograd.gradcheck(lambda h, w, W: JointMixture.apply(h, w, W, 4), (hidden, log_w, weight))
+
+
+@pytest.mark.parametrize("name", sorted(SETTINGS))
+def test_full_joint_equals_naive_loop_and_large_k(name):
+    """Eq. 4 == naive loop over every (unpadded) source position; K >= source length == full-joint."""
+    ids, mask = source_batch()
+    full = randomize(SETTINGS[name](full_joint=True), std=0.3).double()
+    got = forward_log_probs(full, ids, mask)
+    log_p, log_py = reference(full, ids, mask, DEC)
+    torch.testing.assert_close(got.double(), mix(log_p, log_py), rtol=1e-6, atol=1e-6)
+    beam = SETTINGS[name](joint_k=ids.shape[1]).double().eval()
+    beam.load_state_dict(full.state_dict())
+    torch.testing.assert_close(forward_log_probs(beam, ids, mask), got, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", sorted(SETTINGS))
+def test_k1_renormalised_is_hard_attention_on_argmax(name):
+    ids, mask = source_batch()
+    model = randomize(SETTINGS[name](joint_k=1), std=0.3).double()
+    log_p, log_py = reference(model, ids, mask, DEC)
+    argmax = log_p.argmax(-1)  # [B, T]
+    expected = torch.gather(log_py, 2, argmax[..., None, None].expand(-1, -1, 1, log_py.shape[-1])).squeeze(2)
+    torch.testing.assert_close(forward_log_probs(model, ids, mask).double(), expected, rtol=1e-6, atol=1e-6)
+    # K=3 without renormalisation: the weights are the raw top-3 P(a)
+    raw = SETTINGS[name](joint_k=3, renormalize_joint=False).double().eval()
+    raw.load_state_dict(model.state_dict())
+    expected = mix(log_p, log_py, top_k_mask(log_p, 3), renormalize=False)
+    torch.testing.assert_close(forward_log_probs(raw, ids, mask).double(), expected, rtol=1e-6, atol=1e-6)
+    assert bool((torch.logsumexp(expected, -1) < -1e-6).all())  # a sub-distribution
+
+
+@pytest.mark.parametrize("name", sorted(SETTINGS))
+def test_gradient_through_mixture_weights_not_selection(name):
+    """Gradients of every parameter equal those of the naive mixture over the SAME (fixed, non-differentiable)
+    top-K set; the attention's query parameters get a non-zero gradient."""
+    ids, mask = source_batch()
+    model = randomize(SETTINGS[name](joint_k=2), std=0.3).double().train()
+    target = torch.tensor([[6, 9, 12, 15, 2], [8, 10, 2, 0, 0]])
+    got = forward_log_probs(model, ids, mask).gather(-1, target[..., None]).sum()
+    ours = dict(zip([n for n, _ in model.named_parameters()], torch.autograd.grad(got, list(model.parameters()))))
+    log_p, log_py, ref_params = reference(model, ids, mask, DEC, with_params=True)
+    ref = mix(log_p, log_py, top_k_mask(log_p.detach(), 2)).gather(-1, target[..., None]).sum()
+    torch.testing.assert_close(got.double(), ref, rtol=1e-6, atol=1e-6)
+    assert ours.keys() == ref_params.keys()
+    theirs = dict(zip(ref_params, torch.autograd.grad(ref, list(ref_params.values()), allow_unused=True)))
+    for key, grad in ours.items():
+        expected = theirs[key] if theirs[key] is not None else torch.zeros_like(grad)
+        torch.testing.assert_close(grad, expected, rtol=1e-5, atol=1e-8, msg=key)
+    query = [n for n in ours if ("q_proj" in n and "layers." in n) or "attention" in n]
+    assert any(ours[n].abs().max() > 0 for n in query), "no gradient reached the attention scores"
+
+
+@pytest.mark.parametrize("name", ["transformer_last", "rnn_additive"])
+def test_k_larger_than_sentence_uses_all_its_positions(name):
+    """Row 2 has 5 real source positions in a batch padded to 7: K=6 mixes exactly its 5 unpadded positions (the
+    padded one picked to fill K gets weight 0), i.e. its full-joint, in the batch and alone."""
+    ids, mask = source_batch()
+    model = randomize(SETTINGS[name](joint_k=6), std=0.3).double()
+    batched = forward_log_probs(model, ids, mask)[1]
+    length = int(mask[1].sum())
+    alone = forward_log_probs(model, ids[1:, :length], mask[1:, :length], DEC[1:])[0]
+    log_p, log_py = reference(model, ids[1:, :length], mask[1:, :length], DEC[1:])
+    torch.testing.assert_close(batched, alone, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(alone.double(), mix(log_p, log_py)[0], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["transformer_last", "rnn_additive"])
+def test_log_probabilities_and_loss(name):
+    """logits are log-probabilities (log_softmax is the identity); the loss equals the skeleton's cross-entropy;
+    joint_inference_k applies in eval mode only."""
+    ids, mask = source_batch()
+    model = randomize(SETTINGS[name](joint_k=3, joint_inference_k=1, label_smoothing=0.1), std=0.3).train()
+    logits = forward_log_probs(model, ids, mask)
+    torch.testing.assert_close(logits.log_softmax(-1), logits, rtol=0, atol=2e-6)
+    labels = torch.tensor([[6, 9, 12, 15, 2], [8, 10, 2, -100, -100]])
+    ce = HardAttnForConditionalGeneration.compute_loss(model, logits, labels)
+    torch.testing.assert_close(model.compute_loss(logits, labels), ce)
+    torch.testing.assert_close(model.compute_loss(logits, labels, 7), HardAttnForConditionalGeneration.compute_loss(
+        model, logits, labels, 7))
+    k1 = SETTINGS[name](joint_k=1)
+    k1.load_state_dict(model.state_dict())
+    torch.testing.assert_close(forward_log_probs(model.eval(), ids, mask), forward_log_probs(k1.eval(), ids, mask))
+    k3 = SETTINGS[name](joint_k=3)
+    k3.load_state_dict(model.state_dict())
+    torch.testing.assert_close(logits, forward_log_probs(k3.train(), ids, mask))
+    assert not torch.allclose(logits, forward_log_probs(k1.train(), ids, mask))
+
+
+@pytest.mark.parametrize("attention", ["additive", "dot", "multihead"])
+def test_rnn_hard_contexts_and_fast_readout(attention):
+    """hybrid's hard_contexts(j) == the attention's output with all weight on j; the split readout used per
+    candidate == decoder.readout on explicitly built candidates."""
+    ids, mask = source_batch()
+    model = randomize(rnn(rnn_attention=attention), std=0.3).double()
+    decoder = model.model.decoder
+    memory = model.model.encoder(ids, mask).last_hidden_state
+    keys, values = decoder.source(memory)
+    hard = decoder.hard_contexts(memory)
+    query = torch.randn(ids.shape[0], decoder.attention.query_size or decoder.hidden_size, dtype=torch.float64)
+    for j in range(ids.shape[1]):
+        one_hot = torch.zeros_like(mask, dtype=torch.bool)
+        one_hot[:, j] = True
+        context, _ = decoder.attention.attend(query, keys, values, one_hot)
+        torch.testing.assert_close(context, hard[:, j])
+    states = torch.randn(2, 3, 32, dtype=torch.float64)
+    index = torch.tensor([[[0, 2], [1, 1], [6, 3]], [[4, 0], [2, 3], [1, 0]]])
+    explicit = decoder.readout(states[:, :, None].expand(-1, -1, 2, -1),
+                               torch.stack([hard[b, index[b]] for b in range(2)]))
+    torch.testing.assert_close(model.candidate_readouts(states, hard, index), explicit)
+
+
+def test_bad_input():
+    for kw, field in [(dict(joint_k=0), "joint_k"), (dict(joint_inference_k=0), "joint_inference_k"),
+                      (dict(joint_layer=2), "joint_layer"), (dict(joint_layer=-3), "joint_layer"),
+                      (dict(joint_chunk_size=0), "joint_chunk_size"), (dict(full_joint="yes"), "full_joint"),
+                      (dict(cross_attention=["soft", "hard_retrieval"]), "cross_attention")]:
+        with pytest.raises(ValueError, match=field):
+            transformer(**kw)
+    with pytest.raises(ValueError, match="joint_k"):
+        rnn(joint_k=0)
+    ids, mask = source_batch()
+    for model in (transformer(full_joint=True, full_joint_max_source_length=6),
+                  rnn(full_joint=True, full_joint_max_source_length=6)):
+        with pytest.raises(ValueError, match="full_joint_max_source_length"):
+            forward_log_probs(model, ids, mask)
+        forward_log_probs(model, ids[:, :6], mask[:, :6])  # at the limit: fine
+    model = transformer()
+    model.config.joint_k = 0  # edited after construction: refused at forward
+    with pytest.raises(ValueError, match="joint_k"):
+        forward_log_probs(model)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# HF integration
+# ------------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module", params=["transformer_last", "transformer_layer0", "rnn_multihead"])
+def trained(request):
+    return request.param, fitted(SETTINGS[request.param](joint_k=3))
+
+
+def test_cache_equals_no_cache(trained):
+    check_cache_equivalence(trained[1])
+
+
+def test_padded_batch_equals_single(trained):
+    check_padded_batch(trained[1])
+
+
+def test_save_load_and_card(trained, tmp_path):
+    reloaded = check_save_load(trained[1], tmp_path)
+    card = (tmp_path / "README.md").read_text()
+    assert "log sum_k P_t(a_k)" in card and "renormalised" in card
+    assert reloaded.config.joint_k == 3
+
+
+@pytest.mark.parametrize("name", ["transformer_last", "rnn_additive"])
+def test_remote_code_fresh_process(name, tmp_path):
+    check_remote_code(fitted(SETTINGS[name](joint_k=3), steps=100), tmp_path)
+
+
+@pytest.mark.parametrize("name", ["transformer_last", "rnn_additive"])
+def test_trainer(name, tmp_path):
+    check_trainer(SETTINGS[name](joint_k=3), tmp_path)

@@ -1,0 +1,278 @@
+"""Shared tooling: data loaders, tokenizers, training / evaluation helpers and the ``demo`` command.
+
+Runs without /work/shared (temporary files only) and offline.
+"""
+
+import gzip
+import json
+import os
+import sys
+
+import pytest
+import sacrebleu
+import torch
+
+from common import tiny_kwargs
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from transformers import AutoTokenizer  # noqa: E402
+
+from hf_hardattn import SoftTransformerConfig, SoftTransformerForConditionalGeneration  # noqa: E402
+from hf_hardattn.data import _noun_paradigms, german_nouns, load_parallel, multi30k  # noqa: E402
+from hf_hardattn.tokenization import train_tokenizer  # noqa: E402
+from hf_hardattn.training import accuracy, bleu, decode_speed, tokenize_dataset, train_seq2seq  # noqa: E402
+
+EN = ["A man rides a bike.", "Two dogs play in the snow.", "A woman is reading a book."]
+DE = ["Ein Mann fährt Fahrrad.", "Zwei Hunde spielen im Schnee.", "Eine Frau liest ein Buch."]
+CORPUS = EN + DE + ["Die Häuser sind groß.", "Der Junge läuft über die Straße."] * 3
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models run faster on one thread, and much faster when other processes share the cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def write(path, lines, compress):
+    opener = gzip.open if compress else open
+    with opener(path, "wt", encoding="utf-8") as handle:
+        handle.write("\n".join(lines) + "\n")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# data
+# ---------------------------------------------------------------------------------------------------------------
+def test_load_parallel_gz_and_plain(tmp_path):
+    write(tmp_path / "train.en.gz", EN, True)
+    write(tmp_path / "train.de.gz", DE, True)
+    write(tmp_path / "val.en", EN[:2], False)
+    write(tmp_path / "val.de", DE[:2], False)
+    ds = load_parallel(tmp_path, "train")
+    assert ds.column_names == ["source", "target"]
+    assert ds["source"] == EN and ds["target"] == DE
+    reverse = load_parallel(tmp_path, "val", src="de", tgt="en")
+    assert reverse["source"] == DE[:2] and reverse["target"] == EN[:2]
+    with pytest.raises(FileNotFoundError, match=r"test\.de\[\.gz\]"):
+        write(tmp_path / "test.en", EN, False)
+        load_parallel(tmp_path, "test")
+    write(tmp_path / "bad.en", EN, False)
+    write(tmp_path / "bad.de", DE[:2], False)
+    with pytest.raises(ValueError, match="sentence-aligned"):
+        load_parallel(tmp_path, "bad")
+
+
+def test_multi30k_root_and_env(tmp_path, monkeypatch):
+    write(tmp_path / "val.en.gz", EN, True)
+    write(tmp_path / "val.de.gz", DE, True)
+    assert multi30k("val", root=tmp_path)["target"] == DE
+    monkeypatch.setenv("HF_HARDATTN_MULTI30K", str(tmp_path))
+    assert multi30k("val")["source"] == EN
+    with pytest.raises(FileNotFoundError, match="root=FOLDER"):
+        multi30k("val", root=tmp_path / "absent")
+
+
+def test_noun_paradigm_by_hand():
+    """Haus (neuter): Haus, Häuser, Hauses, Häuser, Haus, Häusern, Haus, Häuser (German grammar, by hand)."""
+    paradigms = {lemma: (gender, cells) for lemma, gender, cells in _noun_paradigms(True)}
+    gender, cells = paradigms["Haus"]
+    assert gender == "n"
+    assert [form for _, _, form in cells] == ["Haus", "Häuser", "Hauses", "Häuser", "Haus", "Häusern", "Haus", "Häuser"]
+    assert "-chen" not in paradigms and "Berlin" not in paradigms  # affixes and toponyms are left out
+
+
+def test_german_nouns_split_by_lemma_and_deterministic():
+    first = german_nouns(seed=0, max_examples=3000)
+    again = german_nouns(seed=0, max_examples=3000)
+    other = german_nouns(seed=1, max_examples=3000)
+    assert sum(len(first[s]) for s in first) == 3000
+    lemmas = {split: set(first[split]["lemma"]) for split in first}
+    assert not lemmas["train"] & lemmas["test"]
+    assert not lemmas["train"] & lemmas["validation"]
+    assert not lemmas["validation"] & lemmas["test"]
+    assert len(first["test"]) > 0 and len(first["validation"]) > 0
+    for split in first:
+        assert first[split].to_dict() == again[split].to_dict()
+    assert first["test"]["lemma"] != other["test"]["lemma"]
+    for row in first["train"].select(range(50)):
+        gender = f"<{row['gender']}> " if row["gender"] else ""
+        assert row["source"] == f"{row['lemma']} {gender}{row['tag']}"
+        assert row["target"] and " " not in row["target"]
+    with pytest.raises(ValueError, match="test_fraction"):
+        german_nouns(test_fraction=1.5)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# tokenizers
+# ---------------------------------------------------------------------------------------------------------------
+def test_bpe_tokenizer_round_trip_specials_save_load(tmp_path):
+    write(tmp_path / "a.gz", CORPUS, True)
+    write(tmp_path / "b.txt", DE, False)
+    tok = train_tokenizer([str(tmp_path / "a.gz"), str(tmp_path / "b.txt")], vocab_size=300, kind="bpe")
+    assert tok.convert_ids_to_tokens([0, 1, 2, 3]) == ["<pad>", "<s>", "</s>", "<unk>"]
+    assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id, tok.unk_token_id) == (0, 1, 2, 3)
+    for text in CORPUS + ["Völlig neue Wörter: Straßenbahn, ½ Ölfass!", "  two  spaces "]:
+        ids = tok(text)["input_ids"]
+        assert ids[-1] == 2 and ids.count(2) == 1
+        assert 3 not in ids  # byte-level: nothing is unknown
+        assert tok.decode(ids, skip_special_tokens=True) == text
+    assert tok(text_target="Ein Mann")["input_ids"][-1] == 2
+    tok.save_pretrained(tmp_path / "tok")
+    reloaded = AutoTokenizer.from_pretrained(tmp_path / "tok")
+    assert reloaded("Zwei Hunde.")["input_ids"] == tok("Zwei Hunde.")["input_ids"]
+    assert reloaded.pad_token_id == 0 and reloaded.eos_token_id == 2
+
+
+def test_char_tokenizer_keeps_tags_whole(tmp_path):
+    texts = ["Haus <n> <gen> <pl>", "Häuser", "Frau <f> <dat> <sg>", "Frauen"]
+    tok = train_tokenizer(texts, kind="char", min_frequency=1)
+    tokens = tok.convert_ids_to_tokens(tok("Haus <gen> <pl>")["input_ids"])
+    assert tokens == ["H", "a", "u", "s", " ", "<gen>", " ", "<pl>", "</s>"]
+    for text in texts:
+        assert tok.decode(tok(text)["input_ids"], skip_special_tokens=True) == text
+    assert tok("Hz")["input_ids"] == [tok.convert_tokens_to_ids("H"), 3, 2]  # unseen character -> <unk>
+    tok.save_pretrained(tmp_path / "char")
+    reloaded = AutoTokenizer.from_pretrained(tmp_path / "char")
+    assert reloaded.decode(reloaded("Frau <f> <dat> <sg>")["input_ids"], skip_special_tokens=True) == texts[2]
+    with pytest.raises(ValueError, match="kind"):
+        train_tokenizer(texts, kind="word")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# training / evaluation
+# ---------------------------------------------------------------------------------------------------------------
+def reversal_dataset(n=256, seed=0):
+    import random
+
+    import datasets
+
+    rng = random.Random(seed)
+    words = ["".join(rng.choice("abcdefgh") for _ in range(rng.randint(3, 7))) for _ in range(n)]
+    return datasets.Dataset.from_dict({"source": words, "target": [w[::-1] for w in words]})
+
+
+def test_tokenize_and_train_seq2seq(tmp_path):
+    raw = reversal_dataset()
+    tok = train_tokenizer(raw, kind="char", min_frequency=1)
+    data = tokenize_dataset(raw, tok, max_length=16)
+    assert data.column_names == ["input_ids", "attention_mask", "labels"]
+    assert data[0]["labels"] == tok(text_target=raw[0]["target"])["input_ids"]
+    assert data[0]["input_ids"][-1] == 2 and data[0]["labels"][-1] == 2
+    torch.manual_seed(0)
+    model = SoftTransformerForConditionalGeneration(SoftTransformerConfig(**tiny_kwargs(vocab_size=len(tok))))
+    trainer = train_seq2seq(model, tok, data, output_dir=tmp_path / "run", max_steps=30, batch_size=16,
+                            learning_rate=3e-3, warmup_steps=5, logging_steps=5, progress=False)
+    losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
+    assert trainer.state.global_step == 30
+    assert losses[-1] < 0.8 * losses[0], losses
+    assert not model.training
+    # a wall-clock budget stops training long before its step limit
+    budget = train_seq2seq(model, tok, data, output_dir=tmp_path / "run2", minutes=0.01, batch_size=16,
+                           warmup_steps=5, progress=True)
+    assert 1 <= budget.state.global_step < 10**9
+    with pytest.raises(ValueError, match="lr_scheduler"):
+        train_seq2seq(model, tok, data, output_dir=tmp_path / "x", minutes=1, lr_scheduler="linear")
+
+
+class StubModel:
+    """generate() answers from a lookup table: decodes each (padded) source row and encodes its known output."""
+
+    def __init__(self, tokenizer, table):
+        self.tokenizer, self.table, self.training, self.calls = tokenizer, table, False, []
+        self.device = torch.device("cpu")
+
+    def eval(self):
+        self.training = False
+        return self
+
+    def train(self, mode=True):
+        self.training = mode
+        return self
+
+    def generate(self, input_ids, attention_mask=None, **kwargs):
+        self.calls.append(dict(kwargs, batch=input_ids.shape[0]))
+        sources = self.tokenizer.batch_decode(input_ids, skip_special_tokens=True)
+        rows = [[1] + self.tokenizer(self.table[s])["input_ids"] for s in sources]
+        width = max(map(len, rows))
+        return torch.tensor([row + [0] * (width - len(row)) for row in rows])
+
+
+def test_bleu_and_accuracy_against_hand_values():
+    sources = ["a b", "a b c d e f", "c", "d e f g"]
+    outputs = {"a b": "the cat sat on the mat", "a b c d e f": "a dog", "c": "hello world", "d e f g": "x y z"}
+    references = ["the cat sat on the mat", "the dog", "hello world", "x y w"]
+    tok = train_tokenizer(sources + list(outputs.values()) + references, kind="bpe", vocab_size=300, min_frequency=1)
+    stub = StubModel(tok, outputs)
+    score = bleu(stub, tok, sources, references, num_beams=4, batch_size=3)
+    hypotheses = [outputs[s] for s in sources]
+    assert score.hypotheses == hypotheses  # original order restored after length sorting
+    assert score.score == pytest.approx(sacrebleu.corpus_bleu(hypotheses, [references]).score)
+    assert [c["batch"] for c in stub.calls] == [3, 1] and all(c["num_beams"] == 4 for c in stub.calls)
+    assert bleu(stub, tok, sources, hypotheses).score == pytest.approx(100.0)
+    # exact match: 2 of 4 outputs equal their reference ("the cat ..." and "hello world")
+    value, predictions = accuracy(stub, tok, sources, references, return_predictions=True)
+    assert value == pytest.approx(0.5) and predictions == hypotheses
+
+
+def test_decode_speed_forces_length_and_counts_runs():
+    torch.manual_seed(0)
+    model = SoftTransformerForConditionalGeneration(SoftTransformerConfig(**tiny_kwargs())).eval()
+    calls = []
+    generate = model.generate
+
+    def counted(**kwargs):
+        out = generate(**kwargs)
+        calls.append((kwargs["min_new_tokens"], kwargs["max_new_tokens"], out.shape))
+        return out
+
+    model.generate = counted
+    ids = torch.randint(4, 40, (3, 6))
+    speed = decode_speed(model, ids, torch.ones_like(ids), num_beams=1, new_tokens=7, repeats=3)
+    assert speed > 0
+    assert len(calls) == 4  # one warm-up + 3 timed runs
+    assert all(c[:2] == (7, 7) and c[2] == (3, 8) for c in calls)  # start token + exactly 7 new tokens
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# command line
+# ---------------------------------------------------------------------------------------------------------------
+def test_demo_end_to_end(tmp_path, capsys):
+    from hf_hardattn.cli import main
+
+    out = tmp_path / "demo"
+    main(["demo", "--tiny", "--minutes", "0.1", "--max-examples", "2000", "--eval-examples", "40",
+          "--speed-batch", "4", "--speed-tokens", "4", "--speed-rounds", "1", "--show", "3",
+          "--output-dir", str(out)])
+    printed = capsys.readouterr().out
+    assert "speed ratio hard/soft" in printed and "reloaded" in printed
+    for name, model_type in (("soft", "soft_transformer"), ("hard", "hard_retrieval_transformer")):
+        folder = out / name
+        for file in ("model.safetensors", "config.json", "tokenizer.json", "README.md"):
+            assert (folder / file).exists(), (name, file)
+        card = (folder / "README.md").read_text()
+        assert model_type in card and "test exact match" in card
+    results = json.loads((out / "demo_results.json").read_text())
+    for name in ("soft", "hard"):
+        assert 0 <= results["results"][name]["accuracy"] <= 1
+        assert results["results"][name]["steps"] >= 1
+    assert results["speed_ratio_hard_over_soft"] > 0
+
+
+def test_tokenizer_command(tmp_path, monkeypatch):
+    """``python -m hf_hardattn tokenizer ...`` (run in-process through the package's __main__)."""
+    import runpy
+
+    write(tmp_path / "train.en.gz", CORPUS, True)
+    write(tmp_path / "train.de.gz", DE, True)
+    argv = ["hf_hardattn", "tokenizer", "--files", str(tmp_path / "train.en.gz"), str(tmp_path / "train.de.gz"),
+            "--vocab-size", "300", "--out", str(tmp_path / "tok")]
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_module("hf_hardattn", run_name="__main__")
+    assert exit_info.value.code == 0
+    tok = AutoTokenizer.from_pretrained(tmp_path / "tok")
+    assert len(tok) == 300
+    assert tok.decode(tok(DE[0])["input_ids"], skip_special_tokens=True) == DE[0]
