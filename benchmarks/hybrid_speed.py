@@ -104,6 +104,30 @@ def breakdown(kind, ids, mask, beams, tokens, repeats):
     return parts
 
 
+def macs_per_token(model, source_length, target_step):
+    """Analytic multiply-accumulates per generated token and hypothesis (decoder + vocabulary projection), and of
+    the encoder per source sentence. Explains the compute-bound ratio (large batch x beam)."""
+    c = model.config
+    d, vocab, s_len, t = c.d_model, c.vocab_size, source_length, target_step
+    encoder = c.encoder_layers * s_len * (4 * d * d + 2 * d * c.encoder_ffn_dim + 2 * s_len * d)
+    if c.model_type == "hybrid_transformer":
+        h, e = c.rnn_hidden_size, c.rnn_embedding_size or d
+        query = {"additive": c.additive_attention_size or d, "dot": 0, "multihead": d}[c.rnn_attention]
+        score = {"additive": s_len * (c.additive_attention_size or d), "dot": s_len * h, "multihead": s_len * d}
+        parts = {"GRU word input (E->3H)": e * 3 * h, "GRU hidden + query (H->3H+Q)": h * (3 * h + query),
+                 "attention scores + context": score[c.rnn_attention] + s_len * d,
+                 "GRU context input (C->3H)": d * 3 * h,
+                 "readout ([H;C]->d)": (h + d) * d}
+    else:
+        per_layer = dict(self_proj=4 * d * d, self_attn=2 * t * d, cross_proj=2 * d * d, cross_attn=2 * s_len * d,
+                         ffn=2 * d * c.decoder_ffn_dim)
+        parts = {f"{k} x{c.decoder_layers}": v * c.decoder_layers for k, v in per_layer.items()}
+    parts["vocabulary projection"] = d * vocab
+    parts["total per token"] = sum(parts.values())
+    parts["encoder per sentence"] = encoder
+    return parts
+
+
 @torch.no_grad()
 def profile_ops(model, ids, mask, beams, tokens, rows=15):
     from torch.profiler import ProfilerActivity, profile
@@ -153,6 +177,12 @@ def main(argv=None):
     result = dict(settings=dict(vars(args), torch=torch.__version__), rows=rows, table="\n".join(table))
 
     if args.profile:
+        result["macs"] = {}
+        for name, model in models.items():
+            parts = macs_per_token(model, args.source_length, args.tokens // 2)
+            result["macs"][name] = parts
+            print(f"\n{name}: MACs per generated token and hypothesis (t={args.tokens // 2}, S={args.source_length}): "
+                  + ", ".join(f"{k} {v / 1e6:.2f}M" for k, v in parts.items()))
         result["breakdown"] = {}
         for batch in args.batches:
             ids, mask = inputs(batch, args.source_length)

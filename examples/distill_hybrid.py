@@ -122,15 +122,16 @@ def main(argv=None):
     train = tokenize_dataset(train_raw, tokenizer, max_length=64)
     log(f"data: {len(train_raw)} training pairs, {len(test)} test pairs, BPE vocabulary {len(tokenizer)}")
 
-    # -- 1. teacher -----------------------------------------------------------------------------------------------------
+    # -- 1. teacher ----------------------------------------------------------------------------------------------------
     torch.manual_seed(args.seed)
-    teacher = SoftTransformerForConditionalGeneration(SoftTransformerConfig(**size["teacher"], **special_ids(tokenizer)))
+    teacher_config = SoftTransformerConfig(**size["teacher"], **special_ids(tokenizer))
+    teacher = SoftTransformerForConditionalGeneration(teacher_config)
     train_seq2seq(teacher, tokenizer, train, output_dir=os.path.join(args.output_dir, "trainer", "teacher"),
                   minutes=args.teacher_minutes, max_steps=args.max_steps, batch_size=args.batch_size,
                   learning_rate=args.learning_rate, warmup_steps=min(400, args.max_steps or 400), seed=args.seed)
     teacher.save_pretrained(os.path.join(args.output_dir, "teacher"))
 
-    # -- 2. hybrid student, MLE -----------------------------------------------------------------------------------------
+    # -- 2. hybrid student, MLE ----------------------------------------------------------------------------------------
     torch.manual_seed(args.seed)
     config = HybridConfig(**size["student"], rnn_attention=args.rnn_attention, **special_ids(tokenizer))
     student = HybridForConditionalGeneration(config)
@@ -140,17 +141,17 @@ def main(argv=None):
     student.save_pretrained(os.path.join(args.output_dir, "hybrid_mle"))
     mle_student = HybridForConditionalGeneration.from_pretrained(os.path.join(args.output_dir, "hybrid_mle")).eval()
 
-    # -- 3. sequence-level KD data (resumable: rerunning skips finished shards) -----------------------------------------
+    # -- 3. sequence-level KD data (resumable: rerunning skips finished shards) ----------------------------------------
     distilled = translate_dataset(teacher, tokenizer, train_raw, os.path.join(args.output_dir, "kd_data"),
                                   num_beams=args.kd_beams, batch_size=64, shard_size=1000, max_new_tokens=64)
     kd_train = tokenize_dataset(distilled, tokenizer, max_length=64)
 
-    # -- 4. Eq. 1 fine-tuning on the distilled data ---------------------------------------------------------------------
+    # -- 4. Eq. 1 fine-tuning on the distilled data --------------------------------------------------------------------
     trainer = kd_finetune(student, teacher, tokenizer, kd_train, args, os.path.join(args.output_dir, "trainer", "kd"))
     student.save_pretrained(os.path.join(args.output_dir, "hybrid_kd"))
     log(f"KD fine-tuning: {trainer.state.global_step} steps, last parts {trainer.kd_parts}")
 
-    # -- 5. BLEU + speed ------------------------------------------------------------------------------------------------
+    # -- 5. BLEU + speed -----------------------------------------------------------------------------------------------
     models = {"teacher (soft Transformer)": teacher, "hybrid (MLE)": mle_student, "hybrid + KD": student}
     batch = tokenizer(test["source"][:32], padding=True, return_tensors="pt")
     results = {}

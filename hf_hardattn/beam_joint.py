@@ -107,7 +107,7 @@ class JointMixture(torch.autograd.Function):
         return grad_hidden, grad_lw, grad_weight, None
 
 
-def joint_log_probs(hidden, log_weights, weight, chunk_rows=4096):
+def joint_log_probs(hidden, log_weights, weight, chunk_rows=16384):
     """hidden [..., K, d], log_weights [..., K] -> mixture log-probabilities [..., V] in fp32 (fp64 for fp64
     inputs) (Eq. 4-5)."""
     lead = hidden.shape[:-2]
@@ -151,7 +151,9 @@ JOINT_DOC = """
             With False, the log-probabilities of the un-renormalised Eq. 5 sum to sum_k P(a_k) <= 1 and the loss
             trains that bound directly; generate() still works (beam search renormalises with log_softmax).
         joint_chunk_size: candidate rows (tokens x K) whose vocabulary logits are materialised at once; bounds the
-            memory of the K x vocabulary logits in forward and backward.
+            memory of the K x vocabulary logits: about 5 x joint_chunk_size x V fp32 values live in backward
+            (default 16384 rows: ~2.6 GB at V=8000) instead of ~3 x tokens x K x V; chunks beyond the last are
+            recomputed in backward (a batch of at most this many rows is never recomputed).
 """
 
 
@@ -230,7 +232,7 @@ class BeamJointTransformerConfig(HardAttnConfig):
     full_joint: bool = False
     full_joint_max_source_length: int = 64
     renormalize_joint: bool = True
-    joint_chunk_size: int = 4096
+    joint_chunk_size: int = 16384
     joint_layer: int = -1
 
     def check(self):
@@ -404,7 +406,7 @@ class BeamJointRNNConfig(HybridConfig):
     full_joint: bool = False
     full_joint_max_source_length: int = 64
     renormalize_joint: bool = True
-    joint_chunk_size: int = 4096
+    joint_chunk_size: int = 16384
 
     def check(self):
         super().check()

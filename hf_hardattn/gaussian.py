@@ -38,7 +38,7 @@ from .modeling_hardattn import HardAttnForConditionalGeneration
 
 GAUSSIAN_IMPLEMENTATIONS = ("full", "conv", "index")
 PRESETS = ("hc-sa", "hc-all", "sh-x")
-# Sec. 3.1 / Appendix A: encoder (l, r), decoder (l, c); Sec. 3.2: cross floor(gamma*i - 1), floor(gamma*i), floor(gamma*i + 1)
+# Sec. 3.1 / Appendix A: encoder (l, r), decoder (l, c); Sec. 3.2: cross floor(gamma*i + {-1, 0, 1})
 DEFAULT_OFFSETS = {"encoder": (-1, 1), "decoder": (-1, 0), "cross": (-1, 0, 1)}
 OFFSET_FIELDS = {"encoder": "encoder_offsets", "decoder": "decoder_offsets", "cross": "cross_offsets"}
 # ``full`` during cached decoding skips keys whose weight is below this fraction of the head's peak weight
@@ -75,7 +75,9 @@ def check_gaussian_settings(config):
     """ValueError naming the parameter and its allowed values for any invalid Gaussian setting."""
     implementation = _setting(config, "gaussian_implementation")
     if implementation not in GAUSSIAN_IMPLEMENTATIONS:
-        raise ValueError(f"`gaussian_implementation` must be one of {GAUSSIAN_IMPLEMENTATIONS}, got {implementation!r}.")
+        raise ValueError(
+            f"`gaussian_implementation` must be one of {GAUSSIAN_IMPLEMENTATIONS}, got {implementation!r}."
+        )
     sigma = _setting(config, "gaussian_sigma")
     if not _is_number(sigma) or not sigma > 0 or not math.isfinite(sigma):
         raise ValueError(f"`gaussian_sigma` must be a positive finite number (the paper uses 1), got {sigma!r}.")
