@@ -60,7 +60,7 @@ from transformers import initialization as init
 from transformers.utils import ModelOutput
 
 from .configuration_hardattn import HardAttnConfig
-from .modeling_hardattn import (HardAttnCache, HardAttnEncoder, HardAttnForConditionalGeneration,
+from .modeling_hardattn import (HardAttnCache, HardAttnForConditionalGeneration, HardAttnModel,
                                 HardAttnPreTrainedModel)
 
 RNN_ATTENTIONS = ("additive", "dot", "multihead")
@@ -365,26 +365,10 @@ class HybridPreTrainedModel(HardAttnPreTrainedModel):
                 init.orthogonal_(module.weight[gate * hidden : (gate + 1) * hidden])
 
 
-class HybridModel(HybridPreTrainedModel):
+class HybridModel(HybridPreTrainedModel, HardAttnModel):
     """Shared token embeddings + Transformer encoder + GRU decoder (no output layer)."""
 
-    _tied_weights_keys = {"encoder.embed_tokens.weight": "shared.weight", "decoder.embed_tokens.weight": "shared.weight"}
-
-    def __init__(self, config: HybridConfig):
-        super().__init__(config)
-        self.shared = nn.Embedding(config.vocab_size, config.d_model, padding_idx=config.pad_token_id)
-        self.encoder = HardAttnEncoder(config, self.shared)
-        self.decoder = HybridDecoder(config, self.shared)
-        self.post_init()
-
-    def get_input_embeddings(self):
-        return self.shared
-
-    def set_input_embeddings(self, value):
-        self.shared = self.encoder.embed_tokens = self.decoder.embed_tokens = value
-
-    def get_encoder(self, *args, **kwargs):
-        return self.encoder
+    decoder_class = HybridDecoder
 
 
 class HybridForConditionalGeneration(HybridPreTrainedModel, HardAttnForConditionalGeneration):

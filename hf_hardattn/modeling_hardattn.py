@@ -433,11 +433,13 @@ class HardAttnModel(HardAttnPreTrainedModel):
 
     _tied_weights_keys = {"encoder.embed_tokens.weight": "shared.weight", "decoder.embed_tokens.weight": "shared.weight"}
 
+    decoder_class = HardAttnDecoder  # variants with another decoder (the hybrid's GRU) replace it
+
     def __init__(self, config: HardAttnConfig):
         super().__init__(config)
         self.shared = nn.Embedding(config.vocab_size, config.d_model, padding_idx=config.pad_token_id)
         self.encoder = HardAttnEncoder(config, self.shared)
-        self.decoder = HardAttnDecoder(config, self.shared)
+        self.decoder = self.decoder_class(config, self.shared)
         self.post_init()
 
     def get_input_embeddings(self):

@@ -243,3 +243,12 @@ def fitted(model, steps=150, lr=5e-3, seed=0):
         loss.backward()
         optimizer.step()
     return model.eval()
+
+
+def beam_result(model):
+    """Beam search (cached) sequences and their final scores: a negative control compares the scores, which any
+    change of the decoder state moves, rather than the tokens, which may survive it by luck."""
+    ids, mask = source_batch()
+    out = model.generate(input_ids=ids, attention_mask=mask, use_cache=True, output_scores=True,
+                         return_dict_in_generate=True, **generate_kwargs("beam"))
+    return out.sequences, out.sequences_scores
