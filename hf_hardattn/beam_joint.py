@@ -347,7 +347,12 @@ class BeamJointTransformerForConditionalGeneration(JointOutputMixin, HardAttnFor
                 log_p = torch.logsumexp(scores.log_softmax(-1), dim=1) - math.log(attn.num_heads)  # head average
                 log_w, index_k = select_candidates(log_p, k_active, config.full_joint, config.renormalize_joint)
                 # hard attention of every head on position a: out_proj(concat_h v_h[a])  [B, S, d]
-                hard = attn.merge(v)
+                # (a constant of the sentence: computed once per sentence when decoding with the cache)
+                hard = cache.states.get("beam_joint.hard") if cache is not None else None
+                if hard is None:
+                    hard = attn.merge(v)
+                    if cache is not None:
+                        cache.states["beam_joint.hard"] = hard
                 picked = torch.gather(hard, 1, index_k.reshape(batch, -1, 1).expand(-1, -1, hard.shape[-1]))
                 n_cand = index_k.shape[-1]
                 y = _residual(sub, x[:, :, None, :], picked.view(batch, length, n_cand, -1).to(x.dtype))
