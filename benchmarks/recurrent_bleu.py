@@ -47,6 +47,7 @@ def main():
     parser.add_argument("--learning-rate", type=float, default=1e-3)
     parser.add_argument("--eval-size", type=int, default=None, help="first N test sentences (default: all 1000)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--no-baseline", action="store_true", help="skip the soft baseline (e.g. a second run)")
     parser.add_argument("--output", default=os.path.join(os.path.dirname(__file__), "results", "recurrent_bleu.json"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -57,7 +58,7 @@ def main():
     tokenizer = train_tokenizer(train, vocab_size=8000)
     train_tok = tokenize_dataset(train, tokenizer)
     results = {}
-    for name in ["soft"] + args.variants:
+    for name in ([] if args.no_baseline else ["soft"]) + args.variants:
         torch.manual_seed(0)
         model = build(name, tokenizer)
         start = time.perf_counter()
