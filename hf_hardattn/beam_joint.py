@@ -29,6 +29,7 @@ Runtime code shipped with saved models: flat, same-folder relative imports only.
 """
 
 import math
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -214,7 +215,23 @@ class JointOutputMixin:
 # ----------------------------------------------------------------------------------------------------------------
 # Setting 2: multi-head Transformer decoder
 # ----------------------------------------------------------------------------------------------------------------
-class BeamJointTransformerConfig(HardAttnConfig):
+@dataclass(repr=False, kw_only=True)
+class JointFields:
+    """The joint-output fields both beam-joint configs declare (see JOINT_DOC), and their validation."""
+
+    joint_k: int = 6
+    joint_inference_k: int | None = None
+    full_joint: bool = False
+    full_joint_max_source_length: int = 64
+    renormalize_joint: bool = True
+    joint_chunk_size: int = 16384
+
+    def check(self):
+        super().check()
+        check_joint_fields(self)
+
+
+class BeamJointTransformerConfig(JointFields, HardAttnConfig):
     __doc__ = (
         """Transformer whose output is the beam-joint (Eq. 5) or full-joint (Eq. 4) attention-output mixture taken
     in one decoder cross-attention layer.
@@ -227,17 +244,10 @@ class BeamJointTransformerConfig(HardAttnConfig):
     )
 
     model_type = "beam_joint_transformer"
-    joint_k: int = 6
-    joint_inference_k: int | None = None
-    full_joint: bool = False
-    full_joint_max_source_length: int = 64
-    renormalize_joint: bool = True
-    joint_chunk_size: int = 16384
     joint_layer: int = -1
 
     def check(self):
-        super().check()
-        check_joint_fields(self)
+        super().check()  # JointFields.check: the joint fields
         self.joint_layer_index()
 
     def joint_layer_index(self) -> int:
@@ -395,7 +405,7 @@ class BeamJointTransformerForConditionalGeneration(JointOutputMixin, HardAttnFor
 # ----------------------------------------------------------------------------------------------------------------
 # Setting 1: the paper's RNN decoder (the hybrid model's GRU decoder)
 # ----------------------------------------------------------------------------------------------------------------
-class BeamJointRNNConfig(HybridConfig):
+class BeamJointRNNConfig(JointFields, HybridConfig):
     __doc__ = (
         """Transformer encoder + GRU decoder (:class:`HybridConfig`) whose output is the beam-joint (Eq. 5) or
     full-joint (Eq. 4) mixture over the GRU attention's distribution a_t (head-averaged for ``rnn_attention=
@@ -406,16 +416,6 @@ class BeamJointRNNConfig(HybridConfig):
     )
 
     model_type = "beam_joint_rnn"
-    joint_k: int = 6
-    joint_inference_k: int | None = None
-    full_joint: bool = False
-    full_joint_max_source_length: int = 64
-    renormalize_joint: bool = True
-    joint_chunk_size: int = 16384
-
-    def check(self):
-        super().check()
-        check_joint_fields(self)
 
 
 def _log_probs(probs):
