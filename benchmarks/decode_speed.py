@@ -1,34 +1,52 @@
-"""Decoding speed: soft vs hard retrieval vs "attention removed" vs transformers.MarianMTModel, same dimensions.
+"""Decoding speed of every variant against the soft Transformer, transformers.MarianMTModel and (if installed)
+CTranslate2, same dimensions, one process.
 
-All models: d_model 512, 6+6 layers, 8 heads, FFN 2048, vocab 8000, random weights. 30 output tokens are forced
-(min_new_tokens = max_new_tokens = 30, no forced EOS), greedy and beam 4, batch 1 and 32, median of repeats, all
-in one process so the ratios compare like with like.
+All models: d_model 512, 6+6 layers, 8 heads, FFN 2048, vocab 8000, random weights (no dropout at inference).
+30 output tokens are forced (min_new_tokens = max_new_tokens = 30, no forced EOS), greedy and beam 4, batch 1 and
+32, source length 24, 2 threads. Within one (mode, batch) setting the models run alternately round by round, and the
+median per model is reported, so load from other processes hits all of them alike.
 
-* ``attention removed``: the soft model whose attention *core* (scores, normalisation, weighted sum) returns a value
+* ``attention_removed``: the soft model whose attention *core* (scores, normalisation, weighted sum) returns a value
   row without looking at any score; projections, caches and everything else are kept. It is the ceiling for any
   change that only replaces the attention function, such as hard retrieval.
 * ``marian``: ``transformers.MarianMTModel`` with the same sizes (shared embeddings, no forced EOS).
+* ``hc_sa`` / ``sh_x``: the hard-coded Gaussian presets; ``hybrid_*``: 6-layer encoder + 1-layer GRU decoder
+  (hidden 1024, the paper's 6-1) with each attention function; ``recurrent_*``: recurrent cross-attention;
+  ``beam_joint_k6`` / ``beam_joint_k1``: beam-joint in the last layer, decoded with K=6 / K=1.
+* ``soft_bf16`` / ``marian_bf16``: the same two models with bfloat16 weights (this CPU has AMX-BF16).
+* ``ct2_float32`` / ``ct2_int8``: the same MarianMTModel converted with ``ctranslate2`` (what a user would pick for
+  fast CPU decoding), ``intra_threads`` = --threads; the reference, not a model of this package. Measured in a
+  second process after the torch models (its OpenMP threads keep spinning after each call and would slow down the
+  next torch model in the same process).
 
-    python benchmarks/decode_speed.py                    # full table, writes benchmarks/results/decode_speed.json
-    python benchmarks/decode_speed.py --repeats 3 --batch-sizes 1 --modes greedy   # quick look
+Targets (issue #7): soft >= 1.2x marian; hard_retrieval >= 0.8x attention_removed; hybrid 6-1 >= 4x soft;
+sh_x >= 1.3x soft.
+
+    python benchmarks/decode_speed.py                     # full table -> benchmarks/results/decode_speed.json
+    python benchmarks/decode_speed.py --models soft marian --batch-sizes 1 --modes greedy --repeats 3
 """
 
 import argparse
 import json
 import os
 import statistics
+import tempfile
 import time
 
 import torch
 
 import hf_hardattn  # noqa: F401  (registers the model types)
-from hf_hardattn import (HardRetrievalConfig, HardRetrievalForConditionalGeneration, SoftTransformerConfig,
+from hf_hardattn import (BeamJointTransformerConfig, BeamJointTransformerForConditionalGeneration, GaussianConfig,
+                         GaussianForConditionalGeneration, HardRetrievalConfig, HardRetrievalForConditionalGeneration,
+                         HybridConfig, HybridForConditionalGeneration, RecurrentConfig,
+                         RecurrentForConditionalGeneration, SoftTransformerConfig,
                          SoftTransformerForConditionalGeneration)
 from hf_hardattn.modeling_hardattn import SoftAttention
 
 DIMS = dict(vocab_size=8000, d_model=512, encoder_layers=6, decoder_layers=6, encoder_attention_heads=8,
             decoder_attention_heads=8, encoder_ffn_dim=2048, decoder_ffn_dim=2048)
 SPECIAL = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1)
+SOURCE_LENGTH = 24
 
 
 def removed_attend(q, k, v, mask, causal):
@@ -36,102 +54,217 @@ def removed_attend(q, k, v, mask, causal):
     return v[:, :, :1].expand(q.shape[0], q.shape[1], q.shape[2], v.shape[3])
 
 
-def build_soft():
-    return SoftTransformerForConditionalGeneration(SoftTransformerConfig(**DIMS, **SPECIAL))
-
-
-def build_hard():
-    return HardRetrievalForConditionalGeneration(HardRetrievalConfig(**DIMS, **SPECIAL))
-
-
 def build_removed():
-    model = build_soft()
+    model = SoftTransformerForConditionalGeneration(SoftTransformerConfig(**DIMS, **SPECIAL))
     for module in model.modules():
         if isinstance(module, SoftAttention):
             module.attend = removed_attend
     return model
 
 
+def marian_config():
+    from transformers import MarianConfig
+
+    return MarianConfig(**DIMS, activation_function="relu", scale_embedding=True,
+                        share_encoder_decoder_embeddings=True, forced_eos_token_id=None, max_position_embeddings=512,
+                        **SPECIAL)
+
+
 def build_marian():
-    from transformers import MarianConfig, MarianMTModel
+    from transformers import MarianMTModel
 
-    config = MarianConfig(
-        vocab_size=DIMS["vocab_size"], d_model=512, encoder_layers=6, decoder_layers=6, encoder_attention_heads=8,
-        decoder_attention_heads=8, encoder_ffn_dim=2048, decoder_ffn_dim=2048, activation_function="relu",
-        scale_embedding=True, share_encoder_decoder_embeddings=True, forced_eos_token_id=None,
-        max_position_embeddings=512, **SPECIAL,
-    )
-    return MarianMTModel(config)
+    return MarianMTModel(marian_config())
 
 
-BUILDERS = {"soft": build_soft, "hard_retrieval": build_hard, "attention_removed": build_removed,
-            "marian": build_marian}
+def build_hybrid(attention):
+    dims = dict(DIMS, decoder_layers=1)
+    dims.pop("decoder_ffn_dim")
+    return lambda: HybridForConditionalGeneration(HybridConfig(**dims, **SPECIAL, rnn_hidden_size=1024,
+                                                               rnn_embedding_size=512, rnn_attention=attention))
 
 
-def make_inputs(batch_size, source_length=24, seed=0):
+def build_beam_joint(inference_k):
+    return lambda: BeamJointTransformerForConditionalGeneration(
+        BeamJointTransformerConfig(**DIMS, **SPECIAL, joint_k=6, joint_inference_k=inference_k))
+
+
+BUILDERS = {
+    "marian": build_marian,
+    "soft": lambda: SoftTransformerForConditionalGeneration(SoftTransformerConfig(**DIMS, **SPECIAL)),
+    "attention_removed": build_removed,
+    "hard_retrieval": lambda: HardRetrievalForConditionalGeneration(HardRetrievalConfig(**DIMS, **SPECIAL)),
+    "hc_sa": lambda: GaussianForConditionalGeneration(GaussianConfig.preset("hc-sa", **DIMS, **SPECIAL)),
+    "sh_x": lambda: GaussianForConditionalGeneration(GaussianConfig.preset("sh-x", **DIMS, **SPECIAL)),
+    "hybrid_additive": build_hybrid("additive"),
+    "hybrid_dot": build_hybrid("dot"),
+    "hybrid_multihead": build_hybrid("multihead"),
+    "recurrent_expand_1": lambda: RecurrentForConditionalGeneration(
+        RecurrentConfig(**DIMS, **SPECIAL, recurrent_variant="expand_1")),
+    "recurrent_coverage": lambda: RecurrentForConditionalGeneration(
+        RecurrentConfig(**DIMS, **SPECIAL, recurrent_variant="coverage")),
+    "beam_joint_k6": build_beam_joint(None),
+    "beam_joint_k1": build_beam_joint(1),
+}
+BUILDERS["soft_bf16"] = lambda: BUILDERS["soft"]().to(torch.bfloat16)
+BUILDERS["marian_bf16"] = lambda: build_marian().to(torch.bfloat16)
+CT2 = ("ct2_float32", "ct2_int8")
+RATIOS = [  # label, numerator, denominator
+    ("soft / marian", "soft", "marian"),
+    ("hard_retrieval / attention_removed", "hard_retrieval", "attention_removed"),
+    ("hard_retrieval / soft", "hard_retrieval", "soft"),
+    ("hybrid_additive / soft", "hybrid_additive", "soft"),
+    ("hybrid_dot / soft", "hybrid_dot", "soft"),
+    ("sh_x / soft", "sh_x", "soft"),
+    ("hc_sa / soft", "hc_sa", "soft"),
+    ("soft_bf16 / marian_bf16", "soft_bf16", "marian_bf16"),
+    ("soft_bf16 / soft", "soft_bf16", "soft"),
+    ("ct2_float32 / soft", "ct2_float32", "soft"),
+    ("ct2_int8 / soft", "ct2_int8", "soft"),
+]
+
+
+def ctranslate2_available():
+    try:
+        import ctranslate2  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class CT2Model:
+    """The MarianMTModel converted with ctranslate2, decoding the same token ids (as vocabulary strings)."""
+
+    def __init__(self, marian, compute_type, threads, folder):
+        import ctranslate2
+        from tokenizers import Tokenizer, models
+        from transformers import PreTrainedTokenizerFast
+
+        path = os.path.join(folder, "marian")
+        if not os.path.isdir(os.path.join(folder, "ct2")):
+            # ctranslate2's Marian loader drops the last vocabulary entry when it is "<pad>" (transformers' Marian
+            # appends it), so the last id is named so; the random source ids below never use it.
+            vocab = {"<blank>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
+            vocab.update({f"w{i}": i for i in range(4, DIMS["vocab_size"] - 1)})
+            vocab["<pad>"] = DIMS["vocab_size"] - 1
+            tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<unk>")),
+                                                pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+                                                unk_token="<unk>")
+            marian.save_pretrained(path)
+            tokenizer.save_pretrained(path)
+            ctranslate2.converters.TransformersConverter(path).convert(os.path.join(folder, "ct2"), force=True)
+        self.translator = ctranslate2.Translator(os.path.join(folder, "ct2"), device="cpu", compute_type=compute_type,
+                                                 intra_threads=threads, inter_threads=1)
+
+    def generate(self, input_ids, num_beams, new_tokens):
+        last = DIMS["vocab_size"] - 2
+        tokens = [[f"w{min(i, last)}" if i > 3 else "</s>" for i in row.tolist()] for row in input_ids]
+        out = self.translator.translate_batch(tokens, beam_size=num_beams, min_decoding_length=new_tokens,
+                                              max_decoding_length=new_tokens, max_batch_size=len(tokens))
+        assert all(len(r.hypotheses[0]) >= new_tokens - 1 for r in out), [len(r.hypotheses[0]) for r in out]
+        return out
+
+
+def make_inputs(batch_size, seed=0):
     generator = torch.Generator().manual_seed(seed)
-    ids = torch.randint(4, DIMS["vocab_size"], (batch_size, source_length), generator=generator)
+    ids = torch.randint(4, DIMS["vocab_size"], (batch_size, SOURCE_LENGTH), generator=generator)
     ids[:, -1] = SPECIAL["eos_token_id"]
     return ids, torch.ones_like(ids)
 
 
-def sentences_per_second(model, ids, mask, num_beams, new_tokens, repeats):
-    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, num_beams=num_beams, do_sample=False,
-                  use_cache=True)
+def run_once(model, ids, mask, num_beams, new_tokens):
+    if isinstance(model, CT2Model):
+        return model.generate(ids, num_beams, new_tokens)
     with torch.inference_mode():
-        out = model.generate(input_ids=ids, attention_mask=mask, **kwargs)  # warm-up
-        assert out.shape[1] == new_tokens + 1, out.shape
-        times = []
-        for _ in range(repeats):
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                             num_beams=num_beams, do_sample=False, use_cache=True)
+    assert out.shape[1] == new_tokens + 1, out.shape
+    return out
+
+
+def measure(models, ids, mask, num_beams, new_tokens, repeats):
+    """sentences/s per model: batch size / median time; models alternate within each round."""
+    times = {name: [] for name in models}
+    for model in models.values():
+        run_once(model, ids, mask, num_beams, new_tokens)  # warm-up
+    for _ in range(repeats):
+        for name, model in models.items():
             start = time.perf_counter()
-            model.generate(input_ids=ids, attention_mask=mask, **kwargs)
-            times.append(time.perf_counter() - start)
-    return ids.shape[0] / statistics.median(times)
+            run_once(model, ids, mask, num_beams, new_tokens)
+            times[name].append(time.perf_counter() - start)
+    return {name: ids.shape[0] / statistics.median(t) for name, t in times.items()}
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", default=list(BUILDERS), choices=list(BUILDERS))
+    choices = list(BUILDERS) + list(CT2)
+    parser.add_argument("--models", nargs="+", default=None, choices=choices,
+                        help="default: all (ct2_* only when ctranslate2 is installed)")
     parser.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 32])
     parser.add_argument("--modes", nargs="+", default=["greedy", "beam4"], choices=["greedy", "beam4"])
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--new-tokens", type=int, default=30)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--output", default=os.path.join(os.path.dirname(__file__), "results", "decode_speed.json"))
+    parser.add_argument("--ct2-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    names = args.models or list(BUILDERS) + (list(CT2) if ctranslate2_available() else [])
+    if any(n in CT2 for n in names) and not ctranslate2_available():
+        parser.error("ct2_* models need `pip install ctranslate2`")
     torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-    models = {name: BUILDERS[name]().eval() for name in args.models}
+    settings = [(mode, batch_size) for mode in args.modes for batch_size in args.batch_sizes]
+    if args.ct2_worker:  # ctranslate2 in its own process: its OpenMP threads keep spinning after a call and would
+        # slow down the torch model measured next in the same process
+        with tempfile.TemporaryDirectory() as folder:
+            torch.manual_seed(0)
+            marian = build_marian().eval()
+            ct2 = {name: CT2Model(marian, name.split("_")[1], args.threads, folder) for name in names}
+            speeds = [measure(ct2, *make_inputs(b), 4 if m == "beam4" else 1, args.new_tokens, args.repeats)
+                      for m, b in settings]
+        print("CT2RESULT" + json.dumps(speeds))
+        return speeds
+    models = {}
+    for name in names:
+        if name not in CT2:
+            torch.manual_seed(0)
+            models[name] = BUILDERS[name]().eval()
     rows = []
-    for mode in args.modes:
-        beams = 4 if mode == "beam4" else 1
-        for batch_size in args.batch_sizes:
-            ids, mask = make_inputs(batch_size)
-            speeds = {}
-            for name, model in models.items():
-                speeds[name] = sentences_per_second(model, ids, mask, beams, args.new_tokens, args.repeats)
-            rows.append({"mode": mode, "batch_size": batch_size, "sentences_per_s": speeds})
-            print(f"{mode:7s} batch {batch_size:3d}: " + ", ".join(f"{n} {s:.2f}" for n, s in speeds.items()), flush=True)
-    ratios = [
-        ("soft / marian", "soft", "marian"),
-        ("hard_retrieval / soft", "hard_retrieval", "soft"),
-        ("hard_retrieval / attention_removed", "hard_retrieval", "attention_removed"),
-        ("attention_removed / soft", "attention_removed", "soft"),
-    ]
-    ratios = [r for r in ratios if r[1] in models and r[2] in models]
-    header = "| mode | batch | " + " | ".join(f"{n} sent/s" for n in models) + " | " + " | ".join(r[0] for r in ratios) + " |"
-    lines = [header, "|" + " --- |" * (2 + len(models) + len(ratios))]
-    for row in rows:
-        s = row["sentences_per_s"]
-        row["ratios"] = {label: s[a] / s[b] for label, a, b in ratios}
-        lines.append(f"| {row['mode']} | {row['batch_size']} | " + " | ".join(f"{s[n]:.2f}" for n in models) + " | "
-                     + " | ".join(f"{row['ratios'][r[0]]:.2f}x" for r in ratios) + " |")
-    table = "\n".join(lines)
+    for mode, batch_size in settings:
+        ids, mask = make_inputs(batch_size)
+        speeds = measure(models, ids, mask, 4 if mode == "beam4" else 1, args.new_tokens, args.repeats)
+        rows.append({"mode": mode, "batch_size": batch_size, "sentences_per_s": speeds})
+        print(f"{mode:6s} batch {batch_size:3d}: " + ", ".join(f"{n} {s:.2f}" for n, s in speeds.items()), flush=True)
+    ct2_names = [name for name in names if name in CT2]
+    if ct2_names:
+        import subprocess
+        import sys
+
+        command = [sys.executable, os.path.abspath(__file__), "--ct2-worker", "--models", *ct2_names,
+                   "--batch-sizes", *map(str, args.batch_sizes), "--modes", *args.modes, "--repeats",
+                   str(args.repeats), "--new-tokens", str(args.new_tokens), "--threads", str(args.threads)]
+        out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+        for row, speeds in zip(rows, json.loads(out.split("CT2RESULT", 1)[1])):
+            row["sentences_per_s"].update(speeds)
+            print(f"{row['mode']:6s} batch {row['batch_size']:3d}: "
+                  + ", ".join(f"{n} {s:.2f}" for n, s in speeds.items()), flush=True)
+        models.update({name: None for name in ct2_names})
+    ratios = [r for r in RATIOS if r[1] in models and r[2] in models]
+    speed_lines = ["| model | " + " | ".join(f"{r['mode']} b{r['batch_size']}" for r in rows) + " |",
+                   "| --- |" + " ---: |" * len(rows)]
+    for name in models:
+        speed_lines.append(f"| {name} | " + " | ".join(f"{r['sentences_per_s'][name]:.2f}" for r in rows) + " |")
+    ratio_lines = ["| ratio | " + " | ".join(f"{r['mode']} b{r['batch_size']}" for r in rows) + " |",
+                   "| --- |" + " ---: |" * len(rows)]
+    for label, a, b in ratios:
+        cells = [r["sentences_per_s"][a] / r["sentences_per_s"][b] for r in rows]
+        for r, value in zip(rows, cells):
+            r.setdefault("ratios", {})[label] = value
+        ratio_lines.append(f"| {label} | " + " | ".join(f"{c:.2f}x" for c in cells) + " |")
+    table = "sentences/s:\n\n" + "\n".join(speed_lines) + "\n\nratios:\n\n" + "\n".join(ratio_lines)
     print(table)
     os.makedirs(os.path.dirname(args.output), exist_ok=True)
     with open(args.output, "w") as handle:
         json.dump({"settings": {**DIMS, "new_tokens": args.new_tokens, "threads": args.threads,
-                                "repeats": args.repeats, "source_length": 24, "torch": torch.__version__},
+                                "repeats": args.repeats, "source_length": SOURCE_LENGTH, "torch": torch.__version__},
                    "rows": rows, "table": table}, handle, indent=2)
     return rows
 

@@ -251,6 +251,14 @@ def build_parser() -> argparse.ArgumentParser:
                                              "resumable shards) into a distilled dataset")
     add_distill_arguments(distill)
     distill.set_defaults(func=run_distill)
+
+    from .reproduce import add_arguments as add_reproduce_arguments
+    from .reproduce import run as run_reproduce
+
+    reproduce = sub.add_parser("reproduce", help="train and evaluate every variant with one recipe (the papers' "
+                                                 "tables; resumable) -> JSON + markdown table")
+    add_reproduce_arguments(reproduce)
+    reproduce.set_defaults(func=run_reproduce)
     return parser
 
 

@@ -23,7 +23,7 @@ from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.activations import ACT2FN
-from transformers.cache_utils import DynamicCache, EncoderDecoderCache
+from transformers.cache_utils import DynamicCache, DynamicLayer, EncoderDecoderCache
 from transformers.modeling_outputs import BaseModelOutput, Seq2SeqLMOutput
 
 from .configuration_hardattn import ROLES, HardAttnConfig
@@ -33,6 +33,97 @@ from .model_card import write_model_card
 # ----------------------------------------------------------------------------------------------------------------
 # Cache
 # ----------------------------------------------------------------------------------------------------------------
+class BufferedLayer(DynamicLayer):
+    """A self-attention cache layer whose keys/values live in a preallocated, time-major buffer [T_max, B, H, D]
+    that doubles when full. ``keys``/``values`` are [B, H, T, D] views of its filled part.
+
+    ``DynamicLayer`` copies the whole cache at every step (``torch.cat``) and again at every beam reorder
+    (``index_select``); here a step writes one time slot, and a reorder gathers the filled part into a second
+    buffer in one pass (``index_select(out=...)``) and swaps the two. Other batch edits (repeat, select, crop) are
+    rare and rebuild the buffer from the current keys/values."""
+
+    def lazy_initialization(self, key_states, value_states):
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.length, self._k, self._v, self._spare = 0, None, None, None
+        self.is_initialized = True
+
+    def _views(self):
+        self.keys = self._k[: self.length].permute(1, 2, 0, 3)
+        self.values = self._v[: self.length].permute(1, 2, 0, 3)
+
+    def _reserve(self, key_states, value_states, needed):
+        if self._k is not None and needed <= self._k.shape[0] and key_states.shape[0] == self._k.shape[1]:
+            return
+        capacity = max(needed, 32, 2 * (self._k.shape[0] if self._k is not None else 0))
+        k = key_states.new_empty((capacity, *key_states.permute(2, 0, 1, 3).shape[1:]))
+        v = value_states.new_empty((capacity, *value_states.permute(2, 0, 1, 3).shape[1:]))
+        if self.length:
+            k[: self.length] = self._k[: self.length]
+            v[: self.length] = self._v[: self.length]
+        self._k, self._v, self._spare = k, v, None
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        steps = key_states.shape[-2]
+        self._reserve(key_states, value_states, self.length + steps)
+        self._k[self.length : self.length + steps] = key_states.permute(2, 0, 1, 3)
+        self._v[self.length : self.length + steps] = value_states.permute(2, 0, 1, 3)
+        self.length += steps
+        self._views()
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.length if self.is_initialized else 0
+
+    def reorder_cache(self, beam_idx):
+        if not self.get_seq_length():
+            return
+        if self._spare is None:
+            self._spare = (torch.empty_like(self._k), torch.empty_like(self._v))
+        beam_idx = beam_idx.to(self.device)
+        spare_k, spare_v = self._spare
+        torch.index_select(self._k[: self.length], 1, beam_idx, out=spare_k[: self.length])
+        torch.index_select(self._v[: self.length], 1, beam_idx, out=spare_v[: self.length])
+        self._spare, self._k, self._v = (self._k, self._v), spare_k, spare_v
+        self._views()
+
+    def _rebuild(self, keys, values):
+        self.length, self._k, self._v, self._spare = 0, None, None, None
+        if keys.shape[-2]:
+            self.update(keys, values)
+        else:
+            self.keys, self.values = keys, values
+
+    def batch_repeat_interleave(self, repeats: int):
+        if self.get_seq_length():
+            self._rebuild(self.keys.repeat_interleave(repeats, dim=0), self.values.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices):
+        if self.get_seq_length():
+            self._rebuild(self.keys[indices], self.values[indices])
+
+    def crop(self, tokens_to_remove: int):
+        if tokens_to_remove > 0:
+            raise ValueError(f"`tokens_to_remove` must be <= 0 (tokens removed from the end), got {tokens_to_remove}.")
+        if tokens_to_remove and self.get_seq_length():
+            self.length = max(0, self.length + tokens_to_remove)
+            self._views()
+
+    def reset(self):
+        self.keys = self.values = None
+        self.length, self._k, self._v, self._spare = 0, None, None, None
+        self.is_initialized = False
+
+
+class BufferedCache(DynamicCache):
+    """A ``DynamicCache`` made of :class:`BufferedLayer` s (the decoder self-attention cache of hf_hardattn)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer_class_to_replicate = BufferedLayer
+
+
 class HardAttnCache(EncoderDecoderCache):
     """``EncoderDecoderCache`` plus the state that a decoder carries from one step to the next.
 
@@ -50,7 +141,7 @@ class HardAttnCache(EncoderDecoderCache):
 
     def __init__(self, self_attention_cache=None, cross_attention_cache=None):
         super().__init__(
-            self_attention_cache if self_attention_cache is not None else DynamicCache(),
+            self_attention_cache if self_attention_cache is not None else BufferedCache(),
             cross_attention_cache if cross_attention_cache is not None else DynamicCache(),
         )
         self.states: dict[str, torch.Tensor] = {}
@@ -64,7 +155,10 @@ class HardAttnCache(EncoderDecoderCache):
         if isinstance(cache, cls):
             return cache
         if isinstance(cache, EncoderDecoderCache):
-            new = cls(cache.self_attention_cache, cache.cross_attention_cache)
+            self_cache = cache.self_attention_cache
+            if type(self_cache) is DynamicCache and self_cache.get_seq_length() == 0:  # generate()'s fresh cache
+                self_cache = BufferedCache()
+            new = cls(self_cache, cache.cross_attention_cache)
             new.is_updated = dict(cache.is_updated)
             new.seen_tokens = cache.get_seq_length()
             return new

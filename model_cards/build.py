@@ -1,17 +1,41 @@
 """Write the model card of every hf_hardattn model type (at its default, paper-base size) into this folder.
 
 The same text is written next to the weights by ``save_pretrained`` (hf_hardattn/model_card.py); a trained model's
-card adds its measured results (``hardattn_results.json`` in the saved folder).
+card adds its measured results (``hardattn_results.json`` in the saved folder). Here each card also shows the rows of
+the reproduction tables (``benchmarks/results/reproduce_*.json``, written by ``benchmarks/reproduce.py``) for its
+model type, next to the soft baseline and the MarianMTModel reference.
 
     python model_cards/build.py
 """
 
+import glob
+import json
 import os
 
 import torch
 
 import hf_hardattn
 from hf_hardattn.model_card import render_model_card
+from hf_hardattn.reproduce import row_table
+
+RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "results")
+REFERENCE_ROWS = ("marian", "soft")
+
+
+def reproduction_tables(model_type):
+    parts = []
+    for path in sorted(glob.glob(os.path.join(RESULTS, "reproduce_*_*.json"))):
+        with open(path) as handle:
+            payload = json.load(handle)
+        if payload["preset"] == "tiny":
+            continue
+        rows = {name: row for name, row in payload["rows"].items()
+                if row["model_type"] == model_type or name in REFERENCE_ROWS}
+        if any(row["model_type"] == model_type for row in rows.values()):
+            parts.append(f"{payload['task']}, preset `{payload['preset']}` ({payload['test_examples']} test examples; "
+                         f"command per row in `{os.path.relpath(path, os.path.dirname(RESULTS))}`):\n\n"
+                         + row_table(payload["task"], payload["preset"], rows))
+    return "\n\n".join(parts)
 
 
 def main():
@@ -19,9 +43,10 @@ def main():
     for config_class, model_class in hf_hardattn.MODEL_CLASSES.items():
         with torch.device("meta"):  # the card needs the architecture and parameter count, not weights
             model = model_class(config_class())
+        tables = reproduction_tables(config_class.model_type)
         path = os.path.join(folder, f"{config_class.model_type}.md")
         with open(path, "w") as handle:
-            handle.write(render_model_card(model))
+            handle.write(render_model_card(model, {"table": tables} if tables else None))
         print("wrote", path)
 
 

@@ -131,3 +131,56 @@ def test_seq2seq_trainer_lowers_loss_and_reports_bleu(name, tmp_path):
         model = HardRetrievalForConditionalGeneration(HardRetrievalConfig(**tiny_kwargs()))
     first, last, bleu = check_trainer(model, tmp_path)
     assert 0.0 <= bleu <= 100.0
+
+
+def test_buffered_cache_layer_equals_dynamic_layer():
+    """BufferedLayer (preallocated, time-major) against transformers' DynamicLayer (torch.cat) over a sequence of
+    appends, beam reorders past the first doubling of the buffer, repeat, select and crop."""
+    from transformers.cache_utils import DynamicLayer
+
+    from hf_hardattn.modeling_hardattn import BufferedLayer
+
+    generator = torch.Generator().manual_seed(0)
+    buffered, dynamic = BufferedLayer(), DynamicLayer()
+
+    def step(batch, length=1):
+        k, v = torch.randn(2, batch, 3, length, 4, generator=generator)
+        out_b, out_d = buffered.update(k, v), dynamic.update(k, v)
+        for b, d in zip(out_b, out_d):
+            assert torch.equal(b, d)
+
+    def same():
+        assert buffered.get_seq_length() == dynamic.get_seq_length()
+        assert torch.equal(buffered.keys, dynamic.keys) and torch.equal(buffered.values, dynamic.values)
+
+    step(4, length=5)  # a prompt of several positions
+    for t in range(40):  # crosses the initial capacity (32) once
+        step(4)
+        if t % 3 == 0:
+            beam_idx = torch.randint(0, 4, (4,), generator=generator)
+            buffered.reorder_cache(beam_idx)
+            dynamic.reorder_cache(beam_idx)
+        same()
+    buffered.batch_repeat_interleave(2), dynamic.batch_repeat_interleave(2)
+    same()
+    step(8)
+    index = torch.tensor([5, 0, 3])
+    buffered.batch_select_indices(index), dynamic.batch_select_indices(index)
+    same()
+    buffered.crop(-2), dynamic.crop(-2)
+    same()
+    step(3)
+    same()
+
+
+def test_generate_uses_the_buffered_self_attention_cache():
+    from hf_hardattn.modeling_hardattn import BufferedLayer
+
+    torch.manual_seed(0)
+    model = SoftTransformerForConditionalGeneration(SoftTransformerConfig(**tiny_kwargs())).eval()
+    ids = torch.tensor([[5, 6, 7, 2]])
+    out = model.generate(input_ids=ids, max_new_tokens=3, min_new_tokens=3, return_dict_in_generate=True)
+    cache = out.past_key_values
+    assert isinstance(cache, HardAttnCache)
+    assert all(isinstance(layer, BufferedLayer) for layer in cache.self_attention_cache.layers)
+    assert cache.get_seq_length() == 3

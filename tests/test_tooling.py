@@ -177,6 +177,40 @@ def test_tokenize_and_train_seq2seq(tmp_path):
         train_seq2seq(model, tok, data, output_dir=tmp_path / "x", minutes=1, lr_scheduler="linear")
 
 
+def test_length_grouped_batches_group_by_source_and_target_length(tmp_path):
+    """Batches are grouped by max(source, target) length: with equal short sources and targets of 1..40 tokens,
+    transformers' source-length grouping leaves the targets unsorted (heavy padding); ours sorts them."""
+    import datasets
+
+    from hf_hardattn.training import example_lengths
+
+    generator = torch.Generator().manual_seed(0)
+    target_lengths = torch.randint(1, 41, (800,), generator=generator).tolist()
+    data = datasets.Dataset.from_dict({
+        "input_ids": [[5, 2]] * 800,  # one source length: source grouping sees no difference
+        "attention_mask": [[1, 1]] * 800,
+        "labels": [[6] * n + [2] for n in target_lengths],
+    })
+    assert example_lengths(data) == [n + 1 for n in target_lengths]
+    tok = train_tokenizer(reversal_dataset(), kind="char", min_frequency=1)
+    model = SoftTransformerForConditionalGeneration(SoftTransformerConfig(**tiny_kwargs(vocab_size=len(tok))))
+    trainer = train_seq2seq(model, tok, data, output_dir=tmp_path / "run", max_steps=1, batch_size=50,
+                            progress=False)
+
+    def target_efficiency():
+        real = padded = 0
+        for batch in trainer.get_train_dataloader():
+            labels = batch["labels"]
+            real += int((labels != -100).sum())
+            padded += labels.numel()
+        return real / padded
+
+    ours = target_efficiency()
+    trainer.example_lengths = None  # transformers' own group_by_length: source lengths only
+    by_source = target_efficiency()
+    assert ours > 0.75 > 0.6 > by_source, (ours, by_source)
+
+
 class StubModel:
     """generate() answers from a lookup table: decodes each (padded) source row and encodes its known output."""
 

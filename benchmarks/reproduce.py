@@ -1,0 +1,21 @@
+"""The papers' tables on real data, one row per variant, one shared recipe (see hf_hardattn/reproduce.py).
+
+    python benchmarks/reproduce.py --task multi30k --preset cpu              # all rows, 35 min each, resumable
+    python benchmarks/reproduce.py --task multi30k --preset cpu --rows marian soft
+    python benchmarks/reproduce.py --task nouns --preset cpu                 # 3 min per row
+    python benchmarks/reproduce.py --task multi30k --preset base             # Transformer-base, for a GPU
+
+The same entry point is ``hf-hardattn reproduce``. Results: outputs/reproduce/TASK-PRESET/ (models with their
+cards, KD data, results) and benchmarks/results/reproduce_TASK_PRESET.{json,md}.
+"""
+
+import os
+import sys
+
+from hf_hardattn.reproduce import main
+
+if __name__ == "__main__":
+    argv = sys.argv[1:]
+    if not any(a.startswith("--results-dir") for a in argv):
+        argv += ["--results-dir", os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")]
+    sys.exit(main(argv))

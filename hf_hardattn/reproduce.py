@@ -1,0 +1,578 @@
+"""One reproducible table for every variant: train with one shared recipe, evaluate, write JSON + markdown.
+
+Tooling, not runtime code. ``python benchmarks/reproduce.py`` and ``hf-hardattn reproduce`` run :func:`main`.
+
+Tasks
+    * ``multi30k``: En->De translation from a folder of parallel text files (default ``../shared/data/multi30k``,
+      ``--data``), joint BPE tokenizer trained here, BLEU of beam 4 on ``test_2016_flickr`` (sacrebleu on
+      detokenised text; the signature is stored).
+    * ``nouns``: German noun inflection (the ``german-nouns`` package, character level), exact-match accuracy of
+      beam 4 on a fixed sample of held-out lemmas.
+
+Presets
+    * ``cpu``: sizes that train on 2 CPU cores. Multi30k: d_model 256, 3+3 layers, 4 heads, FFN 1024, BPE 8k, Adam
+      lr 5e-4, 1000 warm-up steps (inverse square root), label smoothing 0.1, ~4k-token batches, 35 minutes per row
+      (the budget of the ``transformers.MarianMTModel`` reference row ``marian``). Nouns: d_model 128, 2+2 layers,
+      3 minutes per row.
+    * ``base``: the papers' Transformer-base sizes (d_model 512, 6+6, 8 heads, FFN 2048) for a GPU, by steps.
+    * ``tiny``: d_model 32, a few steps, a few test sentences: checks the pipeline in seconds, learns nothing.
+
+Rows (``--rows``, default all): see :data:`ROWS`. A row that decodes another row's model differently (e.g.
+``soft_decoded_hard``) or learns from its translations (``hybrid_*_kd``) runs that row first. Finished rows are
+stored in ``reproduce_TASK_PRESET.json`` in the output folder and skipped on a rerun (``--force`` redoes them), so a
+run can be interrupted and resumed, and two processes may run disjoint sets of rows into the same folder (e.g. one
+thread each for the small nouns models; train the tokenizer first). Every row stores the command that produced it,
+its seed and the preset's recipe.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import os
+import shlex
+import sys
+import time
+
+TASKS = ("multi30k", "nouns")
+PRESET_NAMES = ("cpu", "base", "tiny")
+
+
+@dataclasses.dataclass
+class Recipe:
+    """Everything shared by the rows of one task + preset."""
+
+    dims: dict
+    rnn: dict  # hybrid / beam-joint RNN decoder: rnn_hidden_size, rnn_embedding_size
+    tokenizer: dict  # train_tokenizer arguments
+    minutes: float | None  # wall-clock training budget per row
+    max_steps: int | None  # step budget per row (the earlier of the two ends training)
+    max_tokens: int  # approximate tokens per batch (sentences per batch = max_tokens / mean length)
+    learning_rate: float
+    warmup_steps: int
+    label_smoothing: float = 0.1
+    num_beams: int = 4
+    eval_batch_size: int = 64
+    eval_size: int | None = None  # test examples scored (None = the whole test set)
+    max_length: int = 128
+    max_examples: int | None = None  # nouns: examples taken before the split by lemma
+
+
+PRESETS = {
+    "multi30k": {
+        "cpu": Recipe(
+            dims=dict(d_model=256, encoder_layers=3, decoder_layers=3, encoder_attention_heads=4,
+                      decoder_attention_heads=4, encoder_ffn_dim=1024, decoder_ffn_dim=1024, dropout=0.1),
+            rnn=dict(rnn_hidden_size=256, rnn_embedding_size=256),
+            tokenizer=dict(kind="bpe", vocab_size=8000), minutes=35.0, max_steps=None, max_tokens=4096,
+            learning_rate=5e-4, warmup_steps=1000),
+        "base": Recipe(
+            dims=dict(d_model=512, encoder_layers=6, decoder_layers=6, encoder_attention_heads=8,
+                      decoder_attention_heads=8, encoder_ffn_dim=2048, decoder_ffn_dim=2048, dropout=0.1),
+            rnn=dict(rnn_hidden_size=1024, rnn_embedding_size=512),
+            tokenizer=dict(kind="bpe", vocab_size=8000), minutes=None, max_steps=20000, max_tokens=4096,
+            learning_rate=5e-4, warmup_steps=4000),
+    },
+    "nouns": {
+        "cpu": Recipe(
+            dims=dict(d_model=128, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                      decoder_attention_heads=4, encoder_ffn_dim=512, decoder_ffn_dim=512, dropout=0.1),
+            rnn=dict(rnn_hidden_size=128, rnn_embedding_size=128),
+            tokenizer=dict(kind="char", vocab_size=300, min_frequency=2), minutes=3.0, max_steps=None,
+            max_tokens=1024, learning_rate=2e-3, warmup_steps=200, eval_batch_size=250, eval_size=2000,
+            max_length=64, max_examples=60_000),
+        "base": Recipe(
+            dims=dict(d_model=512, encoder_layers=6, decoder_layers=6, encoder_attention_heads=8,
+                      decoder_attention_heads=8, encoder_ffn_dim=2048, decoder_ffn_dim=2048, dropout=0.1),
+            rnn=dict(rnn_hidden_size=1024, rnn_embedding_size=512),
+            tokenizer=dict(kind="char", vocab_size=300, min_frequency=2), minutes=None, max_steps=20000,
+            max_tokens=4096, learning_rate=5e-4, warmup_steps=4000, eval_batch_size=250, eval_size=None,
+            max_length=64),
+    },
+}
+TINY = Recipe(dims=dict(d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+                        decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, dropout=0.1),
+              rnn=dict(rnn_hidden_size=32, rnn_embedding_size=32), tokenizer=dict(kind="bpe", vocab_size=300),
+              minutes=None, max_steps=3, max_tokens=256, learning_rate=1e-3, warmup_steps=2, eval_batch_size=8,
+              eval_size=8, max_length=32, max_examples=2000)
+PRESETS["multi30k"]["tiny"] = TINY
+PRESETS["nouns"]["tiny"] = dataclasses.replace(TINY, tokenizer=dict(kind="char", vocab_size=300, min_frequency=1))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Rows
+# ----------------------------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Row:
+    name: str
+    paper: str  # where the paper reports it
+    expect: str  # the paper's direction, to compare with
+    build: object = None  # (ctx) -> model, for a trained row
+    source: str | None = None  # a row whose trained model this row decodes differently ...
+    derive: object = None  # ... with derive(model) -> model
+    kd: bool = False  # train on the soft teacher's beam-4 translations (sequence-level KD)
+    tasks: tuple = TASKS
+
+
+def _special(tokenizer):
+    return dict(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                eos_token_id=tokenizer.eos_token_id, decoder_start_token_id=tokenizer.bos_token_id)
+
+
+def _common(ctx, **extra):
+    recipe = ctx["recipe"]
+    return dict(**recipe.dims, **_special(ctx["tokenizer"]), label_smoothing=recipe.label_smoothing,
+                max_position_embeddings=max(256, recipe.max_length), **extra)
+
+
+def _soft(**kinds):
+    def build(ctx):
+        from .soft import SoftTransformerConfig, SoftTransformerForConditionalGeneration
+
+        return SoftTransformerForConditionalGeneration(SoftTransformerConfig(**_common(ctx, **kinds)))
+    return build
+
+
+def _hard(**kinds):
+    def build(ctx):
+        from .hard_retrieval import HardRetrievalConfig, HardRetrievalForConditionalGeneration
+
+        return HardRetrievalForConditionalGeneration(HardRetrievalConfig(**_common(ctx, **kinds)))
+    return build
+
+
+def _gaussian(preset):
+    def build(ctx):
+        from .gaussian import GaussianConfig, GaussianForConditionalGeneration, fit_length_ratio
+
+        config = GaussianConfig.preset(preset, **_common(ctx))
+        if preset == "hc-all":  # gamma of the training corpus (or a given one, e.g. for speed benchmarks)
+            if ctx.get("length_ratio") is not None:
+                config.length_ratio = ctx["length_ratio"]
+            else:
+                fit_length_ratio(config, ctx["train"], ctx["tokenizer"])
+        return GaussianForConditionalGeneration(config)
+    return build
+
+
+def _rnn_common(ctx, **extra):
+    common = _common(ctx, **extra)
+    common.update(ctx["recipe"].rnn, decoder_layers=1)
+    return common
+
+
+def _hybrid(attention):
+    def build(ctx):
+        from .hybrid import HybridConfig, HybridForConditionalGeneration
+
+        return HybridForConditionalGeneration(HybridConfig(**_rnn_common(ctx, rnn_attention=attention)))
+    return build
+
+
+def _recurrent(variant):
+    def build(ctx):
+        from .recurrent import RecurrentConfig, RecurrentForConditionalGeneration
+
+        return RecurrentForConditionalGeneration(RecurrentConfig(**_common(ctx, recurrent_variant=variant)))
+    return build
+
+
+def _beam_joint(setting, **joint):
+    def build(ctx):
+        from .beam_joint import (BeamJointRNNConfig, BeamJointRNNForConditionalGeneration,
+                                 BeamJointTransformerConfig, BeamJointTransformerForConditionalGeneration)
+
+        if setting == "rnn":
+            return BeamJointRNNForConditionalGeneration(BeamJointRNNConfig(**_rnn_common(ctx, **joint)))
+        return BeamJointTransformerForConditionalGeneration(BeamJointTransformerConfig(**_common(ctx, **joint)))
+    return build
+
+
+def _marian(ctx):
+    from transformers import MarianConfig, MarianMTModel
+
+    recipe = ctx["recipe"]
+    dims = {k: v for k, v in recipe.dims.items() if k != "dropout"}
+    config = MarianConfig(**dims, **_special(ctx["tokenizer"]), dropout=recipe.dims["dropout"],
+                          activation_function="relu", scale_embedding=True, share_encoder_decoder_embeddings=True,
+                          forced_eos_token_id=None, max_position_embeddings=max(256, recipe.max_length))
+    return MarianMTModel(config)
+
+
+def _with_attention(**kinds):
+    return lambda model: model.with_attention(**kinds)
+
+
+def _inference_k(k):
+    def derive(model):
+        model = copy.deepcopy(model)
+        model.config.joint_inference_k = k
+        return model
+    return derive
+
+
+HARD = "hard_retrieval"
+ROWS = [
+    Row("marian", "reference", "transformers.MarianMTModel, same size and recipe: soft should match or beat it",
+        build=_marian),
+    Row("soft", "baseline", "baseline", build=_soft()),
+    Row("hard_cross", "hard retrieval, Table 3", "within 0.5 BLEU of soft", build=_hard(decoder_attention="soft")),
+    Row("hard_self_cross", "hard retrieval, Table 3", "within 0.5 BLEU of soft", build=_hard()),
+    Row("hard_enc_dec", "hard retrieval, Table 3", "a larger drop than decoder-only",
+        build=_hard(encoder_attention=HARD)),
+    Row("soft_decoded_hard", "hard retrieval, Table 4", "a clear drop (train and test attention differ)",
+        source="soft", derive=_with_attention(decoder_attention=HARD, cross_attention=HARD)),
+    Row("hard_decoded_soft", "hard retrieval, Table 4", "a clear drop (train and test attention differ)",
+        source="hard_self_cross", derive=_with_attention(decoder_attention="soft", cross_attention="soft")),
+    Row("hc_sa", "hard-coded Gaussian, Table 2", "about equal to soft", build=_gaussian("hc-sa")),
+    Row("hc_all", "hard-coded Gaussian, Table 2", "far below soft", build=_gaussian("hc-all")),
+    Row("sh_x", "hard-coded Gaussian, Table 2", "1-3 BLEU below soft", build=_gaussian("sh-x")),
+    *[Row(f"hybrid_{a}", "hybrid, Tables 2-3", "below the Transformer teacher", build=_hybrid(a))
+      for a in ("additive", "dot", "multihead")],
+    *[Row(f"hybrid_{a}_kd", "hybrid + KD, Tables 2-3", "close to the soft teacher, above hybrid without KD",
+          build=_hybrid(a), kd=True) for a in ("additive", "dot", "multihead")],
+    Row("beam_joint_rnn_k6", "beam-joint, Table 1 (the paper's GRU setting)", "above hybrid_additive (soft)",
+        build=_beam_joint("rnn", joint_k=6)),
+    Row("beam_joint_rnn_k6_decoded_k1", "beam-joint, Table 2", "close to K=6",
+        source="beam_joint_rnn_k6", derive=_inference_k(1)),
+    Row("beam_joint_k6", "beam-joint in the last Transformer layer (the paper's future work)", "above soft",
+        build=_beam_joint("transformer", joint_k=6)),
+    Row("beam_joint_k6_decoded_k1", "beam-joint, Table 2", "close to K=6",
+        source="beam_joint_k6", derive=_inference_k(1)),
+    Row("full_joint_rnn", "full-joint, Table 1", "above soft", build=_beam_joint("rnn", full_joint=True),
+        tasks=("nouns",)),
+    *[Row(f"recurrent_{v}", "recurrent cross-attention, Table 2", "about equal to soft", build=_recurrent(v))
+      for v in ("concat_context", "concat_weight", "concat_accumulated", "expand_1", "continuity", "coverage")],
+]
+ROW_NAMES = [row.name for row in ROWS]
+
+
+def rows_for(task: str) -> list[Row]:
+    return [row for row in ROWS if task in row.tasks]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Data
+# ----------------------------------------------------------------------------------------------------------------
+def load_task(task: str, recipe: Recipe, data: str | None, seed: int):
+    """(train, test) Datasets with "source"/"target" columns."""
+    if task == "multi30k":
+        from .data import load_parallel, multi30k
+
+        if data is None:
+            train, test = multi30k("train"), multi30k("test_2016_flickr")
+        elif os.path.isdir(data):
+            train, test = load_parallel(data, "train"), load_parallel(data, "test_2016_flickr")
+        else:  # a datasets hub name / local dataset with "translation" {"en", "de"} rows
+            import datasets
+
+            loaded = datasets.load_dataset(data)
+
+            def flat(split):
+                return split.map(lambda row: {"source": row["translation"]["en"], "target": row["translation"]["de"]},
+                                 remove_columns=split.column_names)
+            train, test = flat(loaded["train"]), flat(loaded["test"])
+    else:
+        from .data import german_nouns
+
+        splits = german_nouns(seed=seed, max_examples=recipe.max_examples)
+        train, test = splits["train"], splits["test"].shuffle(seed=seed)
+    if recipe.eval_size is not None:
+        test = test.select(range(min(recipe.eval_size, len(test))))
+    return train, test
+
+
+def tokens_per_sentence(tokenized) -> float:
+    """Mean of max(source, target) tokens per example (what a max-tokens batch counts)."""
+    lengths = [max(len(a), len(b)) for a, b in zip(tokenized["input_ids"], tokenized["labels"])]
+    return sum(lengths) / len(lengths)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# One row
+# ----------------------------------------------------------------------------------------------------------------
+def evaluate(task, model, tokenizer, test, recipe: Recipe) -> dict:
+    import sacrebleu
+
+    from .training import translate
+
+    start = time.perf_counter()
+    hypotheses = translate(model, tokenizer, test["source"], num_beams=recipe.num_beams,
+                           batch_size=recipe.eval_batch_size, max_length=recipe.max_length)
+    seconds = time.perf_counter() - start
+    out = dict(decode_seconds=round(seconds, 1), sentences_per_s=round(len(hypotheses) / seconds, 2),
+               examples=len(hypotheses), samples=[[s, h, r] for s, h, r in zip(test["source"][:3], hypotheses[:3],
+                                                                                 test["target"][:3])])
+    if task == "multi30k":
+        metric = sacrebleu.BLEU()
+        score = metric.corpus_score(hypotheses, [list(test["target"])])
+        out.update(metric="BLEU", score=round(score.score, 2), signature=str(metric.get_signature()))
+    else:
+        correct = sum(h.strip() == r.strip() for h, r in zip(hypotheses, test["target"]))
+        out.update(metric="accuracy", score=round(100 * correct / len(hypotheses), 2))
+    return out
+
+
+def train_row(row: Row, ctx, model, train_tok) -> dict:
+    from .training import train_seq2seq
+
+    recipe, args = ctx["recipe"], ctx["args"]
+    extra = {}
+    if row.name == "marian":  # MarianMTModel's own loss has no label smoothing: the Trainer's LabelSmoother does it
+        extra["label_smoothing_factor"] = recipe.label_smoothing
+    start = time.perf_counter()
+    trainer = train_seq2seq(model, ctx["tokenizer"], train_tok, output_dir=os.path.join(ctx["out"], "trainer", row.name),
+                            max_steps=args.max_steps or recipe.max_steps, minutes=args.minutes or recipe.minutes,
+                            batch_size=ctx["batch_size"], learning_rate=recipe.learning_rate,
+                            warmup_steps=recipe.warmup_steps, seed=args.seed, logging_steps=50,
+                            progress=not args.quiet, **extra)
+    losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
+    return dict(train_minutes=round((time.perf_counter() - start) / 60, 2), steps=trainer.state.global_step,
+                first_loss=losses[0] if losses else None, last_loss=losses[-1] if losses else None)
+
+
+def kd_data(ctx):
+    """The soft teacher's beam-4 translations of the training sources (resumable, cached in the output folder)."""
+    from .distill import translate_dataset
+    from .training import tokenize_dataset
+
+    if "kd_tok" not in ctx:
+        teacher = load_model(ctx, "soft")
+        distilled = translate_dataset(teacher, ctx["tokenizer"], ctx["train"], os.path.join(ctx["out"], "kd_data"),
+                                      num_beams=4, batch_size=ctx["recipe"].eval_batch_size,
+                                      max_length=ctx["recipe"].max_length, progress=not ctx["args"].quiet)
+        ctx["kd_tok"] = tokenize_dataset(distilled.remove_columns(["reference"]), ctx["tokenizer"],
+                                         max_length=ctx["recipe"].max_length)
+    return ctx["kd_tok"]
+
+
+def model_dir(ctx, name):
+    return os.path.join(ctx["out"], "models", name)
+
+
+def load_model(ctx, name):
+    from transformers import AutoModelForSeq2SeqLM
+
+    from . import MODEL_CLASSES  # noqa: F401  (registers the model types)
+
+    return AutoModelForSeq2SeqLM.from_pretrained(model_dir(ctx, name)).eval()
+
+
+def run_row(row: Row, ctx) -> dict:
+    import torch
+
+    args, recipe = ctx["args"], ctx["recipe"]
+    result = dict(row=row.name, paper=row.paper, expect=row.expect, seed=args.seed, command=row_command(ctx, row.name))
+    if row.source is not None:
+        model = row.derive(load_model(ctx, row.source)).eval()
+        result.update(decoded_from=row.source, train_minutes=ctx["results"][row.source]["train_minutes"],
+                      steps=ctx["results"][row.source]["steps"])
+    else:
+        torch.manual_seed(args.seed)
+        model = row.build(ctx)
+        train_tok = kd_data(ctx) if row.kd else ctx["train_tok"]
+        result.update(train_row(row, ctx, model, train_tok))
+        if row.kd:
+            result["teacher"] = "soft"
+    result["params"] = sum(p.numel() for p in model.parameters())
+    result["model_type"] = model.config.model_type
+    result.update(evaluate(ctx["task"], model, ctx["tokenizer"], ctx["test"], recipe))
+    folder = model_dir(ctx, row.name)
+    os.makedirs(folder, exist_ok=True)
+    if hasattr(model, "card_title"):  # hf_hardattn models: the card shows the table (refreshed in write_outputs)
+        write_card_results(folder, row.name, row_table(ctx["task"], ctx["preset"], {row.name: result}))
+    model.save_pretrained(folder)
+    ctx["tokenizer"].save_pretrained(folder)
+    return result
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Tables
+# ----------------------------------------------------------------------------------------------------------------
+def row_table(task, preset, results: dict) -> str:
+    metric = "BLEU" if task == "multi30k" else "exact match %"
+    lines = [f"| row | {metric} | sentences/s (beam 4) | training min | steps | parameters | paper | paper's direction |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
+    for name in ROW_NAMES:
+        if name in results:
+            r = results[name]
+            trained = f"(= {r['decoded_from']})" if r.get("decoded_from") else f"{r['train_minutes']:.1f}"
+            lines.append(f"| {name} | {r['score']:.2f} | {r['sentences_per_s']:.1f} | {trained} | {r['steps']} | "
+                         f"{r['params']:,} | {r['paper']} | {r['expect']} |")
+    return "\n".join(lines)
+
+
+def write_card_results(folder, name, table):
+    from .model_card import RESULTS_FILE
+
+    text = (f"This model is row `{name}` of the reproduction table (`benchmarks/reproduce.py`, one recipe for every "
+            f"variant):\n\n{table}")
+    with open(os.path.join(folder, RESULTS_FILE), "w") as handle:
+        json.dump({"table": text}, handle, indent=2)
+
+
+def refresh_cards(ctx, table):
+    """Rewrite the model card of every finished hf_hardattn row with the current table."""
+    import torch
+    from transformers import AutoConfig, AutoModelForSeq2SeqLM
+
+    from . import MODEL_CLASSES  # noqa: F401  (registers the model types)
+    from .model_card import RESULTS_FILE, write_model_card
+
+    for name in ctx["results"]:
+        folder = model_dir(ctx, name)
+        if not os.path.exists(os.path.join(folder, RESULTS_FILE)):  # marian: not an hf_hardattn model
+            continue
+        write_card_results(folder, name, table)
+        with torch.device("meta"):  # the card needs the architecture and parameter count only
+            model = AutoModelForSeq2SeqLM.from_config(AutoConfig.from_pretrained(folder))
+        write_model_card(model, folder)
+
+
+def write_outputs(ctx):
+    """Write results.json / .md (merged with rows that another process running other rows of the same folder has
+    written meanwhile) and refresh the model cards."""
+    task, preset, results = ctx["task"], ctx["preset"], ctx["results"]
+    path = os.path.join(ctx["out"], f"reproduce_{task}_{preset}.json")
+    if os.path.exists(path):
+        with open(path) as handle:
+            on_disk = json.load(handle)["rows"]
+        for name, row in on_disk.items():
+            results.setdefault(name, row)
+    payload = dict(task=task, preset=preset, recipe=dataclasses.asdict(ctx["recipe"]), batch_size=ctx["batch_size"],
+                   tokens_per_sentence=ctx["tokens_per_sentence"], vocab_size=len(ctx["tokenizer"]),
+                   test_examples=len(ctx["test"]), rows=results)
+    table = row_table(task, preset, results)
+    for folder in {ctx["out"], ctx["args"].results_dir} - {None}:
+        os.makedirs(folder, exist_ok=True)
+        stem = os.path.join(folder, f"reproduce_{task}_{preset}")
+        with open(stem + ".json.tmp", "w") as handle:
+            json.dump(payload, handle, indent=1)
+        os.replace(stem + ".json.tmp", stem + ".json")  # atomic: a reader never sees half a file
+        with open(stem + ".md", "w") as handle:
+            handle.write(f"# {task}, preset {preset}\n\n{table}\n")
+    refresh_cards(ctx, table)
+    return table
+
+
+def row_command(ctx, name) -> str:
+    args = ctx["args"]
+    parts = ["python", "benchmarks/reproduce.py", "--task", ctx["task"], "--preset", ctx["preset"], "--rows", name,
+             "--seed", str(args.seed)]
+    for flag in ("minutes", "max_steps", "eval_size", "data", "threads"):
+        value = getattr(args, flag)
+        if value is not None:
+            parts += [f"--{flag.replace('_', '-')}", str(value)]
+    return shlex.join(parts)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# CLI
+# ----------------------------------------------------------------------------------------------------------------
+def add_arguments(parser: argparse.ArgumentParser):
+    parser.add_argument("--task", choices=TASKS, default="multi30k")
+    parser.add_argument("--preset", choices=PRESET_NAMES, default="cpu")
+    parser.add_argument("--rows", nargs="+", default=None, metavar="ROW",
+                        help=f"rows to run (default: all of the task's); choices: {' '.join(ROW_NAMES)}")
+    parser.add_argument("--data", default=None, help="multi30k: a folder of {train,test_2016_flickr}.{en,de}[.gz] "
+                                                     "or a datasets name with en/de 'translation' rows")
+    parser.add_argument("--minutes", type=float, default=None, help="override the preset's minutes per row")
+    parser.add_argument("--max-steps", type=int, default=None, help="override the preset's steps per row")
+    parser.add_argument("--eval-size", type=int, default=None, help="override the preset's number of test examples")
+    parser.add_argument("--output-dir", default=None, help="models, KD data and results (default "
+                                                           "outputs/reproduce/TASK-PRESET)")
+    parser.add_argument("--results-dir", default=None, help="also write reproduce_TASK_PRESET.{json,md} here")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--force", action="store_true", help="rerun rows that are already in results.json")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def run(args) -> dict:
+    import datasets
+    import torch
+
+    from .tokenization import train_tokenizer
+    from .training import tokenize_dataset
+
+    task_rows = {row.name: row for row in rows_for(args.task)}
+    wanted = args.rows or list(task_rows)
+    unknown = [name for name in wanted if name not in task_rows]
+    if unknown:
+        raise ValueError(f"`rows` {unknown} are not rows of task {args.task!r}; allowed: {list(task_rows)}.")
+    for name in ("minutes", "max_steps", "eval_size"):
+        value = getattr(args, name)
+        if value is not None and not value > 0:
+            raise ValueError(f"`--{name.replace('_', '-')}` must be > 0, got {value!r}.")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    datasets.disable_progress_bars()
+    recipe = copy.deepcopy(PRESETS[args.task][args.preset])
+    if args.eval_size:
+        recipe.eval_size = args.eval_size
+    out = args.output_dir or os.path.join("outputs", "reproduce", f"{args.task}-{args.preset}")
+    os.makedirs(out, exist_ok=True)
+    results_path = os.path.join(out, f"reproduce_{args.task}_{args.preset}.json")
+    results = {}
+    if os.path.exists(results_path):
+        with open(results_path) as handle:
+            results = json.load(handle)["rows"]
+
+    train, test = load_task(args.task, recipe, args.data, args.seed)
+    tokenizer_dir = os.path.join(out, "tokenizer")
+    if os.path.isdir(tokenizer_dir):
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    else:
+        tokenizer = train_tokenizer(train, **recipe.tokenizer)
+        tokenizer.save_pretrained(tokenizer_dir)
+    train_tok = tokenize_dataset(train, tokenizer, max_length=recipe.max_length)
+    per_sentence = tokens_per_sentence(train_tok)
+    ctx = dict(args=args, task=args.task, preset=args.preset, recipe=recipe, out=out, train=train, test=test,
+               tokenizer=tokenizer, train_tok=train_tok, results=results, tokens_per_sentence=round(per_sentence, 2),
+               batch_size=max(1, round(recipe.max_tokens / per_sentence)))
+    print(f"reproduce {args.task}/{args.preset}: {len(train)} training examples, {len(test)} test, vocabulary "
+          f"{len(tokenizer)}, {per_sentence:.1f} tokens/sentence -> {ctx['batch_size']} sentences per batch; "
+          f"output {out}", flush=True)
+
+    # dependencies first: a derived row needs its source row, a KD row needs the soft teacher
+    order = []
+
+    def need(name):
+        row = task_rows[name]
+        for dep in ([row.source] if row.source else []) + (["soft"] if row.kd else []):
+            need(dep)
+        if name not in order:
+            order.append(name)
+
+    for name in wanted:
+        need(name)
+    for name in order:
+        done = name in results and os.path.isdir(model_dir(ctx, name))
+        if done and not (args.force and name in wanted):
+            print(f"[{name}] done: {results[name]['metric']} {results[name]['score']} (skipped)", flush=True)
+            continue
+        print(f"[{name}] {task_rows[name].paper}", flush=True)
+        results[name] = run_row(task_rows[name], ctx)
+        r = results[name]
+        print(f"[{name}] {r['metric']} {r['score']}, {r['sentences_per_s']} sentences/s, {r['steps']} steps, "
+              f"{r['params']:,} parameters", flush=True)
+        write_outputs(ctx)
+    table = write_outputs(ctx)
+    print(table, flush=True)
+    return results
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="reproduce", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    run(parser.parse_args(argv))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

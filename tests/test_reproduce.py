@@ -1,0 +1,125 @@
+"""benchmarks/reproduce.py (hf_hardattn.reproduce): rows, dependencies, resumability, stored commands, scores that
+match an independent evaluation of the saved models."""
+
+import json
+import os
+
+import pytest
+import sacrebleu
+import torch
+from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
+
+import hf_hardattn  # noqa: F401
+from hf_hardattn import reproduce
+from hf_hardattn.training import translate
+
+EN = ["a man is riding a bike .", "two dogs play in the snow .", "a woman is reading a book .",
+      "children are running on the beach .", "a girl is eating an apple .", "the man is cooking dinner .",
+      "a dog is jumping over a fence .", "people are walking in the park ."]
+DE = ["ein mann fährt fahrrad .", "zwei hunde spielen im schnee .", "eine frau liest ein buch .",
+      "kinder rennen am strand .", "ein mädchen isst einen apfel .", "der mann kocht das abendessen .",
+      "ein hund springt über einen zaun .", "leute gehen im park spazieren ."]
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("reproduce")
+    data = root / "data"
+    data.mkdir()
+    for split, repeat in (("train", 6), ("test_2016_flickr", 1)):
+        (data / f"{split}.en").write_text("\n".join(EN * repeat) + "\n")
+        (data / f"{split}.de").write_text("\n".join(DE * repeat) + "\n")
+    out = root / "out"
+    argv = ["--task", "multi30k", "--preset", "tiny", "--data", str(data), "--output-dir", str(out), "--quiet",
+            "--rows", "soft_decoded_hard", "hybrid_dot_kd", "beam_joint_k6_decoded_k1", "marian"]
+    torch.manual_seed(0)
+    reproduce.main(argv)
+    return dict(root=root, data=data, out=out, argv=argv)
+
+
+def load_results(out):
+    with open(os.path.join(out, "reproduce_multi30k_tiny.json")) as handle:
+        return json.load(handle)
+
+
+def test_dependencies_run_first_and_every_row_is_recorded(run_dir):
+    rows = load_results(run_dir["out"])["rows"]
+    # soft: source of soft_decoded_hard and KD teacher; beam_joint_k6: source of the K=1 decoding
+    assert set(rows) == {"soft", "soft_decoded_hard", "hybrid_dot_kd", "beam_joint_k6", "beam_joint_k6_decoded_k1",
+                         "marian"}
+    for name, row in rows.items():
+        assert f"--rows {name}" in row["command"] and "--preset tiny" in row["command"]
+        assert row["metric"] == "BLEU" and row["examples"] == 8 and row["params"] > 0
+        assert "nrefs:1" in row["signature"]
+    assert rows["soft_decoded_hard"]["decoded_from"] == "soft"
+    assert rows["soft_decoded_hard"]["steps"] == rows["soft"]["steps"] == 3
+    assert rows["marian"]["model_type"] == "marian"
+    table = (run_dir["out"] / "reproduce_multi30k_tiny.md").read_text()
+    assert "| soft_decoded_hard |" in table and "| marian |" in table
+
+
+@pytest.mark.parametrize("name, kinds", [
+    ("soft", {}),
+    ("soft_decoded_hard", dict(decoder_attention="hard_retrieval", cross_attention="hard_retrieval")),
+])
+def test_scores_match_an_independent_evaluation(run_dir, name, kinds):
+    folder = run_dir["out"] / "models" / "soft"
+    model = AutoModelForSeq2SeqLM.from_pretrained(folder).eval()
+    if kinds:
+        model = model.with_attention(**kinds)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    hypotheses = translate(model, tokenizer, EN, num_beams=4, batch_size=8, max_length=32)
+    expected = sacrebleu.corpus_bleu(hypotheses, [DE]).score
+    assert load_results(run_dir["out"])["rows"][name]["score"] == pytest.approx(expected, abs=0.01)
+
+
+def test_decoded_k1_row_uses_k1(run_dir):
+    folder = run_dir["out"] / "models" / "beam_joint_k6_decoded_k1"
+    config = json.loads((folder / "config.json").read_text())
+    assert config["joint_k"] == 6 and config["joint_inference_k"] == 1
+    assert "## Results" in (folder / "README.md").read_text()
+
+
+def test_kd_rows_train_on_the_teachers_translations(run_dir):
+    import datasets
+
+    distilled = datasets.load_from_disk(str(run_dir["out"] / "kd_data" / "dataset"))
+    folder = run_dir["out"] / "models" / "soft"
+    teacher = AutoModelForSeq2SeqLM.from_pretrained(folder).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    assert distilled["source"] == EN * 6
+    assert distilled["target"] == translate(teacher, tokenizer, EN * 6, num_beams=4, batch_size=8, max_length=32)
+
+
+def test_rerun_skips_finished_rows(run_dir, monkeypatch):
+    def fail(row, ctx):
+        raise AssertionError(f"row {row.name} was rerun")
+
+    monkeypatch.setattr(reproduce, "run_row", fail)
+    before = load_results(run_dir["out"])
+    reproduce.main(run_dir["argv"])
+    assert load_results(run_dir["out"])["rows"] == before["rows"]
+
+
+def test_bad_input(tmp_path):
+    with pytest.raises(ValueError, match="`rows`.*full_joint_rnn"):  # full-joint is a nouns-only row
+        reproduce.main(["--task", "multi30k", "--preset", "tiny", "--rows", "full_joint_rnn",
+                        "--output-dir", str(tmp_path)])
+    with pytest.raises(ValueError, match="--minutes"):
+        reproduce.main(["--task", "nouns", "--preset", "tiny", "--minutes", "0", "--output-dir", str(tmp_path)])
+
+
+def test_every_row_builds_for_its_tasks():
+    names = [row.name for row in reproduce.ROWS]
+    assert len(names) == len(set(names))
+    for row in reproduce.ROWS:
+        assert (row.build is None) != (row.source is None), row.name
+        if row.source is not None:
+            assert row.source in names and row.derive is not None
+
+
+def test_cli_entry():
+    from hf_hardattn.cli import build_parser
+
+    args = build_parser().parse_args(["reproduce", "--task", "nouns", "--preset", "tiny", "--rows", "soft"])
+    assert args.func is reproduce.run and args.task == "nouns" and args.rows == ["soft"]
