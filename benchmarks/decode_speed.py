@@ -78,7 +78,6 @@ def build_marian():
 
 def build_hybrid(attention):
     dims = dict(DIMS, decoder_layers=1)
-    dims.pop("decoder_ffn_dim")
     return lambda: HybridForConditionalGeneration(HybridConfig(**dims, **SPECIAL, rnn_hidden_size=1024,
                                                                rnn_embedding_size=512, rnn_attention=attention))
 

@@ -358,11 +358,11 @@ class BeamJointTransformerForConditionalGeneration(JointOutputMixin, HardAttnFor
                 log_w, index_k = select_candidates(log_p, k_active, config.full_joint, config.renormalize_joint)
                 # hard attention of every head on position a: out_proj(concat_h v_h[a])  [B, S, d]
                 # (a constant of the sentence: computed once per sentence when decoding with the cache)
-                hard = cache.states.get("beam_joint.hard") if cache is not None else None
+                hard = cache.sentence_states.get("beam_joint.hard") if cache is not None else None
                 if hard is None:
                     hard = attn.merge(v)
                     if cache is not None:
-                        cache.states["beam_joint.hard"] = hard
+                        cache.sentence_states["beam_joint.hard"] = hard
                 picked = torch.gather(hard, 1, index_k.reshape(batch, -1, 1).expand(-1, -1, hard.shape[-1]))
                 n_cand = index_k.shape[-1]
                 y = _residual(sub, x[:, :, None, :], picked.view(batch, length, n_cand, -1).to(x.dtype))
@@ -450,13 +450,13 @@ class BeamJointRNNForConditionalGeneration(JointOutputMixin, HybridForConditiona
     card_citation = BeamJointTransformerForConditionalGeneration.card_citation
 
     def hard_contexts(self, encoder_hidden_states, cache):
-        """[B, S, C] hard contexts, computed once per sentence during cached decoding (kept in ``cache.states``, which
-        beam search reorders along with the GRU states)."""
-        if cache is not None and "beam_joint.hard_contexts" in cache.states:
-            return cache.states["beam_joint.hard_contexts"]
+        """[B, S, C] hard contexts, computed once per sentence during cached decoding (kept in
+        ``cache.sentence_states``: the same for every beam of a sentence, so beam search does not reorder them)."""
+        if cache is not None and "beam_joint.hard_contexts" in cache.sentence_states:
+            return cache.sentence_states["beam_joint.hard_contexts"]
         hard = self.model.decoder.hard_contexts(encoder_hidden_states)
         if cache is not None:
-            cache.states["beam_joint.hard_contexts"] = hard
+            cache.sentence_states["beam_joint.hard_contexts"] = hard
         return hard
 
     def candidate_readouts(self, states, hard, index):

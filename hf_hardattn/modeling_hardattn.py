@@ -131,6 +131,8 @@ class HardAttnCache(EncoderDecoderCache):
       computed once per sentence (``cross_attention_cache`` + ``is_updated``), exactly as in transformers;
     * ``states`` maps a name (e.g. ``"gru.0"`` or ``"prev_context.3"``) to a tensor whose first dimension is the
       batch; :meth:`reorder_cache` reorders them together with the keys/values, so beam search never mixes beams;
+    * ``sentence_states``: the same for tensors that are constant over a sentence's decoding (computed from the
+      encoder output once); like the cross-attention keys/values, beam reordering leaves them alone;
     * ``seen_tokens`` counts the target positions processed, so that decoders without a self-attention cache
       (an RNN decoder) still report the right ``get_seq_length()`` to ``generate()``.
 
@@ -145,6 +147,7 @@ class HardAttnCache(EncoderDecoderCache):
             cross_attention_cache if cross_attention_cache is not None else DynamicCache(),
         )
         self.states: dict[str, torch.Tensor] = {}
+        self.sentence_states: dict[str, torch.Tensor] = {}
         self.seen_tokens = 0
 
     @classmethod
@@ -176,17 +179,20 @@ class HardAttnCache(EncoderDecoderCache):
 
     def batch_repeat_interleave(self, repeats: int):
         super().batch_repeat_interleave(repeats)
-        for name, state in self.states.items():
-            self.states[name] = state.repeat_interleave(repeats, dim=0)
+        for states in (self.states, self.sentence_states):
+            for name, state in states.items():
+                states[name] = state.repeat_interleave(repeats, dim=0)
 
     def batch_select_indices(self, indices: torch.Tensor):
         super().batch_select_indices(indices)
-        for name, state in self.states.items():
-            self.states[name] = state[indices]
+        for states in (self.states, self.sentence_states):
+            for name, state in states.items():
+                states[name] = state[indices]
 
     def reset(self):
         super().reset()
         self.states.clear()
+        self.sentence_states.clear()
         self.seen_tokens = 0
 
     def crop(self, tokens_to_remove: int) -> None:

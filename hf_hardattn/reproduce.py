@@ -284,12 +284,6 @@ def load_task(task: str, recipe: Recipe, data: str | None, seed: int):
     return train, test
 
 
-def tokens_per_sentence(tokenized) -> float:
-    """Mean of max(source, target) tokens per example (what a max-tokens batch counts)."""
-    lengths = [max(len(a), len(b)) for a, b in zip(tokenized["input_ids"], tokenized["labels"])]
-    return sum(lengths) / len(lengths)
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # One row
 # ----------------------------------------------------------------------------------------------------------------
@@ -495,7 +489,7 @@ def run(args) -> dict:
     import torch
 
     from .tokenization import train_tokenizer
-    from .training import tokenize_dataset
+    from .training import example_lengths, tokenize_dataset
 
     task_rows = {row.name: row for row in rows_for(args.task)}
     wanted = args.rows or list(task_rows)
@@ -530,7 +524,8 @@ def run(args) -> dict:
         tokenizer = train_tokenizer(train, **recipe.tokenizer)
         tokenizer.save_pretrained(tokenizer_dir)
     train_tok = tokenize_dataset(train, tokenizer, max_length=recipe.max_length)
-    per_sentence = tokens_per_sentence(train_tok)
+    lengths = example_lengths(train_tok)  # max(source, target) tokens: what a max-tokens batch counts
+    per_sentence = sum(lengths) / len(lengths)
     ctx = dict(args=args, task=args.task, preset=args.preset, recipe=recipe, out=out, train=train, test=test,
                tokenizer=tokenizer, train_tok=train_tok, results=results, tokens_per_sentence=round(per_sentence, 2),
                batch_size=max(1, round(recipe.max_tokens / per_sentence)))
