@@ -12,6 +12,7 @@ time relative to soft (and, for the GRU-decoder models, to the soft-attention hy
 Targets: beam-joint <= 1.3x soft's step time, recurrent <= 1.5x.
 
     python benchmarks/train_speed.py                 # -> benchmarks/results/train_speed.json
+    python benchmarks/train_speed.py --bf16          # bf16 autocast -> benchmarks/results/train_speed_bf16.json
     python benchmarks/train_speed.py --rounds 2 --rows soft marian recurrent_expand_1
 """
 
@@ -47,8 +48,12 @@ def main(argv=None):
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--length", type=int, default=30)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--output", default=os.path.join(os.path.dirname(__file__), "results", "train_speed.json"))
+    parser.add_argument("--bf16", action="store_true", help="bf16 autocast, as the Multi30k cpu recipe trains")
+    parser.add_argument("--output", default=None, help="default benchmarks/results/train_speed[_bf16].json")
     args = parser.parse_args(argv)
+    if args.output is None:
+        args.output = os.path.join(os.path.dirname(__file__), "results",
+                                   "train_speed_bf16.json" if args.bf16 else "train_speed.json")
     torch.set_num_threads(args.threads)
     names = list(dict.fromkeys(["soft"] + args.rows))
     recipe = PRESETS["multi30k"]["cpu"]
@@ -67,11 +72,13 @@ def main(argv=None):
     def step(name):
         model = models[name]
         start = time.perf_counter()
-        if name == "marian":  # its own loss has no label smoothing; the Trainer's LabelSmoother adds it
-            logits = model(**batch).logits
-            loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), label_smoothing=recipe.label_smoothing)
-        else:
-            loss = model(**batch).loss
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
+            if name == "marian":  # its own loss has no label smoothing; the Trainer's LabelSmoother adds it
+                logits = model(**batch).logits
+                loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(),
+                                       label_smoothing=recipe.label_smoothing)
+            else:
+                loss = model(**batch).loss
         optimizers[name].zero_grad(set_to_none=True)
         loss.backward()
         optimizers[name].step()
@@ -104,7 +111,7 @@ def main(argv=None):
     print(table)
     os.makedirs(os.path.dirname(args.output), exist_ok=True)
     with open(args.output, "w") as handle:
-        json.dump(dict(batch=args.batch, length=args.length, rounds=args.rounds, threads=args.threads,
+        json.dump(dict(batch=args.batch, length=args.length, rounds=args.rounds, threads=args.threads, bf16=args.bf16,
                        dims=recipe.dims, rows=results, table=table), handle, indent=1)
 
 

@@ -73,11 +73,20 @@ class JointMixture(torch.autograd.Function):
             out[start : start + step] = torch.logsumexp(lsm + log_weights[start : start + step, :, None].to(acc), dim=1)
         ctx.save_for_backward(hidden, log_weights, weight, out)
         ctx.step = step
+        # backward recomputes the logits: under the same autocast state as here (bf16 training), or they would differ
+        device = hidden.device.type
+        ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
         ctx.last = lsm if any(ctx.needs_input_grad[:3]) else None  # kept: no recompute for it
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
+        device, enabled, dtype = ctx.autocast
+        with torch.autocast(device, dtype=dtype, enabled=enabled):
+            return JointMixture._backward(ctx, grad_out)
+
+    @staticmethod
+    def _backward(ctx, grad_out):
         hidden, log_weights, weight, out = ctx.saved_tensors
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_lw = torch.empty_like(log_weights) if ctx.needs_input_grad[1] else None
@@ -101,7 +110,7 @@ class JointMixture(torch.autograd.Function):
             g_z = weighted - lsm.exp() * g_lw[..., None]  # [n, K, V]
             if grad_hidden is not None:
                 grad_hidden[chunk] = (g_z.to(weight.dtype) @ weight).to(hidden.dtype)
-            if grad_weight is not None:
+            if grad_weight is not None:  # (a bf16 product under autocast, accumulated in fp32)
                 grad_weight += g_z.reshape(-1, g_z.shape[-1]).t() @ h.reshape(-1, h.shape[-1]).to(acc)
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)

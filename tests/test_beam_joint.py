@@ -254,6 +254,25 @@ def test_chunked_mixture_equals_one_chunk():
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
 
 
+def test_mixture_under_bf16_autocast_equals_autograd():
+    """bf16 training: the chunks recomputed in backward run under the forward's autocast state, so the gradients
+    equal autograd's through the same bf16 logits (a recompute in fp32 would not match the forward's bf16 mixture)."""
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(24, 3, 16, generator=generator).requires_grad_()
+    log_w = torch.randn(24, 3, generator=generator).log_softmax(-1).requires_grad_()
+    weight = (2 * torch.randn(50, 16, generator=generator)).requires_grad_()
+    upstream = torch.randn(24, 50, generator=generator)
+    results = []
+    for fn in (lambda: JointMixture.apply(hidden, log_w, weight, 12),  # 4 tokens per chunk: recomputed
+               lambda: torch.logsumexp((hidden @ weight.t()).float().log_softmax(-1) + log_w[..., None], dim=1)):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = fn()
+        results.append([out] + list(torch.autograd.grad((out * upstream).sum(), (hidden, log_w, weight))))
+    for ours, reference in zip(*results):
+        torch.testing.assert_close(ours.float(), reference.float(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(results[0][2], results[1][2], rtol=1e-4, atol=1e-5)  # the mixture-weight gradient
+
+
 @pytest.mark.parametrize("attention", ["additive", "dot", "multihead"])
 def test_rnn_hard_contexts_and_fast_readout(attention):
     """hybrid's hard_contexts(j) == the attention's output with all weight on j; the split readout used per

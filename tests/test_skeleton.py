@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from common import check_trainer, collate, copy_task, tiny_kwargs
 from hf_hardattn import (HardAttnCache, HardRetrievalConfig, HardRetrievalForConditionalGeneration,
@@ -184,3 +185,63 @@ def test_generate_uses_the_buffered_self_attention_cache():
     assert isinstance(cache, HardAttnCache)
     assert all(isinstance(layer, BufferedLayer) for layer in cache.self_attention_cache.layers)
     assert cache.get_seq_length() == 3
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the fused label-smoothed cross-entropy
+# ----------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+def test_smoothed_cross_entropy_equals_torch(dtype, eps):
+    """Values and gradients equal F.cross_entropy's (fp32 of the same logits), over several row chunks, with ignored
+    tokens getting 0 loss and 0 gradient, and the logits left untouched."""
+    from hf_hardattn.modeling_hardattn import smoothed_cross_entropy
+
+    generator = torch.Generator().manual_seed(0)
+    logits = (3 * torch.randn(37, 50, generator=generator)).to(dtype)
+    labels = torch.randint(0, 50, (37,), generator=generator)
+    labels[::5] = -100
+    before = logits.clone()
+    ours = logits.clone().requires_grad_()
+    reference = logits.float().requires_grad_()
+    loss = smoothed_cross_entropy(ours, labels, eps, chunk=8)
+    expected = F.cross_entropy(reference, labels, ignore_index=-100, label_smoothing=eps, reduction="none")
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)
+    assert (loss[::5] == 0).all()
+    weights = torch.rand(37, generator=generator)
+    (loss * weights).sum().backward()
+    (expected * weights).sum().backward()
+    assert ours.grad.dtype == dtype
+    tolerance = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=2e-3)
+    torch.testing.assert_close(ours.grad.float(), reference.grad, **tolerance)
+    assert (ours.grad[::5] == 0).all()
+    assert torch.equal(ours.detach(), before)
+
+
+def test_smoothed_cross_entropy_bad_input():
+    from hf_hardattn.modeling_hardattn import smoothed_cross_entropy
+
+    logits = torch.zeros(4, 6)
+    with pytest.raises(ValueError, match="`labels` must be -100"):
+        smoothed_cross_entropy(logits, torch.tensor([0, 6, 1, 2]))
+    with pytest.raises(ValueError, match="`labels` must be -100"):
+        smoothed_cross_entropy(logits, torch.tensor([0, -1, 1, 2]))
+    with pytest.raises(ValueError, match="`label_smoothing`"):
+        smoothed_cross_entropy(logits, torch.tensor([0, 1, 1, 2]), 1.0)
+    with pytest.raises(ValueError, match=r"\[N, V\]"):
+        smoothed_cross_entropy(logits[None], torch.tensor([0, 1, 1, 2]))
+
+
+def test_attention_runs_in_fp32_under_cpu_autocast():
+    """Training under CPU bf16 autocast: the attention itself is computed from fp32 q, k, v (equal to the fp32 result
+    of the same bf16 inputs), then returned in the autocast dtype."""
+    from hf_hardattn.modeling_hardattn import SoftAttention
+
+    attention = SoftAttention(SoftTransformerConfig(**tiny_kwargs(dropout=0.0, attention_dropout=0.0)), role="decoder", layer_idx=0)
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 5, 8, generator=generator).bfloat16().requires_grad_() for _ in range(3))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = attention.attend(q, k, v, None, True)
+    expected = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, expected.bfloat16(), rtol=0, atol=0)

@@ -5,6 +5,7 @@ Runs without /work/shared (temporary files only) and offline.
 
 import gzip
 import json
+import math
 import os
 import sys
 
@@ -174,7 +175,56 @@ def test_tokenize_and_train_seq2seq(tmp_path):
                            warmup_steps=5, progress=True)
     assert 1 <= budget.state.global_step < 10**9
     with pytest.raises(ValueError, match="lr_scheduler"):
-        train_seq2seq(model, tok, data, output_dir=tmp_path / "x", minutes=1, lr_scheduler="linear")
+        train_seq2seq(model, tok, data, output_dir=tmp_path / "x", lr_scheduler="linear")  # neither steps nor minutes
+    with pytest.raises(ValueError, match="lr_scheduler"):
+        train_seq2seq(model, tok, data, output_dir=tmp_path / "x", max_steps=3, lr_scheduler="warmup_stable")
+
+
+def test_time_decay_schedule_by_hand():
+    """Warm-up by steps, then linear / cosine decay over the share of the time budget left after the warm-up."""
+    from hf_hardattn.training import TimeBudget, time_decay_schedule
+
+    class Clock(TimeBudget):
+        now = 0.0
+
+        def elapsed(self):
+            return self.now
+
+    budget = Clock(minutes=1.0)  # 60 s
+    linear, cosine = time_decay_schedule(budget, 10, "linear"), time_decay_schedule(budget, 10, "cosine")
+    assert [linear(s) for s in (0, 5)] == [0.0, 0.5]
+    budget.now = 20.0  # the warm-up ends at 1/3 of the budget
+    assert linear(10) == 1.0 and cosine(10) == 1.0
+    budget.now = 40.0  # half of the remaining 40 s
+    assert linear(50) == pytest.approx(0.5) and cosine(50) == pytest.approx(0.5)
+    budget.now = 30.0
+    assert linear(30) == pytest.approx(0.75) and cosine(30) == pytest.approx((1 + math.cos(math.pi / 4)) / 2)
+    budget.now = 70.0  # the last step may overrun the budget
+    assert linear(99) == 0.0 and cosine(99) == pytest.approx(0.0)
+    with pytest.raises(ValueError, match="linear' or 'cosine"):
+        time_decay_schedule(budget, 10, "inverse_sqrt")
+
+
+def test_bf16_time_decay_training_decays_to_zero(tmp_path):
+    """bf16 autocast training on CPU with a time-decayed linear schedule: the loss falls, the last learning rate is
+    near 0, and the model's weights stay fp32."""
+    raw = reversal_dataset()
+    tok = train_tokenizer(raw, kind="char", min_frequency=1)
+    data = tokenize_dataset(raw, tok, max_length=16)
+    torch.manual_seed(0)
+    model = SoftTransformerForConditionalGeneration(SoftTransformerConfig(**tiny_kwargs(vocab_size=len(tok))))
+    dtypes = set()
+    model.lm_head.register_forward_hook(lambda module, args, out: dtypes.add(out.dtype))
+    trainer = train_seq2seq(model, tok, data, output_dir=tmp_path / "run", minutes=0.15, batch_size=16,
+                            learning_rate=3e-3, warmup_steps=5, logging_steps=1, progress=False,
+                            lr_scheduler="linear", bf16=True)
+    assert dtypes == {torch.bfloat16}  # the steps ran under autocast
+    logs = [log for log in trainer.state.log_history if "loss" in log]
+    assert trainer.state.global_step > 20
+    assert max(log["learning_rate"] for log in logs) > 2e-3
+    assert logs[-1]["learning_rate"] < 0.15 * 3e-3, logs[-1]
+    assert logs[-1]["loss"] < 0.8 * logs[0]["loss"]
+    assert all(p.dtype == torch.float32 for p in model.parameters())
 
 
 def test_length_grouped_batches_group_by_source_and_target_length(tmp_path):
