@@ -56,10 +56,13 @@ class JointMixture(torch.autograd.Function):
 
     hidden [N, K, d] (one output-layer input per candidate), log_weights [N, K] (fp32; -inf = absent candidate),
     weight [V, d] (the tied vocabulary projection). Rows are processed ``chunk_rows // K`` tokens at a time; backward
-    recomputes each chunk's logits instead of storing N x K x V values. With r_k[v] = exp(lw_k + lsm_k[v] - out[v])
-    (the posterior of candidate k given v) and G = dL/dout (the last chunk's log-softmax is kept from forward, so a
-    batch of at most ``chunk_rows`` candidate rows is never recomputed):
+    recomputes each chunk's logits instead of storing N x K x V values (the candidates' log-normalisers [N, K] are
+    kept). With r_k[v] = exp(lw_k + lsm_k[v] - out[v]) (the posterior of candidate k given v) and G = dL/dout (the
+    last chunk's lw + lsm is kept from forward, so a batch of at most ``chunk_rows`` candidate rows is never
+    recomputed):
         dL/dlw_k = sum_v G[v] r_k[v],      dL/dz_k[u] = G[u] r_k[u] - softmax(z_k)[u] * dL/dlw_k.
+    The [n, K, V] work is done in place on two tensors per chunk (on a CPU this elementwise work, not the GEMMs,
+    is most of a step: in place it is 1.5-2x faster than a new tensor per operation).
     """
 
     @staticmethod
@@ -68,16 +71,27 @@ class JointMixture(torch.autograd.Function):
         step = max(1, chunk_rows // k)
         acc = torch.promote_types(hidden.dtype, torch.float32)  # fp32 (fp64 stays fp64)
         out = torch.empty(n_tokens, weight.shape[0], dtype=acc, device=hidden.device)
+        lse = torch.empty(n_tokens, k, dtype=acc, device=hidden.device)  # log-normaliser of every candidate
         for start in range(0, n_tokens, step):
-            lsm = (hidden[start : start + step] @ weight.t()).to(acc).log_softmax(-1)
-            out[start : start + step] = torch.logsumexp(lsm + log_weights[start : start + step, :, None].to(acc), dim=1)
-        ctx.save_for_backward(hidden, log_weights, weight, out)
+            chunk = slice(start, start + step)
+            joint, lse[chunk] = JointMixture._log_joint(hidden[chunk], log_weights[chunk], weight, acc)
+            out[chunk] = torch.logsumexp(joint, dim=1)
+        ctx.save_for_backward(hidden, log_weights, weight, out, lse)
         ctx.step = step
+        ctx.last = joint if any(ctx.needs_input_grad[:3]) else None  # kept: no recompute for it
         # backward recomputes the logits: under the same autocast state as here (bf16 training), or they would differ
         device = hidden.device.type
         ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
-        ctx.last = lsm if any(ctx.needs_input_grad[:3]) else None  # kept: no recompute for it
         return out
+
+    @staticmethod
+    def _log_joint(h, log_w, weight, acc, lse=None):
+        """log P(a_k) + log_softmax(z_k) [n, K, V] for a chunk (z = h W^T), computed in place on one fresh tensor;
+        also returns the candidates' log-normalisers [n, K] (given ones are reused, as backward does)."""
+        z = (h @ weight.t()).to(acc)  # a new tensor: updated in place below
+        if lse is None:
+            lse = torch.logsumexp(z, dim=-1)
+        return z.sub_((lse - log_w.to(acc))[..., None]), lse
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -87,7 +101,7 @@ class JointMixture(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, grad_out):
-        hidden, log_weights, weight, out = ctx.saved_tensors
+        hidden, log_weights, weight, out, lse = ctx.saved_tensors
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_lw = torch.empty_like(log_weights) if ctx.needs_input_grad[1] else None
         acc = out.dtype
@@ -96,18 +110,22 @@ class JointMixture(torch.autograd.Function):
         starts = range(0, hidden.shape[0], ctx.step)
         for start in reversed(starts):
             chunk = slice(start, start + ctx.step)
-            h = hidden[chunk]
+            h, lw = hidden[chunk], log_weights[chunk].to(acc)
             if start == starts[-1] and ctx.last is not None:
-                lsm, ctx.last = ctx.last, None  # the forward's last chunk (the only one when all rows fit)
+                joint, ctx.last = ctx.last, None  # the forward's last chunk (the only one when all rows fit)
             else:
-                lsm = (h @ weight.t()).to(acc).log_softmax(-1)  # recomputed [n, K, V]
-            weighted = grad_out[chunk, None, :] * torch.exp(lsm + log_weights[chunk, :, None].to(acc) - out[chunk, None, :])
+                joint, _ = JointMixture._log_joint(h, lw, weight, acc, lse[chunk])  # recomputed [n, K, V]
+            # G r_k: r_k = exp(log P(a_k) + lsm_k - out), the posterior of candidate k given v
+            weighted = torch.sub(joint, out[chunk, None, :]).exp_().mul_(grad_out[chunk, None, :])
             g_lw = weighted.sum(-1)  # [n, K]
             if grad_lw is not None:
                 grad_lw[chunk] = g_lw.to(grad_lw.dtype)
             if grad_hidden is None and grad_weight is None:
                 continue
-            g_z = weighted - lsm.exp() * g_lw[..., None]  # [n, K, V]
+            # softmax(z_k) = exp(joint - log P(a_k)), in place; an absent candidate (log P = -inf) gets 0 (its r_k
+            # and g_lw are 0, so it contributes nothing either way)
+            softmax = joint.sub_(lw.clamp(min=torch.finfo(acc).min)[..., None]).exp_()
+            g_z = weighted.addcmul_(softmax, g_lw[..., None], value=-1.0)  # [n, K, V]
             if grad_hidden is not None:
                 grad_hidden[chunk] = (g_z.to(weight.dtype) @ weight).to(hidden.dtype)
             if grad_weight is not None:  # (a bf16 product under autocast, accumulated in fp32)
