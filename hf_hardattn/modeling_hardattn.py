@@ -373,7 +373,7 @@ class SoftAttention(nn.Module):
         """Eq. 1 of Vaswani et al.: [B, H, Tq, head_dim]. Under CPU autocast (bf16 training on CPU) it runs in fp32:
         the CPU flash kernel's bf16 backward is several times slower than its fp32 one (measured: 21 ms vs 4 ms per
         call at d 256, 128 x 30 tokens), and attention is a small share of the GEMM work bf16 speeds up."""
-        if q.device.type == "cpu" and q.requires_grad and torch.is_autocast_enabled("cpu"):
+        if q.requires_grad and q.device.type == "cpu" and torch.is_autocast_enabled("cpu"):  # (never when decoding)
             with torch.autocast("cpu", enabled=False):
                 out = F.scaled_dot_product_attention(
                     q.float(), k.float(), v.float(), attn_mask=mask,

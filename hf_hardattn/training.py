@@ -138,15 +138,12 @@ class Seq2SeqLengthTrainer(Seq2SeqTrainer):
                                     lengths=self.example_lengths)
 
     def create_scheduler(self, num_training_steps, optimizer=None):
-        """With ``time_decay`` (a :class:`TimeBudget`) the "linear" / "cosine" schedules decay over wall-clock time
-        instead of steps: linear warm-up for ``warmup_steps``, then from the peak to 0 at the end of the budget."""
-        budget = getattr(self, "time_decay", None)
-        if budget is None or self.lr_scheduler is not None:
+        """With ``time_decay`` (a :func:`time_decay_schedule` factor) the learning rate follows wall-clock time
+        instead of steps."""
+        factor = getattr(self, "time_decay", None)
+        if factor is None or self.lr_scheduler is not None:
             return super().create_scheduler(num_training_steps, optimizer)
-        self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer or self.optimizer,
-            time_decay_schedule(budget, self.args.warmup_steps, str(getattr(self.args.lr_scheduler_type, "value",
-                                                                           self.args.lr_scheduler_type))))
+        self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer or self.optimizer, factor)
         self._created_lr_scheduler = True
         return self.lr_scheduler
 
@@ -263,7 +260,7 @@ def train_seq2seq(
     )
     trainer.example_lengths = example_lengths(train_ds) if group_by_length else None
     if lr_scheduler in ("linear", "cosine") and max_steps is None:
-        trainer.time_decay = budget
+        trainer.time_decay = time_decay_schedule(budget, warmup_steps, lr_scheduler)
     trainer.remove_callback(PrinterCallback)
     trainer.remove_callback(ProgressCallback)
     if budget is not None:
