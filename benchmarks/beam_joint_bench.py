@@ -105,9 +105,10 @@ def speed(args):
         lines.append(f"| {label} | {row['model']} | {row['step_s']:.3f} | {row['ratio']:.2f} |")
     table = "\n".join(lines)
     print(table)
-    # memory bound of the mixture (JointMixture): per chunk ~5 live [chunk_rows, V] fp32 tensors in backward
+    # memory bound of the mixture (JointMixture): three [chunk_rows, V] buffers (two fp32, one in the GEMM dtype)
     chunk_rows, vocab = BeamJointTransformerConfig().joint_chunk_size, 8000
-    memory = dict(chunk_rows=chunk_rows, vocab=vocab, chunk_bytes_5_tensors=5 * chunk_rows * vocab * 4,
+    memory = dict(chunk_rows=chunk_rows, vocab=vocab, chunk_bytes_fp32=3 * chunk_rows * vocab * 4,
+                  chunk_bytes_bf16_autocast=(2 * 4 + 2) * chunk_rows * vocab,
                   output_bytes_4096_tokens=4096 * vocab * 4,
                   unchunked_bytes_4096_tokens_K6_3_tensors=3 * 4096 * 6 * vocab * 4)
     result = dict(batch=args.batch, source_length=args.length, target_length=args.length, rounds=args.rounds,

@@ -17,7 +17,7 @@ from hf_hardattn import (BeamJointRNNConfig, BeamJointRNNForConditionalGeneratio
                          BeamJointTransformerForConditionalGeneration, HardAttnForConditionalGeneration,
                          HybridConfig, HybridForConditionalGeneration, SoftTransformerConfig,
                          SoftTransformerForConditionalGeneration)
-from hf_hardattn.beam_joint import JointMixture
+from hf_hardattn.beam_joint import JointMixture, JointWorkspace
 
 DEC = torch.tensor([[1, 6, 9, 12, 15], [1, 8, 10, 2, 0]])  # decoder inputs (second row ends early)
 RNN_KW = dict(decoder_layers=1, rnn_hidden_size=32)
@@ -273,6 +273,64 @@ def test_mixture_under_bf16_autocast_equals_autograd():
     torch.testing.assert_close(results[0][2], results[1][2], rtol=1e-4, atol=1e-5)  # the mixture-weight gradient
 
 
+def mixture_reference(hidden, log_w, weight):
+    """Eq. 4-5 by autograd in float64, log space: logsumexp_k(log P(a_k) + log_softmax(z_k))."""
+    z = hidden.double() @ weight.double().t()
+    return torch.logsumexp(z.log_softmax(-1) + log_w.double()[..., None], dim=1)
+
+
+def mixture_and_grads(fn, hidden, log_w, weight, upstream):
+    hidden, log_w, weight = (x.detach().requires_grad_() for x in (hidden, log_w, weight))
+    out = fn(hidden, log_w, weight)
+    return [out] + list(torch.autograd.grad((out * upstream.to(out.dtype)).sum(), (hidden, log_w, weight)))
+
+
+def test_mixture_exact_where_the_factored_sum_underflows():
+    """The forward sums probabilities factored through each candidate's maximum; where a mixture probability falls
+    below fp32's trusted range (log-probabilities of -300 here) that chunk is computed in log space instead, forward
+    and backward. Chunks of 2 tokens: the first chunk underflows, the second does not; both equal the float64
+    reference, and the factored sum really does underflow on the first (the case is exercised)."""
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(4, 3, 8, generator=generator)
+    hidden[:2] *= 60  # huge logits: most tokens' probabilities ~exp(-300)
+    log_w = torch.randn(4, 3, generator=generator).log_softmax(-1)
+    log_w[3, 1] = float("-inf")
+    weight = torch.randn(20, 8, generator=generator)
+    upstream = torch.randn(4, 20, generator=generator)
+    ours = mixture_and_grads(lambda h, w, W: JointMixture.apply(h, w, W, 6), hidden, log_w, weight, upstream)
+    reference = mixture_and_grads(mixture_reference, hidden, log_w, weight, upstream)
+    assert float(reference[0][:2].detach().min()) < -200 and float(reference[0][2:].detach().min()) > -60
+    z = hidden @ weight.t()
+    factored = (log_w[..., None].exp() * (z - z.amax(-1, keepdim=True)).exp()
+                / (z - z.amax(-1, keepdim=True)).exp().sum(-1, keepdim=True)).sum(1)
+    assert bool((factored[:2] == 0).any())  # the fp32 probability-space sum underflows there
+    for got, want in zip(ours, reference):
+        torch.testing.assert_close(got.double(), want.double(), rtol=1e-4, atol=1e-4)
+
+
+def test_mixture_workspace_reused_and_safe_to_share():
+    """A JointWorkspace keeps its buffers between calls (same storage on the next call); a forward that claims it
+    between another call's forward and backward makes that backward recompute in buffers of its own: the results
+    equal separate workspaces (backwards in reverse order, as a teacher-student loss would run them)."""
+    generator = torch.Generator().manual_seed(0)
+    inputs = [(torch.randn(6, 3, 8, generator=generator), torch.randn(6, 3, generator=generator).log_softmax(-1),
+               torch.randn(20, 8, generator=generator), torch.randn(6, 20, generator=generator)) for _ in range(2)]
+    separate = [mixture_and_grads(lambda h, w, W: JointMixture.apply(h, w, W, 9), *x) for x in inputs]
+    workspace = JointWorkspace()
+    leaves = [[t.detach().requires_grad_() for t in x[:3]] for x in inputs]
+    outs = [JointMixture.apply(*leaf, 9, workspace) for leaf in leaves]  # 3 tokens per chunk: 2 chunks each
+    storage = workspace.buffer("probs", (1,), torch.float32, "cpu").data_ptr()
+    shared = [None, None]
+    for i in (0, 1):  # call 0's buffers were claimed by call 1
+        grads = torch.autograd.grad((outs[i] * inputs[i][3]).sum(), leaves[i])
+        shared[i] = [outs[i]] + list(grads)
+    for a, b in zip(separate, shared):
+        for got, want in zip(a, b):
+            torch.testing.assert_close(got, want)
+    JointMixture.apply(*leaves[0], 9, workspace)
+    assert workspace.buffer("probs", (1,), torch.float32, "cpu").data_ptr() == storage
+
+
 @pytest.mark.parametrize("attention", ["additive", "dot", "multihead"])
 def test_rnn_hard_contexts_and_fast_readout(attention):
     """hybrid's hard_contexts(j) == the attention's output with all weight on j; the split readout used per
@@ -348,3 +406,25 @@ def test_remote_code_fresh_process(name, tmp_path):
 @pytest.mark.parametrize("name", ["transformer_last", "rnn_additive"])
 def test_trainer(name, tmp_path):
     check_trainer(SETTINGS[name](joint_k=3), tmp_path)
+
+
+def test_model_keeps_mixture_buffers_between_steps_and_releases_them():
+    """Training steps reuse the model's mixture buffers (same storage step after step, and the same loss as a model
+    without kept buffers); release_joint_workspace() frees them."""
+    ids, mask = source_batch()
+    model = randomize(transformer(joint_k=3), std=0.3).train()
+    torch.manual_seed(0)
+    first = model(input_ids=ids, attention_mask=mask, decoder_input_ids=DEC, labels=DEC).loss
+    first.backward()
+    assert model._joint_workspace._buffers
+    model.release_joint_workspace()
+    assert model._joint_workspace._buffers == {}
+    torch.manual_seed(0)
+    again = model(input_ids=ids, attention_mask=mask, decoder_input_ids=DEC, labels=DEC).loss
+    torch.testing.assert_close(again, first)
+    torch.manual_seed(0)
+    model(input_ids=ids, attention_mask=mask, decoder_input_ids=DEC, labels=DEC).loss.backward()
+    kept = model._joint_workspace.buffer("probs", (1,), torch.float32, "cpu").data_ptr()
+    torch.manual_seed(0)
+    model(input_ids=ids, attention_mask=mask, decoder_input_ids=DEC, labels=DEC).loss.backward()
+    assert model._joint_workspace.buffer("probs", (1,), torch.float32, "cpu").data_ptr() == kept
