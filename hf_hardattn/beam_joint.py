@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from .configuration_hardattn import HardAttnConfig
 from .hybrid import HybridConfig, HybridForConditionalGeneration
-from .modeling_hardattn import HardAttnForConditionalGeneration, causal_mask, padding_mask
+from .modeling_hardattn import HardAttnForConditionalGeneration, causal_mask, padding_mask, token_mean
 
 # Masked attention scores: a large finite negative instead of -inf, so that log-probabilities and their gradients
 # stay finite at padded positions (their probability is exactly 0 after exp).
@@ -97,13 +97,15 @@ class JointMixture(torch.autograd.Function):
         lse = torch.empty(n_tokens, k, dtype=acc, device=hidden.device)  # log-normaliser of every candidate
         ctx.shape = (min(step, n_tokens), k, weight.shape[0])  # of the [rows, K, V] buffers
         probs, logits = JointMixture._buffers(ctx.workspace, ctx.shape, acc, gemm, hidden.device)
+        one = logits is probs  # one buffer when the GEMMs run in the accumulation dtype
         floor, exact, last = _floor(acc), set(), None
         for start in range(0, n_tokens, step):
             chunk = slice(start, start + step)
             n = min(step, n_tokens - start)
-            e, z = probs[:n], logits[:n]
+            e = probs[:n]
+            z = e if one else logits[:n]
             torch.matmul(h_all[chunk], w.t(), out=z)
-            if z is not e:  # (copy, then fp32 in place: a mixed-dtype op is ~4x slower on a CPU)
+            if not one:  # (copy, then fp32 in place: a mixed-dtype op is ~4x slower on a CPU)
                 e.copy_(z)
             top = e.amax(-1, keepdim=True)
             log_s = e.sub_(top).exp_().sum(-1, keepdim=True).log_()  # e = exp(z - m), log s  [n, K, 1]
@@ -113,7 +115,8 @@ class JointMixture(torch.autograd.Function):
             mix = torch.bmm(coef.transpose(1, 2), e).squeeze(1)  # sum_k w_k p_k[v]  [n, V]
             if bool((mix < floor).any()):  # an underflow: this chunk in plain log space
                 exact.add(start)
-                torch.matmul(h_all[chunk], w.t(), out=z)
+                if one:  # the logits were overwritten in place (a separate GEMM-dtype buffer still holds them)
+                    torch.matmul(h_all[chunk], w.t(), out=z)
                 out[chunk] = torch.logsumexp(JointMixture._exact_log_joint(z, lw, lse[chunk], acc), dim=1)
                 last = None
             else:
@@ -154,23 +157,25 @@ class JointMixture(torch.autograd.Function):
         if workspace.owner is not ctx.token:  # a later forward took the buffers over: recompute in buffers of our own
             workspace, ctx.last = JointWorkspace(), None
         probs, logits = JointMixture._buffers(workspace, ctx.shape, acc, gemm, hidden.device)
+        one = logits is probs
         scratch = workspace.buffer("scratch", probs.shape, acc, hidden.device)
         for start in reversed(range(0, hidden.shape[0], ctx.step)):
             chunk = slice(start, start + ctx.step)
             n = min(ctx.step, hidden.shape[0] - start)
-            e, z, t = probs[:n], logits[:n], scratch[:n]
+            e, t = probs[:n], scratch[:n]
+            z = e if one else logits[:n]
             lw = log_weights[chunk].to(acc)[..., None]
             if start in ctx.exact:
                 torch.matmul(h_all[chunk], w.t(), out=z)
                 g_lw = JointMixture._exact_grads(z, lw, lse[chunk], out[chunk], grad_out[chunk], acc, e)
-                g_z = e if z is e else z.copy_(e)
+                g_z = e if one else z.copy_(e)
             else:
                 if ctx.last is not None and ctx.last[0] == start:
                     _, e, coef, log_s = ctx.last  # the forward's e = exp(z - m) and w_k / s_k
                     ctx.last = None
                 else:
                     torch.matmul(h_all[chunk], w.t(), out=z)
-                    if z is not e:
+                    if not one:
                         e.copy_(z)
                     e.sub_(lse[chunk][..., None]).exp_()  # p_k = softmax(z_k): s = 1
                     coef, log_s = lw.exp(), None
@@ -179,7 +184,7 @@ class JointMixture(torch.autograd.Function):
                 # dL/dz_k = e_k (coef_k a - dL/dlw_k / s_k), written in the GEMMs' dtype
                 shift = -g_lw[..., None] if log_s is None else -g_lw[..., None] * (-log_s).exp()
                 torch.addcmul(shift, a[:, None, :], coef, out=t)
-                g_z = e.mul_(t) if z is e else z.copy_(e.mul_(t))
+                g_z = e.mul_(t) if one else z.copy_(e.mul_(t))
             if grad_lw is not None:
                 grad_lw[chunk] = g_lw.to(grad_lw.dtype)
             if grad_hidden is not None:
@@ -345,10 +350,7 @@ class JointOutputMixin:
         nll = -log_probs.gather(1, labels.clamp(min=0)[:, None]).squeeze(1)
         eps = self.config.label_smoothing
         per_token = (1.0 - eps) * nll - eps * log_probs.mean(-1) if eps > 0 else nll
-        total = per_token.masked_fill(~valid, 0.0).sum()
-        if num_items_in_batch is not None:
-            return total / num_items_in_batch
-        return total / valid.sum().clamp(min=1)
+        return token_mean(per_token.masked_fill(~valid, 0.0).sum(), labels, num_items_in_batch)
 
 
 # ----------------------------------------------------------------------------------------------------------------

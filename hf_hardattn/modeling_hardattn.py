@@ -13,6 +13,7 @@ Written once; every variant plugs into it:
 Runtime code shipped with saved models (``trust_remote_code``): keep it flat, same-folder relative imports only.
 """
 
+import contextlib
 import copy
 import math
 import os
@@ -317,6 +318,14 @@ def smoothed_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, label_smo
     return _SmoothedCrossEntropy.apply(logits, labels, float(label_smoothing), chunk)
 
 
+def token_mean(total: torch.Tensor, labels: torch.Tensor, num_items_in_batch=None) -> torch.Tensor:
+    """A summed token loss divided by ``num_items_in_batch`` (given by the Trainer under gradient accumulation, so
+    accumulated micro-batches give exactly the loss of one large batch) or else by the non-ignored (-100) labels."""
+    if num_items_in_batch is not None:
+        return total / num_items_in_batch
+    return total / (labels != -100).sum().clamp(min=1)
+
+
 class SoftAttention(nn.Module):
     """Multi-head scaled dot-product attention, softmax(QK^T / sqrt(d_k)) V (Vaswani et al., 2017, Eq. 1).
 
@@ -373,15 +382,12 @@ class SoftAttention(nn.Module):
         """Eq. 1 of Vaswani et al.: [B, H, Tq, head_dim]. Under CPU autocast (bf16 training on CPU) it runs in fp32:
         the CPU flash kernel's bf16 backward is several times slower than its fp32 one (measured: 21 ms vs 4 ms per
         call at d 256, 128 x 30 tokens), and attention is a small share of the GEMM work bf16 speeds up."""
-        if q.requires_grad and q.device.type == "cpu" and torch.is_autocast_enabled("cpu"):  # (never when decoding)
-            with torch.autocast("cpu", enabled=False):
-                out = F.scaled_dot_product_attention(
-                    q.float(), k.float(), v.float(), attn_mask=mask,
-                    dropout_p=self.dropout if self.training else 0.0, is_causal=causal)
-            return out.to(q.dtype)
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0, is_causal=causal
-        )
+        fp32 = q.requires_grad and q.device.type == "cpu" and torch.is_autocast_enabled("cpu")  # (never when decoding)
+        with torch.autocast("cpu", enabled=False) if fp32 else contextlib.nullcontext():
+            out = F.scaled_dot_product_attention(
+                *((t.float() for t in (q, k, v)) if fp32 else (q, k, v)), attn_mask=mask,
+                dropout_p=self.dropout if self.training else 0.0, is_causal=causal)
+        return out.to(q.dtype) if fp32 else out
 
     def merge(self, out: torch.Tensor) -> torch.Tensor:
         """[B, H, Tq, head_dim] heads -> output projection [B, Tq, d_model]."""
@@ -672,9 +678,7 @@ class HardAttnForConditionalGeneration(HardAttnPreTrainedModel, GenerationMixin)
         one large batch."""
         labels = labels.reshape(-1).to(logits.device)
         total = smoothed_cross_entropy(logits.reshape(-1, logits.shape[-1]), labels, self.config.label_smoothing).sum()
-        if num_items_in_batch is not None:
-            return total / num_items_in_batch
-        return total / (labels != -100).sum()
+        return token_mean(total, labels, num_items_in_batch)
 
     def forward(
         self,
