@@ -6,7 +6,7 @@
     python benchmarks/reproduce.py --task multi30k --preset base             # Transformer-base, for a GPU
 
 The same entry point is ``hf-hardattn reproduce``. Results: outputs/reproduce/TASK-PRESET/ (models with their
-cards, KD data, results) and benchmarks/results/reproduce_TASK_PRESET.{json,md}.
+cards, KD data, results) and, unless --output-dir is given, benchmarks/results/reproduce_TASK_PRESET.{json,md}.
 """
 
 import os
@@ -16,6 +16,7 @@ from hf_hardattn.reproduce import main
 
 if __name__ == "__main__":
     argv = sys.argv[1:]
-    if not any(a.startswith("--results-dir") for a in argv):
+    # the tables here are the default output folder's; a run elsewhere (--output-dir) does not overwrite them
+    if not any(a.startswith(("--results-dir", "--output-dir")) for a in argv):
         argv += ["--results-dir", os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")]
     sys.exit(main(argv))

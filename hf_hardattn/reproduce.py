@@ -459,7 +459,7 @@ def row_command(ctx, name) -> str:
     args = ctx["args"]
     parts = ["python", "benchmarks/reproduce.py", "--task", ctx["task"], "--preset", ctx["preset"], "--rows", name,
              "--seed", str(args.seed)]
-    for flag in ("minutes", "max_steps", "eval_size", "data", "threads"):
+    for flag in ("minutes", "max_steps", "learning_rate", "eval_size", "data", "output_dir", "threads"):
         value = getattr(args, flag)
         if value is not None:
             parts += [f"--{flag.replace('_', '-')}", str(value)]
@@ -478,6 +478,7 @@ def add_arguments(parser: argparse.ArgumentParser):
                                                      "or a datasets name with en/de 'translation' rows")
     parser.add_argument("--minutes", type=float, default=None, help="override the preset's minutes per row")
     parser.add_argument("--max-steps", type=int, default=None, help="override the preset's steps per row")
+    parser.add_argument("--learning-rate", type=float, default=None, help="override the preset's peak learning rate")
     parser.add_argument("--eval-size", type=int, default=None, help="override the preset's number of test examples")
     parser.add_argument("--output-dir", default=None, help="models, KD data and results (default "
                                                            "outputs/reproduce/TASK-PRESET)")
@@ -500,7 +501,7 @@ def run(args) -> dict:
     unknown = [name for name in wanted if name not in task_rows]
     if unknown:
         raise ValueError(f"`rows` {unknown} are not rows of task {args.task!r}; allowed: {list(task_rows)}.")
-    for name in ("minutes", "max_steps", "eval_size"):
+    for name in ("minutes", "max_steps", "eval_size", "learning_rate"):
         value = getattr(args, name)
         if value is not None and not value > 0:
             raise ValueError(f"`--{name.replace('_', '-')}` must be > 0, got {value!r}.")
@@ -510,6 +511,8 @@ def run(args) -> dict:
     recipe = copy.deepcopy(PRESETS[args.task][args.preset])
     if args.eval_size:
         recipe.eval_size = args.eval_size
+    if args.learning_rate:
+        recipe.learning_rate = args.learning_rate
     out = args.output_dir or os.path.join("outputs", "reproduce", f"{args.task}-{args.preset}")
     os.makedirs(out, exist_ok=True)
     results_path = os.path.join(out, f"reproduce_{args.task}_{args.preset}.json")

@@ -20,20 +20,27 @@ from hf_hardattn.reproduce import row_table
 
 RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "results")
 REFERENCE_ROWS = ("marian", "soft")
+# the baseline a model type's paper compares against, where it is not the soft Transformer
+BASELINE_ROWS = {"beam_joint_rnn": ("hybrid_additive",)}
 
 
 def reproduction_tables(model_type):
     parts = []
-    for path in sorted(glob.glob(os.path.join(RESULTS, "reproduce_*_*.json"))):
+    # the main tables, then runs of the same script kept in sub-folders (e.g. multi30k_1500_steps: equal steps)
+    paths = sorted(glob.glob(os.path.join(RESULTS, "reproduce_*_*.json")))
+    paths += sorted(glob.glob(os.path.join(RESULTS, "*", "reproduce_*_*.json")))
+    for path in paths:
         with open(path) as handle:
             payload = json.load(handle)
         if payload["preset"] == "tiny":
             continue
         rows = {name: row for name, row in payload["rows"].items()
-                if row["model_type"] == model_type or name in REFERENCE_ROWS}
+                if row["model_type"] == model_type or name in REFERENCE_ROWS + BASELINE_ROWS.get(model_type, ())}
         if any(row["model_type"] == model_type for row in rows.values()):
-            parts.append(f"{payload['task']}, preset `{payload['preset']}` ({payload['test_examples']} test examples; "
-                         f"command per row in `{os.path.relpath(path, os.path.dirname(RESULTS))}`):\n\n"
+            folder = os.path.basename(os.path.dirname(path))
+            run = "" if folder == "results" else f", run `{folder}`"
+            parts.append(f"{payload['task']}, preset `{payload['preset']}`{run} ({payload['test_examples']} test "
+                         f"examples; command per row in `{os.path.relpath(path, os.path.dirname(RESULTS))}`):\n\n"
                          + row_table(payload["task"], payload["preset"], rows))
     return "\n\n".join(parts)
 

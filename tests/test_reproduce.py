@@ -1,6 +1,7 @@
 """benchmarks/reproduce.py (hf_hardattn.reproduce): rows, dependencies, resumability, stored commands, scores that
 match an independent evaluation of the saved models."""
 
+import argparse
 import json
 import os
 
@@ -107,6 +108,33 @@ def test_bad_input(tmp_path):
                         "--output-dir", str(tmp_path)])
     with pytest.raises(ValueError, match="--minutes"):
         reproduce.main(["--task", "nouns", "--preset", "tiny", "--minutes", "0", "--output-dir", str(tmp_path)])
+    with pytest.raises(ValueError, match="--learning-rate"):
+        reproduce.main(["--task", "nouns", "--preset", "tiny", "--learning-rate", "-1", "--output-dir", str(tmp_path)])
+
+
+def test_learning_rate_override_reaches_training_and_the_stored_command(run_dir, tmp_path, monkeypatch):
+    import hf_hardattn.training
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def capture(*args, **kwargs):
+        seen.update(kwargs)
+        raise Stop
+
+    monkeypatch.setattr(hf_hardattn.training, "train_seq2seq", capture)
+    argv = ["--task", "multi30k", "--preset", "tiny", "--data", str(run_dir["data"]), "--output-dir", str(tmp_path),
+            "--quiet", "--rows", "soft", "--learning-rate", "3e-4"]
+    with pytest.raises(Stop):
+        reproduce.main(argv)
+    assert seen["learning_rate"] == 3e-4 != reproduce.PRESETS["multi30k"]["tiny"].learning_rate
+    args = argparse.ArgumentParser()
+    reproduce.add_arguments(args)
+    ctx = dict(args=args.parse_args(argv), task="multi30k", preset="tiny")
+    command = reproduce.row_command(ctx, "soft")
+    assert "--learning-rate 0.0003" in command and f"--output-dir {tmp_path}" in command
 
 
 def test_every_row_builds_for_its_tasks():
