@@ -37,8 +37,8 @@ def reproduction_tables(model_type):
         rows = {name: row for name, row in payload["rows"].items()
                 if row["model_type"] == model_type or name in REFERENCE_ROWS + BASELINE_ROWS.get(model_type, ())}
         if any(row["model_type"] == model_type for row in rows.values()):
-            folder = os.path.basename(os.path.dirname(path))
-            run = "" if folder == "results" else f", run `{folder}`"
+            folder = os.path.dirname(path)
+            run = "" if folder == RESULTS else f", run `{os.path.basename(folder)}`"
             parts.append(f"{payload['task']}, preset `{payload['preset']}`{run} ({payload['test_examples']} test "
                          f"examples; command per row in `{os.path.relpath(path, os.path.dirname(RESULTS))}`):\n\n"
                          + row_table(payload["task"], payload["preset"], rows))
