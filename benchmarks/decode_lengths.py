@@ -24,23 +24,16 @@ from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
 import hf_hardattn  # noqa: F401  (registers the model types)
 from hf_hardattn.data import multi30k
+from hf_hardattn.training import default_max_new_tokens, length_sorted_batches
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-
-
-def batches(tokenizer, sources, batch_size):
-    lengths = [len(ids) for ids in tokenizer(sources, max_length=128, truncation=True)["input_ids"]]
-    order = sorted(range(len(sources)), key=lambda i: -lengths[i])
-    for start in range(0, len(order), batch_size):
-        yield tokenizer([sources[i] for i in order[start : start + batch_size]], max_length=128, truncation=True,
-                        padding=True, return_tensors="pt")
 
 
 @torch.no_grad()
 def free_decoding(model, tokenizer, sources, batch_size, num_beams):
     steps, at_limit, output_tokens = 0, 0, []
-    for batch in batches(tokenizer, sources, batch_size):
-        limit = int(1.5 * batch["input_ids"].shape[1]) + 10
+    for _, batch in length_sorted_batches(tokenizer, sources, batch_size):
+        limit = default_max_new_tokens(batch["input_ids"])
         generated = model.generate(**batch, num_beams=num_beams, do_sample=False, max_new_tokens=limit)
         new = generated[:, 1:]  # without the decoder start token
         steps += new.shape[1]
@@ -53,7 +46,7 @@ def free_decoding(model, tokenizer, sources, batch_size, num_beams):
 @torch.no_grad()
 def forced_seconds(model, tokenizer, sources, batch_size, num_beams, new_tokens):
     start = time.perf_counter()
-    for batch in batches(tokenizer, sources, batch_size):
+    for _, batch in length_sorted_batches(tokenizer, sources, batch_size):
         model.generate(**batch, num_beams=num_beams, min_new_tokens=new_tokens, max_new_tokens=new_tokens)
     return time.perf_counter() - start
 

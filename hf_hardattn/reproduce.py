@@ -321,7 +321,7 @@ def train_row(row: Row, ctx, model, train_tok) -> dict:
         extra["label_smoothing_factor"] = recipe.label_smoothing
     start = time.perf_counter()
     trainer = train_seq2seq(model, ctx["tokenizer"], train_tok, output_dir=os.path.join(ctx["out"], "trainer", row.name),
-                            max_steps=args.max_steps or recipe.max_steps, minutes=args.minutes or recipe.minutes,
+                            max_steps=recipe.max_steps, minutes=recipe.minutes,
                             batch_size=ctx["batch_size"], learning_rate=recipe.learning_rate,
                             warmup_steps=recipe.warmup_steps, lr_scheduler=recipe.lr_scheduler,
                             bf16=recipe.bf16, seed=args.seed, logging_steps=50, progress=not args.quiet, **extra)
@@ -459,7 +459,7 @@ def row_command(ctx, name) -> str:
     args = ctx["args"]
     parts = ["python", "benchmarks/reproduce.py", "--task", ctx["task"], "--preset", ctx["preset"], "--rows", name,
              "--seed", str(args.seed)]
-    for flag in ("minutes", "max_steps", "learning_rate", "eval_size", "data", "output_dir", "threads"):
+    for flag in (*RECIPE_OVERRIDES, "data", "output_dir", "threads"):
         value = getattr(args, flag)
         if value is not None:
             parts += [f"--{flag.replace('_', '-')}", str(value)]
@@ -469,6 +469,9 @@ def row_command(ctx, name) -> str:
 # ----------------------------------------------------------------------------------------------------------------
 # CLI
 # ----------------------------------------------------------------------------------------------------------------
+RECIPE_OVERRIDES = ("minutes", "max_steps", "learning_rate", "eval_size")  # flags that replace a preset's value
+
+
 def add_arguments(parser: argparse.ArgumentParser):
     parser.add_argument("--task", choices=TASKS, default="multi30k")
     parser.add_argument("--preset", choices=PRESET_NAMES, default="cpu")
@@ -501,7 +504,7 @@ def run(args) -> dict:
     unknown = [name for name in wanted if name not in task_rows]
     if unknown:
         raise ValueError(f"`rows` {unknown} are not rows of task {args.task!r}; allowed: {list(task_rows)}.")
-    for name in ("minutes", "max_steps", "eval_size", "learning_rate"):
+    for name in RECIPE_OVERRIDES:
         value = getattr(args, name)
         if value is not None and not value > 0:
             raise ValueError(f"`--{name.replace('_', '-')}` must be > 0, got {value!r}.")
@@ -509,10 +512,9 @@ def run(args) -> dict:
         torch.set_num_threads(args.threads)
     datasets.disable_progress_bars()
     recipe = copy.deepcopy(PRESETS[args.task][args.preset])
-    if args.eval_size:
-        recipe.eval_size = args.eval_size
-    if args.learning_rate:
-        recipe.learning_rate = args.learning_rate
+    for name in RECIPE_OVERRIDES:  # the recipe every row uses and stores
+        if getattr(args, name) is not None:
+            setattr(recipe, name, getattr(args, name))
     out = args.output_dir or os.path.join("outputs", "reproduce", f"{args.task}-{args.preset}")
     os.makedirs(out, exist_ok=True)
     results_path = os.path.join(out, f"reproduce_{args.task}_{args.preset}.json")
