@@ -137,6 +137,19 @@ def test_learning_rate_override_reaches_training_and_the_stored_command(run_dir,
     assert "--learning-rate 0.0003" in command and f"--output-dir {tmp_path}" in command
 
 
+def test_table_shows_the_rows_current_paper_direction():
+    """A row run before its paper direction was corrected shows the corrected one; rows keep the ROWS order."""
+    stored = dict(score=35.74, sentences_per_s=74.4, decoded_from="hard_self_cross", steps=2982, params=7577600,
+                  paper="old paper", expect="stale direction")
+    soft = dict(stored, decoded_from=None, train_minutes=35.0, score=36.05)
+    table = reproduce.row_table("multi30k", "cpu", {"hard_decoded_soft": stored, "soft": soft})
+    row = next(r for r in reproduce.ROWS if r.name == "hard_decoded_soft")
+    lines = table.splitlines()
+    assert lines[2].startswith("| soft | 36.05 |") and lines[3].startswith("| hard_decoded_soft | 35.74 |")
+    assert lines[3].endswith(f"| {row.paper} | {row.expect} |") and "stale direction" not in table
+    assert "(= hard_self_cross)" in lines[3] and "27.80" in row.expect
+
+
 def test_every_row_builds_for_its_tasks():
     names = [row.name for row in reproduce.ROWS]
     assert len(names) == len(set(names))
