@@ -275,7 +275,6 @@ def train_seq2seq(
 # ----------------------------------------------------------------------------------------------------------------
 # Evaluation
 # ----------------------------------------------------------------------------------------------------------------
-@torch.no_grad()
 def length_sorted_batches(tokenizer, sources: list, batch_size: int, max_length: int = 128):
     """Yield (indices into ``sources``, tokenized padded batch), longest sources first: batches of similar length
     pad little. How :func:`translate` batches (benchmarks that time its decoding use it too)."""
@@ -292,6 +291,7 @@ def default_max_new_tokens(input_ids: torch.Tensor) -> int:
     return int(1.5 * input_ids.shape[1]) + 10
 
 
+@torch.no_grad()
 def translate(model, tokenizer, sources, num_beams: int = 4, batch_size: int = 64, max_new_tokens: int | None = None,
               max_length: int = 128, progress: bool = False, **generate_kwargs) -> list[str]:
     """Decoded outputs of ``model.generate`` for every string of ``sources`` (in order). The inputs are sorted by
