@@ -517,11 +517,16 @@ def run(args) -> dict:
             setattr(recipe, name, getattr(args, name))
     out = args.output_dir or os.path.join("outputs", "reproduce", f"{args.task}-{args.preset}")
     os.makedirs(out, exist_ok=True)
-    results_path = os.path.join(out, f"reproduce_{args.task}_{args.preset}.json")
+    # rows already in the table: the output folder's (with their models), then those only in --results-dir (e.g. a
+    # fresh machine without outputs/), which a new row joins instead of replacing them; a row without its model is
+    # rerun when it is asked for or needed
     results = {}
-    if os.path.exists(results_path):
-        with open(results_path) as handle:
-            results = json.load(handle)["rows"]
+    for folder in (out, args.results_dir):
+        path = folder and os.path.join(folder, f"reproduce_{args.task}_{args.preset}.json")
+        if path and os.path.exists(path):
+            with open(path) as handle:
+                for name, row in json.load(handle)["rows"].items():
+                    results.setdefault(name, row)
 
     train, test = load_task(args.task, recipe, args.data, args.seed)
     tokenizer_dir = os.path.join(out, "tokenizer")

@@ -102,6 +102,19 @@ def test_rerun_skips_finished_rows(run_dir, monkeypatch):
     assert load_results(run_dir["out"])["rows"] == before["rows"]
 
 
+def test_a_fresh_output_folder_adds_to_the_results_dir_table(run_dir, tmp_path):
+    """A run whose output folder is new (a fresh machine) keeps the rows already stored in --results-dir."""
+    results = tmp_path / "results"
+    common = ["--task", "multi30k", "--preset", "tiny", "--data", str(run_dir["data"]), "--quiet",
+              "--results-dir", str(results)]
+    reproduce.main(common + ["--output-dir", str(tmp_path / "first"), "--rows", "soft"])
+    reproduce.main(common + ["--output-dir", str(tmp_path / "second"), "--rows", "hc_sa"])
+    rows = load_results(results)["rows"]
+    assert set(rows) == {"soft", "hc_sa"}
+    assert rows["soft"] == load_results(tmp_path / "first")["rows"]["soft"]
+    assert "| soft |" in (results / "reproduce_multi30k_tiny.md").read_text()
+
+
 def test_bad_input(tmp_path):
     with pytest.raises(ValueError, match="`rows`.*full_joint_rnn"):  # full-joint is a nouns-only row
         reproduce.main(["--task", "multi30k", "--preset", "tiny", "--rows", "full_joint_rnn",
