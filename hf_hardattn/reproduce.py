@@ -14,7 +14,10 @@ Presets
       lr 5e-4, 1000 warm-up steps then linear decay to 0 at the end of the time budget, label smoothing 0.1,
       ~4k-token batches, bf16 autocast (fp32 weights; AMX makes its GEMMs 3x faster), 35 minutes per row (the budget
       of the ``transformers.MarianMTModel`` reference row ``marian``, trained with the same recipe). Nouns: d_model
-      128, 2+2 layers, inverse-square-root schedule, fp32, 3 minutes per row.
+      128, 2+2 layers, inverse-square-root schedule, fp32, 3 minutes per row. bf16 needs a CPU with AVX512 or AMX
+      (or a GPU): elsewhere its GEMMs run ~100x slower than fp32, so the preset refuses to start and
+      ``--precision fp32`` trains in fp32 instead. Rows trained for a number of minutes compare only with rows of
+      the same machine and precision: every row stores its ``machine`` (CPU, bf16 support, threads, torch, GPU).
     * ``base``: the papers' Transformer-base sizes (d_model 512, 6+6, 8 heads, FFN 2048) for a GPU, by steps.
     * ``tiny``: d_model 32, a few steps, a few test sentences: checks the pipeline in seconds, learns nothing.
 
@@ -345,6 +348,23 @@ def kd_data(ctx):
     return ctx["kd_tok"]
 
 
+def machine() -> dict:
+    """Where a row was trained: its minutes and sentences/s only compare with rows of the same machine."""
+    import platform
+
+    import torch
+
+    from .training import cpu_has_bf16_matmul
+
+    cpu = platform.processor() or platform.machine()
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as handle:
+            cpu = next((line.split(":", 1)[1].strip() for line in handle if line.startswith("model name")), cpu)
+    return dict(cpu=cpu, cpu_capability=torch.backends.cpu.get_cpu_capability(),
+                cpu_bf16_matmul=cpu_has_bf16_matmul(), threads=torch.get_num_threads(), torch=torch.__version__,
+                gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else None)
+
+
 def model_dir(ctx, name):
     return os.path.join(ctx["out"], "models", name)
 
@@ -362,7 +382,8 @@ def run_row(row: Row, ctx) -> dict:
 
     args, recipe = ctx["args"], ctx["recipe"]
     result = dict(row=row.name, paper=row.paper, expect=row.expect, seed=args.seed, command=row_command(ctx, row.name),
-                  recipe=dataclasses.asdict(recipe))  # per row too: rows of one table may come from different runs
+                  recipe=dataclasses.asdict(recipe),  # per row too: rows of one table may come from different runs
+                  machine=machine())  # and machines: minutes of training only compare on the same one
     if row.source is not None:
         model = row.derive(load_model(ctx, row.source)).eval()
         result.update(decoded_from=row.source, train_minutes=ctx["results"][row.source]["train_minutes"],
@@ -459,7 +480,7 @@ def row_command(ctx, name) -> str:
     args = ctx["args"]
     parts = ["python", "benchmarks/reproduce.py", "--task", ctx["task"], "--preset", ctx["preset"], "--rows", name,
              "--seed", str(args.seed)]
-    for flag in (*RECIPE_OVERRIDES, "data", "output_dir", "threads"):
+    for flag in (*RECIPE_OVERRIDES, "precision", "data", "output_dir", "threads"):
         value = getattr(args, flag)
         if value is not None:
             parts += [f"--{flag.replace('_', '-')}", str(value)]
@@ -483,6 +504,9 @@ def add_arguments(parser: argparse.ArgumentParser):
     parser.add_argument("--max-steps", type=int, default=None, help="override the preset's steps per row")
     parser.add_argument("--learning-rate", type=float, default=None, help="override the preset's peak learning rate")
     parser.add_argument("--eval-size", type=int, default=None, help="override the preset's number of test examples")
+    parser.add_argument("--precision", choices=("bf16", "fp32"), default=None,
+                        help="override the preset's training precision (bf16 autocast needs a CPU with AVX512 or "
+                             "AMX, or a GPU)")
     parser.add_argument("--output-dir", default=None, help="models, KD data and results (default "
                                                            "outputs/reproduce/TASK-PRESET)")
     parser.add_argument("--results-dir", default=None, help="also write reproduce_TASK_PRESET.{json,md} here")
@@ -497,7 +521,7 @@ def run(args) -> dict:
     import torch
 
     from .tokenization import train_tokenizer
-    from .training import example_lengths, tokenize_dataset
+    from .training import check_bf16, example_lengths, tokenize_dataset
 
     task_rows = {row.name: row for row in rows_for(args.task)}
     wanted = args.rows or list(task_rows)
@@ -515,6 +539,10 @@ def run(args) -> dict:
     for name in RECIPE_OVERRIDES:  # the recipe every row uses and stores
         if getattr(args, name) is not None:
             setattr(recipe, name, getattr(args, name))
+    if args.precision is not None:
+        recipe.bf16 = args.precision == "bf16"
+    check_bf16(recipe.bf16, name=f"--preset {args.preset}", fix="pass --precision fp32 (its rows are then not "
+               "comparable with a table trained in bf16 for the same minutes)")
     out = args.output_dir or os.path.join("outputs", "reproduce", f"{args.task}-{args.preset}")
     os.makedirs(out, exist_ok=True)
     # rows already in the table: the output folder's (with their models), then those only in --results-dir (e.g. a

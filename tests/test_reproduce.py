@@ -52,6 +52,8 @@ def test_dependencies_run_first_and_every_row_is_recorded(run_dir):
         assert f"--rows {name}" in row["command"] and "--preset tiny" in row["command"]
         assert row["metric"] == "BLEU" and row["examples"] == 8 and row["params"] > 0
         assert "nrefs:1" in row["signature"]
+        assert row["machine"]["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+        assert row["machine"]["threads"] == torch.get_num_threads() and row["machine"]["torch"] == torch.__version__
     assert rows["soft_decoded_hard"]["decoded_from"] == "soft"
     assert rows["soft_decoded_hard"]["steps"] == rows["soft"]["steps"] == 3
     assert rows["marian"]["model_type"] == "marian"
@@ -138,16 +140,47 @@ def test_learning_rate_override_reaches_training_and_the_stored_command(run_dir,
         raise Stop
 
     monkeypatch.setattr(hf_hardattn.training, "train_seq2seq", capture)
+    monkeypatch.setattr(hf_hardattn.training, "cpu_has_bf16_matmul", lambda: True)
     argv = ["--task", "multi30k", "--preset", "tiny", "--data", str(run_dir["data"]), "--output-dir", str(tmp_path),
-            "--quiet", "--rows", "soft", "--learning-rate", "3e-4"]
+            "--quiet", "--rows", "soft", "--learning-rate", "3e-4", "--precision", "bf16"]
     with pytest.raises(Stop):
         reproduce.main(argv)
     assert seen["learning_rate"] == 3e-4 != reproduce.PRESETS["multi30k"]["tiny"].learning_rate
+    assert seen["bf16"] is True and reproduce.PRESETS["multi30k"]["tiny"].bf16 is False
     args = argparse.ArgumentParser()
     reproduce.add_arguments(args)
     ctx = dict(args=args.parse_args(argv), task="multi30k", preset="tiny")
     command = reproduce.row_command(ctx, "soft")
     assert "--learning-rate 0.0003" in command and f"--output-dir {tmp_path}" in command
+    assert "--precision bf16" in command
+
+
+def test_bf16_preset_refused_without_bf16_matmul_unless_fp32(run_dir, tmp_path, monkeypatch):
+    """The Multi30k cpu preset trains in bf16: on a CPU without native bf16 GEMMs it stops before any work and names
+    --precision fp32, which then trains in fp32."""
+    import hf_hardattn.training
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def capture(*args, **kwargs):
+        seen.update(kwargs)
+        raise Stop
+
+    monkeypatch.setattr(hf_hardattn.training, "train_seq2seq", capture)
+    monkeypatch.setattr(hf_hardattn.training, "cpu_has_bf16_matmul", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    argv = ["--task", "multi30k", "--preset", "cpu", "--data", str(run_dir["data"]), "--output-dir", str(tmp_path),
+            "--quiet", "--rows", "soft"]
+    with pytest.raises(ValueError, match="--preset cpu.*--precision fp32"):
+        reproduce.main(argv)
+    assert not os.path.exists(tmp_path / "tokenizer")  # refused before training a tokenizer
+    assert reproduce.PRESETS["multi30k"]["cpu"].bf16 is True
+    with pytest.raises(Stop):
+        reproduce.main(argv + ["--precision", "fp32", "--max-steps", "1", "--eval-size", "2"])
+    assert seen["bf16"] is False
 
 
 def test_table_shows_the_rows_current_paper_direction():

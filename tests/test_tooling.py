@@ -7,6 +7,7 @@ import gzip
 import json
 import math
 import os
+import platform
 import sys
 
 import pytest
@@ -22,7 +23,8 @@ from transformers import AutoTokenizer  # noqa: E402
 from hf_hardattn import SoftTransformerConfig, SoftTransformerForConditionalGeneration  # noqa: E402
 from hf_hardattn.data import _noun_paradigms, german_nouns, load_parallel, multi30k  # noqa: E402
 from hf_hardattn.tokenization import train_tokenizer  # noqa: E402
-from hf_hardattn.training import accuracy, bleu, decode_speed, tokenize_dataset, train_seq2seq  # noqa: E402
+from hf_hardattn.training import (  # noqa: E402
+    accuracy, bleu, decode_speed, tokenize_dataset, train_seq2seq, translate)
 
 EN = ["A man rides a bike.", "Two dogs play in the snow.", "A woman is reading a book."]
 DE = ["Ein Mann fährt Fahrrad.", "Zwei Hunde spielen im Schnee.", "Eine Frau liest ein Buch."]
@@ -205,9 +207,13 @@ def test_time_decay_schedule_by_hand():
         time_decay_schedule(budget, 10, "inverse_sqrt")
 
 
-def test_bf16_time_decay_training_decays_to_zero(tmp_path):
+def test_bf16_time_decay_training_decays_to_zero(tmp_path, monkeypatch):
     """bf16 autocast training on CPU with a time-decayed linear schedule: the loss falls, the last learning rate is
-    near 0, and the model's weights stay fp32."""
+    near 0, the model's weights stay fp32, and the trained model decodes in fp32 again (accelerate's autocast
+    wrapper of its forward is removed)."""
+    import hf_hardattn.training
+
+    monkeypatch.setattr(hf_hardattn.training, "cpu_has_bf16_matmul", lambda: True)  # tiny: fast enough on any CPU
     raw = reversal_dataset()
     tok = train_tokenizer(raw, kind="char", min_frequency=1)
     data = tokenize_dataset(raw, tok, max_length=16)
@@ -225,6 +231,33 @@ def test_bf16_time_decay_training_decays_to_zero(tmp_path):
     assert logs[-1]["learning_rate"] < 0.15 * 3e-3, logs[-1]
     assert logs[-1]["loss"] < 0.8 * logs[0]["loss"]
     assert all(p.dtype == torch.float32 for p in model.parameters())
+    dtypes.clear()
+    translate(model, tok, raw["source"][:4], num_beams=2)
+    assert dtypes == {torch.float32}
+    assert trainer.model is model
+
+
+def test_bf16_refused_on_a_cpu_without_bf16_matmul(tmp_path, monkeypatch):
+    import hf_hardattn.training
+
+    monkeypatch.setattr(hf_hardattn.training, "cpu_has_bf16_matmul", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    raw = reversal_dataset()
+    tok = train_tokenizer(raw, kind="char", min_frequency=1)
+    model = SoftTransformerForConditionalGeneration(SoftTransformerConfig(**tiny_kwargs(vocab_size=len(tok))))
+    with pytest.raises(ValueError, match=r"`bf16`.*AVX512 or AMX.*bf16=False"):
+        train_seq2seq(model, tok, tokenize_dataset(raw, tok, max_length=16), output_dir=tmp_path / "run",
+                      max_steps=2, progress=False, bf16=True)
+    hf_hardattn.training.check_bf16(False)  # fp32 is always allowed
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/cpuinfo") or platform.machine() != "x86_64", reason="x86 Linux only")
+def test_bf16_matmul_probe_matches_the_cpu_flags():
+    """oneDNN runs bf16 GEMMs natively on x86 CPUs with AVX512 BW + VL + DQ (AVX512-BF16 / AMX make them faster)."""
+    from hf_hardattn.training import cpu_has_bf16_matmul
+
+    flags = set(next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split(":")[1].split())
+    assert cpu_has_bf16_matmul() == ({"avx512bw", "avx512vl", "avx512dq"} <= flags)
 
 
 def test_length_grouped_batches_group_by_source_and_target_length(tmp_path):
