@@ -127,23 +127,34 @@ def test_bad_input(tmp_path):
         reproduce.main(["--task", "nouns", "--preset", "tiny", "--learning-rate", "-1", "--output-dir", str(tmp_path)])
 
 
-def test_learning_rate_override_reaches_training_and_the_stored_command(run_dir, tmp_path, monkeypatch):
+class StopTraining(Exception):
+    pass
+
+
+@pytest.fixture
+def training_kwargs(monkeypatch):
+    """train_seq2seq replaced by a stub that records its keyword arguments and stops the run (StopTraining)."""
     import hf_hardattn.training
 
     seen = {}
 
-    class Stop(Exception):
-        pass
-
     def capture(*args, **kwargs):
         seen.update(kwargs)
-        raise Stop
+        raise StopTraining
 
     monkeypatch.setattr(hf_hardattn.training, "train_seq2seq", capture)
+    return seen
+
+
+def test_learning_rate_override_reaches_training_and_the_stored_command(run_dir, tmp_path, monkeypatch,
+                                                                        training_kwargs):
+    import hf_hardattn.training
+
+    seen = training_kwargs
     monkeypatch.setattr(hf_hardattn.training, "cpu_has_bf16_matmul", lambda: True)
     argv = ["--task", "multi30k", "--preset", "tiny", "--data", str(run_dir["data"]), "--output-dir", str(tmp_path),
             "--quiet", "--rows", "soft", "--learning-rate", "3e-4", "--precision", "bf16"]
-    with pytest.raises(Stop):
+    with pytest.raises(StopTraining):
         reproduce.main(argv)
     assert seen["learning_rate"] == 3e-4 != reproduce.PRESETS["multi30k"]["tiny"].learning_rate
     assert seen["bf16"] is True and reproduce.PRESETS["multi30k"]["tiny"].bf16 is False
@@ -155,21 +166,12 @@ def test_learning_rate_override_reaches_training_and_the_stored_command(run_dir,
     assert "--precision bf16" in command
 
 
-def test_bf16_preset_refused_without_bf16_matmul_unless_fp32(run_dir, tmp_path, monkeypatch):
+def test_bf16_preset_refused_without_bf16_matmul_unless_fp32(run_dir, tmp_path, monkeypatch, training_kwargs):
     """The Multi30k cpu preset trains in bf16: on a CPU without native bf16 GEMMs it stops before any work and names
     --precision fp32, which then trains in fp32."""
     import hf_hardattn.training
 
-    seen = {}
-
-    class Stop(Exception):
-        pass
-
-    def capture(*args, **kwargs):
-        seen.update(kwargs)
-        raise Stop
-
-    monkeypatch.setattr(hf_hardattn.training, "train_seq2seq", capture)
+    seen = training_kwargs
     monkeypatch.setattr(hf_hardattn.training, "cpu_has_bf16_matmul", lambda: False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     argv = ["--task", "multi30k", "--preset", "cpu", "--data", str(run_dir["data"]), "--output-dir", str(tmp_path),
@@ -178,7 +180,7 @@ def test_bf16_preset_refused_without_bf16_matmul_unless_fp32(run_dir, tmp_path, 
         reproduce.main(argv)
     assert not os.path.exists(tmp_path / "tokenizer")  # refused before training a tokenizer
     assert reproduce.PRESETS["multi30k"]["cpu"].bf16 is True
-    with pytest.raises(Stop):
+    with pytest.raises(StopTraining):
         reproduce.main(argv + ["--precision", "fp32", "--max-steps", "1", "--eval-size", "2"])
     assert seen["bf16"] is False
 
