@@ -14,6 +14,8 @@ median per model is reported, so load from other processes hits all of them alik
   (hidden 1024, the paper's 6-1) with each attention function; ``recurrent_*``: recurrent cross-attention;
   ``beam_joint_k6`` / ``beam_joint_k1``: beam-joint in the last layer, decoded with K=6 / K=1.
 * ``soft_bf16`` / ``marian_bf16``: the same two models with bfloat16 weights (this CPU has AMX-BF16).
+* ``*_packed``: the same model after ``pack_linears()`` (``hf_hardattn/packed_linear.py``): linear layers multiply
+  inputs of up to 128 rows with oneDNN-prepacked weights; MarianMTModel is packed too, for the fair comparison.
 * ``ct2_float32`` / ``ct2_int8``: the same MarianMTModel converted with ``ctranslate2`` (what a user would pick for
   fast CPU decoding), ``intra_threads`` = --threads; the reference, not a model of this package. Measured in a
   second process after the torch models (its OpenMP threads keep spinning after each call and would slow down the
@@ -42,6 +44,7 @@ from hf_hardattn import (BeamJointTransformerConfig, BeamJointTransformerForCond
                          RecurrentForConditionalGeneration, SoftTransformerConfig,
                          SoftTransformerForConditionalGeneration)
 from hf_hardattn.modeling_hardattn import SoftAttention
+from hf_hardattn.packed_linear import pack_linears
 
 DIMS = dict(vocab_size=8000, d_model=512, encoder_layers=6, decoder_layers=6, encoder_attention_heads=8,
             decoder_attention_heads=8, encoder_ffn_dim=2048, decoder_ffn_dim=2048)
@@ -106,6 +109,8 @@ BUILDERS = {
 }
 BUILDERS["soft_bf16"] = lambda: BUILDERS["soft"]().to(torch.bfloat16)
 BUILDERS["marian_bf16"] = lambda: build_marian().to(torch.bfloat16)
+for _name in ("soft", "marian", "hard_retrieval", "attention_removed", "sh_x", "hybrid_dot"):  # oneDNN-prepacked
+    BUILDERS[f"{_name}_packed"] = lambda _name=_name: pack_linears(BUILDERS[_name]())  # linears (packed_linear.py)
 CT2 = ("ct2_float32", "ct2_int8")
 RATIOS = [  # label, numerator, denominator
     ("soft / marian", "soft", "marian"),
@@ -119,6 +124,12 @@ RATIOS = [  # label, numerator, denominator
     ("soft_bf16 / soft", "soft_bf16", "soft"),
     ("ct2_float32 / soft", "ct2_float32", "soft"),
     ("ct2_int8 / soft", "ct2_int8", "soft"),
+    ("soft_packed / soft", "soft_packed", "soft"),
+    ("soft_packed / marian", "soft_packed", "marian"),
+    ("soft_packed / marian_packed", "soft_packed", "marian_packed"),
+    ("hard_retrieval_packed / attention_removed_packed", "hard_retrieval_packed", "attention_removed_packed"),
+    ("hybrid_dot_packed / soft_packed", "hybrid_dot_packed", "soft_packed"),
+    ("sh_x_packed / soft_packed", "sh_x_packed", "soft_packed"),
 ]
 
 

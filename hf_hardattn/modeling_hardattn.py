@@ -29,6 +29,7 @@ from transformers.modeling_outputs import BaseModelOutput, Seq2SeqLMOutput
 
 from .configuration_hardattn import ROLES, HardAttnConfig
 from .model_card import write_model_card
+from .packed_linear import DEFAULT_MAX_ROWS, pack_linears, unpack_linears
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -592,6 +593,15 @@ class HardAttnPreTrainedModel(PreTrainedModel):
             init.zeros_(module.bias)
         elif isinstance(module, PositionEmbedding) and module.kind == "sinusoidal":
             init.copy_(module.table, sinusoidal_table(module.limit, module.dim))
+
+    def pack_linears(self, max_rows: int = DEFAULT_MAX_ROWS):
+        """Faster CPU decoding: linear layers multiply inputs of at most ``max_rows`` rows (batch x beams per step)
+        with a oneDNN-prepacked copy of their weight, when no gradient is needed (see ``packed_linear.py``; outputs
+        equal to float rounding, parameters unchanged). Returns the model; ``unpack_linears()`` undoes it."""
+        return pack_linears(self, max_rows)
+
+    def unpack_linears(self):
+        return unpack_linears(self)
 
     def save_pretrained(self, save_directory, *args, push_to_hub: bool = False, **kwargs):
         """``PreTrainedModel.save_pretrained`` (safetensors, config, remote code) plus a model card (README.md)."""

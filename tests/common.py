@@ -129,7 +129,10 @@ REMOTE_SCRIPT = textwrap.dedent(
     mask = (ids != 0).long()
     out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, min_new_tokens=10, do_sample=False)
     beam = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, min_new_tokens=10, num_beams=4)
-    print("RESULT" + json.dumps({"greedy": out.tolist(), "beam": beam.tolist(), "class": type(model).__module__}))
+    model.pack_linears()  # the CPU decoding option travels with the remote code
+    packed = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, min_new_tokens=10, num_beams=4)
+    print("RESULT" + json.dumps({"greedy": out.tolist(), "beam": beam.tolist(), "packed_beam": packed.tolist(),
+                                 "class": type(model).__module__}))
     """
 )
 
@@ -157,7 +160,7 @@ def check_remote_code(model, tmp_path):
     greedy = run_generate(model, "greedy", True)
     assert result["greedy"] == greedy.tolist()
     beam = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, min_new_tokens=10, num_beams=4)
-    assert result["beam"] == beam.tolist()
+    assert result["beam"] == beam.tolist() == result["packed_beam"]
 
 
 def copy_task(n=256, seed=0, length=(3, 8)):

@@ -1,0 +1,100 @@
+"""Faster CPU decoding: ``nn.Linear`` layers that multiply small inputs with a oneDNN-prepacked copy of their weight.
+
+Decoding multiplies each weight matrix by a few rows per step (batch x beams). On some CPUs MKL's fp32 GEMM, which
+``F.linear`` uses, is slow for such inputs. On a 2-core AMD EPYC (AVX2) it takes 2-4x longer for 4 rows than for 1.
+oneDNN's kernel on a weight reordered once for it (what inductor uses for frozen CPU graphs) is mostly faster
+there: 0.7-2.2x at 1 row, 1.3-2.7x at 4, 1.1-1.7x at 32, 1.0-1.3x at 128, and about even (0.9-1.1x) at 768. Hence
+the default ``max_rows`` of 128. See benchmarks/README.md.
+
+:func:`pack_linears` keeps every parameter as it is (state dict, saving, tied weights and training are unchanged).
+Each linear layer gets a packed copy of its weight, used only when all of these hold:
+
+* no gradient is needed (``generate`` runs under no_grad);
+* the input is fp32 on CPU;
+* it has at most ``max_rows`` rows.
+
+Any other call runs ``F.linear``. The packed copy is rebuilt when the weight changes in place (optimizer steps,
+``load_state_dict``), which is detected through its version counter, so it never goes stale.
+
+Runtime code shipped with saved models: flat, same-folder relative imports only.
+"""
+
+from types import MethodType
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+DEFAULT_MAX_ROWS = 128
+
+
+def packing_available() -> bool:
+    """Whether this torch build has oneDNN's prepacked linear (x86 and most ARM builds)."""
+    mkldnn = torch.ops.mkldnn
+    return (torch.backends.mkldnn.is_available() and hasattr(mkldnn, "_reorder_linear_weight")
+            and hasattr(mkldnn, "_linear_pointwise"))
+
+
+class PackedWeight:
+    """The packed copy of one layer's weight and the (storage, version) it was packed from. It is an opaque oneDNN
+    tensor that cannot be copied or pickled, so a copy of the model starts without it and packs again when used."""
+
+    __slots__ = ("key", "weight")
+
+    def __init__(self):
+        self.key = self.weight = None
+
+    def __deepcopy__(self, memo):
+        return PackedWeight()
+
+    def __reduce__(self):
+        return PackedWeight, ()
+
+
+def _packed_forward(self, x):
+    weight = self.weight
+    rows = x.numel() // x.shape[-1] if x.dim() else 0
+    if (rows == 0 or rows > self.packed_max_rows or x.dtype != torch.float32 or x.device.type != "cpu"
+            or weight.dtype != torch.float32 or weight.device.type != "cpu"
+            or (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))):
+        return F.linear(x, weight, self.bias)
+    packed, key = self.packed_weight, (weight.data_ptr(), weight._version)
+    if packed.key != key:  # first call, or the weight changed (in place or replaced) since it was packed
+        with torch.no_grad():
+            packed.weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+        packed.key = key
+    bias = None if self.bias is None else self.bias.detach()
+    out = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, x.shape[-1]), packed.weight, bias, "none", [], "")
+    return out.view(*x.shape[:-1], self.out_features)
+
+
+def pack_linears(module: nn.Module, max_rows: int = DEFAULT_MAX_ROWS) -> nn.Module:
+    """Give every ``nn.Linear`` in ``module`` (any model, e.g. a MarianMTModel too) the prepacked path for inputs of
+    at most ``max_rows`` rows; returns ``module``. :func:`unpack_linears` undoes it."""
+    if not isinstance(max_rows, int) or isinstance(max_rows, bool) or max_rows < 1:
+        raise ValueError(f"`max_rows` must be a positive integer, got {max_rows!r}.")
+    if not packing_available():
+        raise RuntimeError("pack_linears needs oneDNN's prepacked linear (torch.ops.mkldnn._reorder_linear_weight / "
+                           "_linear_pointwise), which this torch build does not have.")
+    for linear in module.modules():
+        if isinstance(linear, nn.Linear):
+            linear.packed_max_rows = max_rows
+            linear.packed_weight = PackedWeight()
+            linear.forward = MethodType(_packed_forward, linear)
+    return module
+
+
+def unpack_linears(module: nn.Module) -> nn.Module:
+    """Back to plain ``nn.Linear.forward`` everywhere in ``module`` (frees the packed copies); returns ``module``."""
+    for linear in module.modules():
+        if isinstance(linear, nn.Linear) and "packed_max_rows" in linear.__dict__:
+            for name in ("forward", "packed_max_rows", "packed_weight"):
+                delattr(linear, name)
+    return module
+
+
+def is_packed(module: nn.Module) -> bool:
+    return any("packed_max_rows" in m.__dict__ for m in module.modules() if isinstance(m, nn.Linear))
+
+
+__all__ = ["pack_linears", "unpack_linears", "is_packed", "packing_available", "DEFAULT_MAX_ROWS"]

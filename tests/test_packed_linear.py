@@ -1,0 +1,137 @@
+"""pack_linears (packed_linear.py): decoding with oneDNN-prepacked linear weights gives the outputs of the plain
+model (a second code path: F.linear), for every variant and MarianMTModel; training, state dicts, saving and copies
+are unaffected; the packed copy follows in-place weight changes."""
+
+import copy
+
+import pytest
+import torch
+from common import fitted, randomize, run_generate, source_batch, tiny_kwargs
+from transformers import AutoModelForSeq2SeqLM, MarianConfig, MarianMTModel
+
+import hf_hardattn  # noqa: F401
+from hf_hardattn import (BeamJointRNNConfig, BeamJointRNNForConditionalGeneration, BeamJointTransformerConfig,
+                         BeamJointTransformerForConditionalGeneration, GaussianConfig, GaussianForConditionalGeneration,
+                         HardRetrievalConfig, HardRetrievalForConditionalGeneration, HybridConfig,
+                         HybridForConditionalGeneration, RecurrentConfig, RecurrentForConditionalGeneration,
+                         SoftTransformerConfig, SoftTransformerForConditionalGeneration)
+from hf_hardattn import packed_linear
+from hf_hardattn.packed_linear import is_packed, pack_linears, unpack_linears
+
+RNN_KW = dict(decoder_layers=1, rnn_hidden_size=32)
+pytestmark = pytest.mark.skipif(not packed_linear.packing_available(), reason="no oneDNN prepacked linear")
+
+MODELS = {
+    "soft": lambda: SoftTransformerForConditionalGeneration(SoftTransformerConfig(**tiny_kwargs())),
+    "hard_retrieval": lambda: HardRetrievalForConditionalGeneration(HardRetrievalConfig(**tiny_kwargs())),
+    "sh_x": lambda: GaussianForConditionalGeneration(GaussianConfig.preset("sh-x", **tiny_kwargs())),
+    "hybrid": lambda: HybridForConditionalGeneration(HybridConfig(**tiny_kwargs(**RNN_KW, rnn_attention="dot"))),
+    "recurrent": lambda: RecurrentForConditionalGeneration(RecurrentConfig(**tiny_kwargs(recurrent_variant="expand_1"))),
+    "beam_joint": lambda: BeamJointTransformerForConditionalGeneration(
+        BeamJointTransformerConfig(**tiny_kwargs(joint_k=3))),
+    "beam_joint_rnn": lambda: BeamJointRNNForConditionalGeneration(BeamJointRNNConfig(**tiny_kwargs(**RNN_KW))),
+}
+
+
+def logits(model, ids=None, mask=None):
+    if ids is None:
+        ids, mask = source_batch()
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=mask, decoder_input_ids=ids[:, :5]).logits
+
+
+def assert_packed_path_used(model):
+    """Guards the comparisons: the packed kernel really ran (a packed copy exists) in at least 80% of the linear
+    layers (beam-joint multiplies by its output layer's weight in its own mixture GEMM, not through the layer)."""
+    packed = [m.packed_weight.key is not None for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert packed and sum(packed) >= 0.8 * len(packed), f"packed path ran in {sum(packed)} of {len(packed)} layers"
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_packed_decoding_equals_plain(name):
+    plain = fitted(MODELS[name]())  # varied outputs (random tied-embedding models repeat one token)
+    packed = copy.deepcopy(plain).pack_linears()
+    torch.testing.assert_close(logits(packed), logits(plain), rtol=1e-5, atol=1e-5)
+    for mode in ("greedy", "beam"):
+        expected = run_generate(plain, mode, True)
+        assert len(torch.unique(expected)) >= 4, expected
+        assert torch.equal(run_generate(packed, mode, True), expected), mode
+    assert_packed_path_used(packed)
+
+
+def test_marian_too():
+    config = MarianConfig(vocab_size=40, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                          decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, pad_token_id=0,
+                          eos_token_id=2, decoder_start_token_id=1, forced_eos_token_id=None,
+                          max_position_embeddings=64)
+    torch.manual_seed(0)
+    plain = randomize(MarianMTModel(config))
+    packed = pack_linears(copy.deepcopy(plain))
+    ids, mask = source_batch()
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, min_new_tokens=8, num_beams=3)
+    assert torch.equal(packed.generate(**kwargs), plain.generate(**kwargs))
+    assert packed.lm_head.packed_weight.key is not None
+
+
+def test_rows_above_max_rows_use_f_linear():
+    model = randomize(MODELS["soft"]()).pack_linears(max_rows=3)
+    x = torch.randn(2, 2, 32)  # 4 rows > 3
+    with torch.no_grad():
+        out = model.lm_head(x)
+    assert model.lm_head.packed_weight.key is None
+    torch.testing.assert_close(out, torch.nn.functional.linear(x, model.lm_head.weight), rtol=0, atol=0)
+    with torch.no_grad():
+        model.lm_head(x[:1])  # 2 rows: packed
+    assert model.lm_head.packed_weight.key is not None
+
+
+def test_training_is_unchanged_and_never_packs():
+    """With gradients the layers run F.linear: same loss and gradients as the plain model; nothing is packed."""
+    torch.manual_seed(0)
+    plain = randomize(MODELS["soft"]()).train()
+    packed = copy.deepcopy(plain).pack_linears()
+    ids, mask = source_batch()
+    for model in (plain, packed):
+        model(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()
+    for (name, a), b in zip(plain.named_parameters(), packed.parameters()):
+        assert torch.equal(a.grad, b.grad), name
+    assert all(m.packed_weight.key is None for m in packed.modules() if isinstance(m, torch.nn.Linear))
+
+
+def test_packed_copy_follows_weight_changes(tmp_path):
+    torch.manual_seed(0)
+    model = randomize(MODELS["soft"]()).pack_linears()
+    logits(model)  # packs every layer
+    with torch.no_grad():  # in place, as an optimizer step does
+        for param in model.parameters():
+            param.mul_(0.9).add_(0.01)
+    reference = copy.deepcopy(model).unpack_linears()
+    torch.testing.assert_close(logits(model), logits(reference), rtol=1e-5, atol=1e-5)
+    other = randomize(MODELS["soft"](), seed=1)
+    model.load_state_dict(other.state_dict())
+    torch.testing.assert_close(logits(model), logits(other), rtol=1e-5, atol=1e-5)
+
+
+def test_state_dict_save_load_and_unpack(tmp_path):
+    torch.manual_seed(0)
+    plain = randomize(MODELS["soft"]())
+    packed = copy.deepcopy(plain).pack_linears()
+    logits(packed)
+    assert is_packed(packed) and list(packed.state_dict()) == list(plain.state_dict())
+    packed.save_pretrained(tmp_path)
+    loaded = AutoModelForSeq2SeqLM.from_pretrained(tmp_path).eval()
+    assert not is_packed(loaded)
+    torch.testing.assert_close(logits(loaded), logits(plain), rtol=0, atol=0)
+    unpack_linears(packed)
+    assert not is_packed(packed) and "forward" not in packed.lm_head.__dict__
+    torch.testing.assert_close(logits(packed), logits(plain), rtol=0, atol=0)
+
+
+def test_bad_input(monkeypatch):
+    model = MODELS["soft"]()
+    for bad in (0, -1, 2.5, True, None):
+        with pytest.raises(ValueError, match="`max_rows` must be a positive integer"):
+            model.pack_linears(max_rows=bad)
+    monkeypatch.setattr(packed_linear, "packing_available", lambda: False)
+    with pytest.raises(RuntimeError, match="oneDNN"):
+        model.pack_linears()
