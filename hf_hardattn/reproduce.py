@@ -541,7 +541,7 @@ def run(args) -> dict:
             setattr(recipe, name, getattr(args, name))
     if args.precision is not None:
         recipe.bf16 = args.precision == "bf16"
-    check_bf16(recipe.bf16, name=f"--preset {args.preset}", fix="pass --precision fp32 (its rows are then not "
+    check_bf16(recipe.bf16, name=f"--preset {args.preset}", fix="Pass --precision fp32 (its rows are then not "
                "comparable with a table trained in bf16 for the same minutes)")
     out = args.output_dir or os.path.join("outputs", "reproduce", f"{args.task}-{args.preset}")
     os.makedirs(out, exist_ok=True)
