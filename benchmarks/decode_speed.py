@@ -45,6 +45,7 @@ from hf_hardattn import (BeamJointTransformerConfig, BeamJointTransformerForCond
                          SoftTransformerForConditionalGeneration)
 from hf_hardattn.modeling_hardattn import SoftAttention
 from hf_hardattn.packed_linear import pack_linears
+from hf_hardattn.training import cpu_has_bf16_matmul
 
 DIMS = dict(vocab_size=8000, d_model=512, encoder_layers=6, decoder_layers=6, encoder_attention_heads=8,
             decoder_attention_heads=8, encoder_ffn_dim=2048, decoder_ffn_dim=2048)
@@ -208,7 +209,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     choices = list(BUILDERS) + list(CT2)
     parser.add_argument("--models", nargs="+", default=None, choices=choices,
-                        help="default: all (ct2_* only when ctranslate2 is installed)")
+                        help="default: all (ct2_* only when ctranslate2 is installed, *_bf16 only on CPUs with "
+                             "native bf16 matrix products)")
     parser.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 32])
     parser.add_argument("--modes", nargs="+", default=["greedy", "beam4"], choices=["greedy", "beam4"])
     parser.add_argument("--repeats", type=int, default=3)
@@ -218,6 +220,9 @@ def main(argv=None):
     parser.add_argument("--ct2-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     names = args.models or list(BUILDERS) + (list(CT2) if ctranslate2_available() else [])
+    if not args.models and not cpu_has_bf16_matmul():  # bf16 GEMMs run ~100x slower than fp32 on such a CPU
+        names = [n for n in names if not n.endswith("_bf16")]
+        print("skipping the *_bf16 models: this CPU has no native bf16 matrix products (name them to run them)")
     if any(n in CT2 for n in names) and not ctranslate2_available():
         parser.error("ct2_* models need `pip install ctranslate2`")
     torch.set_num_threads(args.threads)
