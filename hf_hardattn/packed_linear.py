@@ -84,17 +84,21 @@ def pack_linears(module: nn.Module, max_rows: int = DEFAULT_MAX_ROWS) -> nn.Modu
     return module
 
 
+def packed_layers(module: nn.Module) -> list:
+    """The linear layers of ``module`` that :func:`pack_linears` set up."""
+    return [m for m in module.modules() if isinstance(m, nn.Linear) and "packed_max_rows" in m.__dict__]
+
+
 def unpack_linears(module: nn.Module) -> nn.Module:
     """Back to plain ``nn.Linear.forward`` everywhere in ``module`` (frees the packed copies); returns ``module``."""
-    for linear in module.modules():
-        if isinstance(linear, nn.Linear) and "packed_max_rows" in linear.__dict__:
-            for name in ("forward", "packed_max_rows", "packed_weight"):
-                delattr(linear, name)
+    for linear in packed_layers(module):
+        for name in ("forward", "packed_max_rows", "packed_weight"):
+            delattr(linear, name)
     return module
 
 
 def is_packed(module: nn.Module) -> bool:
-    return any("packed_max_rows" in m.__dict__ for m in module.modules() if isinstance(m, nn.Linear))
+    return bool(packed_layers(module))
 
 
-__all__ = ["pack_linears", "unpack_linears", "is_packed", "packing_available", "DEFAULT_MAX_ROWS"]
+__all__ = ["pack_linears", "unpack_linears", "is_packed", "packed_layers", "packing_available", "DEFAULT_MAX_ROWS"]

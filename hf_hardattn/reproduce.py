@@ -549,9 +549,9 @@ def run(args) -> dict:
     # fresh machine without outputs/), which a new row joins instead of replacing them; a row without its model is
     # rerun when it is asked for or needed
     results = {}
-    for folder in (out, args.results_dir):
-        path = folder and os.path.join(folder, f"reproduce_{args.task}_{args.preset}.json")
-        if path and os.path.exists(path):
+    for folder in filter(None, (out, args.results_dir)):
+        path = os.path.join(folder, f"reproduce_{args.task}_{args.preset}.json")
+        if os.path.exists(path):
             with open(path) as handle:
                 for name, row in json.load(handle)["rows"].items():
                     results.setdefault(name, row)
