@@ -52,18 +52,19 @@ class PackedWeight:
 
 
 def _packed_forward(self, x):
-    weight = self.weight
-    rows = x.numel() // x.shape[-1] if x.dim() else 0
-    if (rows == 0 or rows > self.packed_max_rows or x.dtype != torch.float32 or x.device.type != "cpu"
-            or weight.dtype != torch.float32 or weight.device.type != "cpu"
-            or (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))):
-        return F.linear(x, weight, self.bias)
+    weight, bias = self.weight, self.bias
+    rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
+    needs_grad = torch.is_grad_enabled() and (
+        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
+    if (needs_grad or not 0 < rows <= self.packed_max_rows or x.dtype != torch.float32 or x.device.type != "cpu"
+            or weight.dtype != torch.float32 or weight.device.type != "cpu"):
+        return F.linear(x, weight, bias)
     packed, key = self.packed_weight, (weight.data_ptr(), weight._version)
     if packed.key != key:  # first call, or the weight changed (in place or replaced) since it was packed
         with torch.no_grad():
             packed.weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
         packed.key = key
-    bias = None if self.bias is None else self.bias.detach()
+    bias = None if bias is None else bias.detach()
     out = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, x.shape[-1]), packed.weight, bias, "none", [], "")
     return out.view(*x.shape[:-1], self.out_features)
 

@@ -98,6 +98,16 @@ def test_training_is_unchanged_and_never_packs():
     assert all(m.packed_weight.key is None for m in packed.modules() if isinstance(m, torch.nn.Linear))
 
 
+def test_a_trainable_bias_alone_still_gets_its_gradient():
+    """Frozen weight, trainable bias: the layer needs autograd, so it runs F.linear and the bias gets its gradient."""
+    layer = pack_linears(torch.nn.Sequential(torch.nn.Linear(8, 4)))[0]
+    layer.weight.requires_grad_(False)
+    x = torch.randn(3, 8)
+    layer(x).sum().backward()
+    torch.testing.assert_close(layer.bias.grad, torch.full((4,), 3.0))
+    assert layer.packed_weight.key is None
+
+
 def test_packed_copy_follows_weight_changes(tmp_path):
     torch.manual_seed(0)
     model = randomize(MODELS["soft"]()).pack_linears()
