@@ -36,13 +36,14 @@ def packing_available() -> bool:
 
 
 class PackedWeight:
-    """The packed copy of one layer's weight and the (storage, version) it was packed from. It is an opaque oneDNN
-    tensor that cannot be copied or pickled, so a copy of the model starts without it and packs again when used."""
+    """The packed copy of one layer's weight, its bias (detached) and the key (weight storage, weight version, bias
+    storage) they were taken at. The packed weight is an opaque oneDNN tensor that cannot be copied or pickled, so
+    a copy of the model starts without it and packs again when used."""
 
-    __slots__ = ("key", "weight")
+    __slots__ = ("key", "weight", "bias")
 
     def __init__(self):
-        self.key = self.weight = None
+        self.key = self.weight = self.bias = None
 
     def __deepcopy__(self, memo):
         return PackedWeight()
@@ -53,20 +54,22 @@ class PackedWeight:
 
 def _packed_forward(self, x):
     weight, bias = self.weight, self.bias
-    rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
-    needs_grad = torch.is_grad_enabled() and (
-        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
-    if (needs_grad or not 0 < rows <= self.packed_max_rows or x.dtype != torch.float32 or x.device.type != "cpu"
-            or weight.dtype != torch.float32 or weight.device.type != "cpu"):
+    if torch.is_grad_enabled() and (
+            x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):
         return F.linear(x, weight, bias)
-    packed, key = self.packed_weight, (weight.data_ptr(), weight._version)
+    rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
+    if not 0 < rows <= self.packed_max_rows or x.dtype != torch.float32 or not x.is_cpu:
+        return F.linear(x, weight, bias)
+    packed = self.packed_weight
+    key = (weight.data_ptr(), weight._version, None if bias is None else bias.data_ptr())
     if packed.key != key:  # first call, or the weight changed (in place or replaced) since it was packed
+        if weight.dtype != torch.float32 or not weight.is_cpu:
+            return F.linear(x, weight, bias)
         with torch.no_grad():
             packed.weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+        packed.bias = None if bias is None else bias.detach()  # shares storage: in-place changes reach it
         packed.key = key
-    bias = None if bias is None else bias.detach()
-    out = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, x.shape[-1]), packed.weight, bias, "none", [], "")
-    return out.view(*x.shape[:-1], self.out_features)
+    return torch.ops.mkldnn._linear_pointwise(x, packed.weight, packed.bias, "none", [], "")  # any [..., in] input
 
 
 def pack_linears(module: nn.Module, max_rows: int = DEFAULT_MAX_ROWS) -> nn.Module:
