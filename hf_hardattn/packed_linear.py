@@ -2,9 +2,15 @@
 
 Decoding multiplies each weight matrix by a few rows per step (batch x beams). On some CPUs MKL's fp32 GEMM, which
 ``F.linear`` uses, is slow for such inputs. On a 2-core AMD EPYC (AVX2) it takes 2-4x longer for 4 rows than for 1.
-oneDNN's kernel on a weight reordered once for it (what inductor uses for frozen CPU graphs) is mostly faster
-there: 0.7-2.2x at 1 row, 1.3-2.7x at 4, 1.1-1.7x at 32, 1.0-1.3x at 128, and about even (0.9-1.1x) at 768. Hence
-the default ``max_rows`` of 128. See benchmarks/README.md.
+oneDNN's kernel on a weight reordered once for it (what inductor uses for frozen CPU graphs) is faster there for
+a few rows. Per layer call (``benchmarks/linear_kernels.py``):
+* 1 row: 1.55x for the vocabulary projection, but 0.6-0.9x for the smaller matrices;
+* 4 rows: 1.2-3.0x;
+* 32 rows: 1.0-1.4x;
+* 128 rows: about even (0.93-1.06x);
+* 768 rows: slower (0.84-0.93x).
+
+Hence the default ``max_rows`` of 128. See benchmarks/README.md.
 
 :func:`pack_linears` keeps every parameter as it is (state dict, saving, tied weights and training are unchanged).
 Each linear layer gets a packed copy of its weight, used only when all of these hold:
