@@ -19,6 +19,7 @@ import time
 import torch
 
 from hf_hardattn.packed_linear import pack_linears
+from hf_hardattn.training import machine
 
 SHAPES = [(512, 512), (1536, 512), (2048, 512), (512, 2048), (8000, 512)]  # out x in: o-proj, qkv, ffn1, ffn2, vocab
 ROWS = [1, 4, 32, 128, 768]
@@ -62,8 +63,7 @@ def main(argv=None):
     print(table)
     os.makedirs(os.path.dirname(args.output), exist_ok=True)
     with open(args.output, "w") as handle:
-        json.dump({"threads": args.threads, "rounds": args.rounds, "calls": args.calls, "torch": torch.__version__,
-                   "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        json.dump({"rounds": args.rounds, "calls": args.calls, **machine(),
                    "ratios": {f"{shape} rows {rows}": value for (shape, rows), value in ratios.items()},
                    "table": table}, handle, indent=2)
 

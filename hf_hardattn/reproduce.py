@@ -348,23 +348,6 @@ def kd_data(ctx):
     return ctx["kd_tok"]
 
 
-def machine() -> dict:
-    """Where a row was trained: its minutes and sentences/s only compare with rows of the same machine."""
-    import platform
-
-    import torch
-
-    from .training import cpu_has_bf16_matmul
-
-    cpu = platform.processor() or platform.machine()
-    if os.path.exists("/proc/cpuinfo"):
-        with open("/proc/cpuinfo") as handle:
-            cpu = next((line.split(":", 1)[1].strip() for line in handle if line.startswith("model name")), cpu)
-    return dict(cpu=cpu, cpu_capability=torch.backends.cpu.get_cpu_capability(),
-                cpu_bf16_matmul=cpu_has_bf16_matmul(), threads=torch.get_num_threads(), torch=torch.__version__,
-                gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else None)
-
-
 def model_dir(ctx, name):
     return os.path.join(ctx["out"], "models", name)
 
@@ -379,6 +362,8 @@ def load_model(ctx, name):
 
 def run_row(row: Row, ctx) -> dict:
     import torch
+
+    from .training import machine
 
     args, recipe = ctx["args"], ctx["recipe"]
     result = dict(row=row.name, paper=row.paper, expect=row.expect, seed=args.seed, command=row_command(ctx, row.name),

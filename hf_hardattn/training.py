@@ -13,6 +13,8 @@
 from __future__ import annotations
 
 import math
+import os
+import platform
 import statistics
 import time
 
@@ -180,6 +182,18 @@ def cpu_has_bf16_matmul() -> bool:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):  # a torch build without oneDNN
         return False
+
+
+def machine() -> dict:
+    """Where a measurement ran (CPU, its torch capability, native bf16, threads, torch, GPU): minutes of training and
+    sentences/s only compare between runs on the same machine."""
+    cpu = platform.processor() or platform.machine()
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as handle:
+            cpu = next((line.split(":", 1)[1].strip() for line in handle if line.startswith("model name")), cpu)
+    return dict(cpu=cpu, cpu_capability=torch.backends.cpu.get_cpu_capability(),
+                cpu_bf16_matmul=cpu_has_bf16_matmul(), threads=torch.get_num_threads(), torch=torch.__version__,
+                gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else None)
 
 
 def check_bf16(bf16: bool, name: str = "bf16", fix: str = "Pass bf16=False (fp32)") -> None:
