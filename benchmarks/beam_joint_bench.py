@@ -36,6 +36,7 @@ import torch
 from hf_hardattn import (BeamJointRNNConfig, BeamJointRNNForConditionalGeneration, BeamJointTransformerConfig,
                          BeamJointTransformerForConditionalGeneration, HybridConfig, HybridForConditionalGeneration,
                          SoftTransformerConfig, SoftTransformerForConditionalGeneration)
+from hf_hardattn.training import machine
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 DIMS = dict(vocab_size=8000, d_model=256, encoder_layers=3, decoder_layers=3, encoder_attention_heads=4,
@@ -252,7 +253,7 @@ def main():
     path = args.json or os.path.join(RESULTS, name)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as handle:
-        json.dump(result, handle, indent=2)
+        json.dump({"machine": machine(), **result}, handle, indent=2)
     print("wrote", path)
 
 

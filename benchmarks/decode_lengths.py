@@ -24,7 +24,7 @@ from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
 import hf_hardattn  # noqa: F401  (registers the model types)
 from hf_hardattn.data import multi30k
-from hf_hardattn.training import default_max_new_tokens, length_sorted_batches
+from hf_hardattn.training import default_max_new_tokens, length_sorted_batches, machine
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -88,7 +88,7 @@ def main(argv=None):
         print(m, results[m], flush=True)
     os.makedirs(RESULTS, exist_ok=True)
     with open(os.path.join(RESULTS, "decode_lengths.json"), "w") as handle:
-        json.dump(dict(command="python benchmarks/decode_lengths.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        json.dump(dict(machine=machine(), command="python benchmarks/decode_lengths.py " + " ".join(sys.argv[1:] if argv is None else argv),
                        folder=args.folder, threads=args.threads, results=results), handle, indent=2)
 
 

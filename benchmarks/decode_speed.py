@@ -45,7 +45,7 @@ from hf_hardattn import (BeamJointTransformerConfig, BeamJointTransformerForCond
                          SoftTransformerForConditionalGeneration)
 from hf_hardattn.modeling_hardattn import SoftAttention
 from hf_hardattn.packed_linear import pack_linears
-from hf_hardattn.training import cpu_has_bf16_matmul
+from hf_hardattn.training import cpu_has_bf16_matmul, machine
 
 DIMS = dict(vocab_size=8000, d_model=512, encoder_layers=6, decoder_layers=6, encoder_attention_heads=8,
             decoder_attention_heads=8, encoder_ffn_dim=2048, decoder_ffn_dim=2048)
@@ -278,7 +278,7 @@ def main(argv=None):
     print(table)
     os.makedirs(os.path.dirname(args.output), exist_ok=True)
     with open(args.output, "w") as handle:
-        json.dump({"settings": {**DIMS, "new_tokens": args.new_tokens, "threads": args.threads,
+        json.dump({"machine": machine(), "settings": {**DIMS, "new_tokens": args.new_tokens, "threads": args.threads,
                                 "repeats": args.repeats, "source_length": SOURCE_LENGTH, "torch": torch.__version__},
                    "rows": rows, "table": table}, handle, indent=2)
     return rows

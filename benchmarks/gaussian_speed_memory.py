@@ -32,7 +32,7 @@ import torch
 
 from hf_hardattn import GaussianConfig, GaussianForConditionalGeneration
 from hf_hardattn.soft import SoftTransformerConfig, SoftTransformerForConditionalGeneration
-from hf_hardattn.training import decode_speed
+from hf_hardattn.training import decode_speed, machine
 
 DIMS = dict(vocab_size=8000, d_model=512, encoder_layers=6, decoder_layers=6, encoder_attention_heads=8,
             decoder_attention_heads=8, encoder_ffn_dim=2048, decoder_ffn_dim=2048)
@@ -166,7 +166,7 @@ def main():
                   f"{paper} |")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"dims": DIMS, "rounds": args.rounds, "source_length": args.source_length, "speed": rows,
+        json.dump({"machine": machine(), "dims": DIMS, "rounds": args.rounds, "source_length": args.source_length, "speed": rows,
                    "memory": mem, "memory_batch": [args.memory_batch, args.memory_length],
                    "threads": torch.get_num_threads(), "paper_speedup": PAPER_SPEEDUP,
                    "paper_tokens_ratio": PAPER_TOKENS}, f, indent=2)

@@ -25,6 +25,7 @@ import torch
 
 from hf_hardattn import HybridConfig, HybridForConditionalGeneration, SoftTransformerConfig, \
     SoftTransformerForConditionalGeneration
+from hf_hardattn.training import machine
 
 COMMON = dict(vocab_size=8000, d_model=512, encoder_layers=6, encoder_attention_heads=8, encoder_ffn_dim=2048,
               dropout=0.0)
@@ -197,7 +198,7 @@ def main(argv=None):
         result["hybrid_top_operators"] = ops
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as handle:
-        json.dump(result, handle, indent=2)
+        json.dump({"machine": machine(), **result}, handle, indent=2)
     print(f"\nsaved {args.out}")
 
 

@@ -23,7 +23,7 @@ from hf_hardattn import SoftTransformerForConditionalGeneration
 from hf_hardattn.data import multi30k
 from hf_hardattn.recurrent import RECURRENT_VARIANTS
 from hf_hardattn.tokenization import train_tokenizer
-from hf_hardattn.training import bleu, tokenize_dataset, train_seq2seq
+from hf_hardattn.training import bleu, machine, tokenize_dataset, train_seq2seq
 
 DIMS = dict(d_model=256, encoder_layers=3, decoder_layers=3, encoder_attention_heads=4, decoder_attention_heads=4,
             encoder_ffn_dim=1024, decoder_ffn_dim=1024, dropout=0.1)
@@ -73,7 +73,7 @@ def main():
         print(name, results[name], flush=True)
     os.makedirs(os.path.dirname(args.output), exist_ok=True)
     with open(args.output, "w") as handle:
-        json.dump(dict(dims=DIMS, args=vars(args), results=results), handle, indent=1)
+        json.dump(dict(machine=machine(), dims=DIMS, args=vars(args), results=results), handle, indent=1)
     print(json.dumps(results, indent=1))
 
 

@@ -29,7 +29,7 @@ from hf_hardattn import RecurrentConfig, RecurrentForConditionalGeneration, Soft
 from hf_hardattn import SoftTransformerForConditionalGeneration
 from hf_hardattn.modeling_hardattn import HardAttnCache
 from hf_hardattn.recurrent import RECURRENT_VARIANTS
-from hf_hardattn.training import decode_speed
+from hf_hardattn.training import decode_speed, machine
 
 DIMS = dict(vocab_size=8000, d_model=256, encoder_layers=3, decoder_layers=3, encoder_attention_heads=4,
             decoder_attention_heads=4, encoder_ffn_dim=1024, decoder_ffn_dim=1024, dropout=0.1,
@@ -138,7 +138,7 @@ def main():
     print(table)
     os.makedirs(os.path.dirname(args.output), exist_ok=True)
     with open(args.output, "w") as handle:
-        json.dump(dict(dims=DIMS, batch=args.batch, length=args.length, threads=args.threads, rounds=args.rounds,
+        json.dump(dict(machine=machine(), dims=DIMS, batch=args.batch, length=args.length, threads=args.threads, rounds=args.rounds,
                        training=training, decoding=decoding, table=table), handle, indent=1)
     print("wrote", args.output)
 

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_hardattn.reproduce import PRESETS, ROWS
+from hf_hardattn.training import machine
 
 
 class VocabOnly:
@@ -111,7 +112,7 @@ def main(argv=None):
     print(table)
     os.makedirs(os.path.dirname(args.output), exist_ok=True)
     with open(args.output, "w") as handle:
-        json.dump(dict(batch=args.batch, length=args.length, rounds=args.rounds, threads=args.threads, bf16=args.bf16,
+        json.dump(dict(machine=machine(), batch=args.batch, length=args.length, rounds=args.rounds, threads=args.threads, bf16=args.bf16,
                        dims=recipe.dims, rows=results, table=table), handle, indent=1)
 
 
