@@ -88,8 +88,9 @@ def main(argv=None):
         print(m, results[m], flush=True)
     os.makedirs(RESULTS, exist_ok=True)
     with open(os.path.join(RESULTS, "decode_lengths.json"), "w") as handle:
-        json.dump(dict(machine=machine(), command="python benchmarks/decode_lengths.py " + " ".join(sys.argv[1:] if argv is None else argv),
-                       folder=args.folder, threads=args.threads, results=results), handle, indent=2)
+        command = "python benchmarks/decode_lengths.py " + " ".join(sys.argv[1:] if argv is None else argv)
+        json.dump(dict(machine=machine(), command=command, folder=args.folder, threads=args.threads, results=results),
+                  handle, indent=2)
 
 
 if __name__ == "__main__":

@@ -138,8 +138,8 @@ def main():
     print(table)
     os.makedirs(os.path.dirname(args.output), exist_ok=True)
     with open(args.output, "w") as handle:
-        json.dump(dict(machine=machine(), dims=DIMS, batch=args.batch, length=args.length, threads=args.threads, rounds=args.rounds,
-                       training=training, decoding=decoding, table=table), handle, indent=1)
+        json.dump(dict(machine=machine(), dims=DIMS, batch=args.batch, length=args.length, threads=args.threads,
+                       rounds=args.rounds, training=training, decoding=decoding, table=table), handle, indent=1)
     print("wrote", args.output)
 
 

@@ -112,8 +112,9 @@ def main(argv=None):
     print(table)
     os.makedirs(os.path.dirname(args.output), exist_ok=True)
     with open(args.output, "w") as handle:
-        json.dump(dict(machine=machine(), batch=args.batch, length=args.length, rounds=args.rounds, threads=args.threads, bf16=args.bf16,
-                       dims=recipe.dims, rows=results, table=table), handle, indent=1)
+        json.dump(dict(machine=machine(), batch=args.batch, length=args.length, rounds=args.rounds,
+                       threads=args.threads, bf16=args.bf16, dims=recipe.dims, rows=results, table=table),
+                  handle, indent=1)
 
 
 if __name__ == "__main__":
