@@ -74,7 +74,7 @@ def train_step(model, optimizer, batch, sequential=False):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--variants", nargs="+", default=list(RECURRENT_VARIANTS))
+    parser.add_argument("--variants", nargs="+", default=list(RECURRENT_VARIANTS), choices=list(RECURRENT_VARIANTS))
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--length", type=int, default=30)
@@ -85,6 +85,8 @@ def main():
     parser.add_argument("--decode-repeats", type=int, default=3)
     parser.add_argument("--output", default=os.path.join(os.path.dirname(__file__), "results", "recurrent_speed.json"))
     args = parser.parse_args()
+    if args.sequential and args.sequential not in args.variants:
+        parser.error(f"--sequential {args.sequential!r} must be one of --variants {args.variants} (or '' to skip)")
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
 

@@ -174,6 +174,57 @@ def test_buffered_cache_layer_equals_dynamic_layer():
     same()
 
 
+def test_buffered_cache_layer_gradients_equal_dynamic_layer():
+    """With autograd on (a loss over step-by-step decoding), BufferedLayer must not write in place into keys that
+    earlier steps saved for backward: values and gradients equal DynamicLayer's, beam reorders included."""
+    from transformers.cache_utils import DynamicLayer
+
+    from hf_hardattn.modeling_hardattn import BufferedLayer
+
+    generator = torch.Generator().manual_seed(0)
+    steps = [torch.randn(2, 3, 2, 1, 4, generator=generator, requires_grad=True) for _ in range(6)]
+    weights = torch.randn(6, 3, 2, 6, 4, generator=generator)  # a different readout of the cache at every step
+    grads = []
+    for layer in (BufferedLayer(), DynamicLayer()):
+        loss = 0
+        for t, kv in enumerate(steps):
+            keys, values = layer.update(kv[0], kv[1])
+            loss = loss + ((keys + values) * weights[t, :, :, : t + 1]).sum()  # uses keys written at earlier steps
+            if t == 2:
+                layer.reorder_cache(torch.tensor([2, 0, 0]))
+        grads.append(torch.autograd.grad(loss, steps))
+    for buffered, dynamic in zip(*grads):
+        torch.testing.assert_close(buffered, dynamic)
+    assert any(g.abs().sum() > 0 for g in grads[0])
+
+
+def test_loss_over_cached_step_by_step_decoding_equals_teacher_forcing():
+    """Training through the KV cache (one target position per call) gives the teacher-forced loss and gradients."""
+    torch.manual_seed(0)
+    model = SoftTransformerForConditionalGeneration(SoftTransformerConfig(**tiny_kwargs()))
+    ids = torch.tensor([[5, 6, 7, 8, 2], [9, 10, 11, 2, 0]])
+    mask = (ids != 0).long()
+    labels = torch.tensor([[12, 13, 14, 2], [15, 16, 2, -100]])
+    reference = model(input_ids=ids, attention_mask=mask, labels=labels)
+    reference_grads = torch.autograd.grad(reference.loss, list(model.parameters()), allow_unused=True)
+
+    decoder_ids = model.prepare_decoder_input_ids_from_labels(labels)
+    encoder = model.model.encoder(ids, mask)
+    cache, logits = None, []
+    for t in range(decoder_ids.shape[1]):
+        out = model(encoder_outputs=encoder, attention_mask=mask, decoder_input_ids=decoder_ids[:, t : t + 1],
+                    past_key_values=cache, use_cache=True)
+        cache = out.past_key_values
+        logits.append(out.logits)
+    loss = model.compute_loss(torch.cat(logits, 1), labels)
+    grads = torch.autograd.grad(loss, list(model.parameters()), allow_unused=True)
+    torch.testing.assert_close(loss, reference.loss)
+    for got, want in zip(grads, reference_grads):
+        assert (got is None) == (want is None)
+        if got is not None:
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
 def test_generate_uses_the_buffered_self_attention_cache():
     from hf_hardattn.modeling_hardattn import BufferedLayer
 
