@@ -255,3 +255,14 @@ def beam_result(model):
     out = model.generate(input_ids=ids, attention_mask=mask, use_cache=True, output_scores=True,
                          return_dict_in_generate=True, **generate_kwargs("beam"))
     return out.sequences, out.sequences_scores
+
+
+def decode_step_by_step(model, decoder_ids, **inputs):
+    """Logits of ``decoder_ids`` decoded one position per call through the KV cache (``inputs``: the source, or
+    ``encoder_outputs``), concatenated over time; and the final cache."""
+    cache, logits = None, []
+    for t in range(decoder_ids.shape[1]):
+        out = model(**inputs, decoder_input_ids=decoder_ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+        cache = out.past_key_values
+        logits.append(out.logits)
+    return torch.cat(logits, 1), cache

@@ -8,8 +8,7 @@ import torch
 
 import hf_hardattn.modeling_hardattn as skeleton
 from common import (beam_result, check_cache_equivalence, check_padded_batch, check_remote_code, check_save_load,
-                    check_trainer,
-                    fitted, randomize, run_generate, source_batch, tiny_kwargs)
+                    check_trainer, decode_step_by_step, fitted, randomize, run_generate, source_batch, tiny_kwargs)
 from hf_hardattn import RecurrentConfig, RecurrentForConditionalGeneration
 from hf_hardattn.recurrent import RECURRENT_VARIANTS, RecurrentCrossAttention
 
@@ -134,13 +133,8 @@ def test_cached_steps_equal_full_forward_logits(variant):
     decoder_ids = torch.tensor([[1, 5, 9, 7, 30, 12], [1, 8, 8, 22, 4, 6]])
     with torch.no_grad():
         full = model(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder_ids, use_cache=False).logits
-        cache, steps = None, []
-        for t in range(decoder_ids.shape[1]):
-            out = model(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder_ids[:, t : t + 1],
-                        past_key_values=cache, use_cache=True)
-            cache = out.past_key_values
-            steps.append(out.logits)
-    assert torch.allclose(full, torch.cat(steps, 1), atol=1e-4), (full - torch.cat(steps, 1)).abs().max()
+        steps, cache = decode_step_by_step(model, decoder_ids, input_ids=ids, attention_mask=mask)
+    assert torch.allclose(full, steps, atol=1e-4), (full - steps).abs().max()
     keys = sorted(cache.states)
     assert {k.split(".")[1] for k in keys} == {"0", "1"}, keys  # one state per layer
     for key in keys:

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from common import check_trainer, collate, copy_task, tiny_kwargs
+from common import check_trainer, collate, copy_task, decode_step_by_step, tiny_kwargs
 from hf_hardattn import (HardAttnCache, HardRetrievalConfig, HardRetrievalForConditionalGeneration,
                          SoftTransformerConfig, SoftTransformerForConditionalGeneration)
 from hf_hardattn.modeling_hardattn import sinusoidal_table
@@ -210,13 +210,8 @@ def test_loss_over_cached_step_by_step_decoding_equals_teacher_forcing():
 
     decoder_ids = model.prepare_decoder_input_ids_from_labels(labels)
     encoder = model.model.encoder(ids, mask)
-    cache, logits = None, []
-    for t in range(decoder_ids.shape[1]):
-        out = model(encoder_outputs=encoder, attention_mask=mask, decoder_input_ids=decoder_ids[:, t : t + 1],
-                    past_key_values=cache, use_cache=True)
-        cache = out.past_key_values
-        logits.append(out.logits)
-    loss = model.compute_loss(torch.cat(logits, 1), labels)
+    logits, _ = decode_step_by_step(model, decoder_ids, encoder_outputs=encoder, attention_mask=mask)
+    loss = model.compute_loss(logits, labels)
     grads = torch.autograd.grad(loss, list(model.parameters()), allow_unused=True)
     torch.testing.assert_close(loss, reference.loss)
     for got, want in zip(grads, reference_grads):
