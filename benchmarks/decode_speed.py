@@ -279,7 +279,7 @@ def main(argv=None):
     os.makedirs(os.path.dirname(args.output), exist_ok=True)
     with open(args.output, "w") as handle:
         json.dump({"machine": machine(), "settings": {**DIMS, "new_tokens": args.new_tokens, "threads": args.threads,
-                                "repeats": args.repeats, "source_length": SOURCE_LENGTH, "torch": torch.__version__},
+                                "repeats": args.repeats, "source_length": SOURCE_LENGTH},
                    "rows": rows, "table": table}, handle, indent=2)
     return rows
 

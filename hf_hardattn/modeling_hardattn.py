@@ -68,20 +68,18 @@ class BufferedLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         steps = key_states.shape[-2]
+        new_k, new_v = key_states.permute(2, 0, 1, 3), value_states.permute(2, 0, 1, 3)
         if torch.is_grad_enabled() and (key_states.requires_grad or value_states.requires_grad
                                         or (self._k is not None and self._k.requires_grad)):
             # autograd through the cache (a loss over step-by-step decoding): an in-place write would change keys
             # that earlier steps saved for backward, so extend out of place, as DynamicLayer does
-            new_k, new_v = key_states.permute(2, 0, 1, 3), value_states.permute(2, 0, 1, 3)
             if self.length:
                 new_k, new_v = torch.cat([self._k[: self.length], new_k]), torch.cat([self._v[: self.length], new_v])
             self._k, self._v, self._spare = new_k, new_v, None
-            self.length += steps
-            self._views()
-            return self.keys, self.values
-        self._reserve(key_states, value_states, self.length + steps)
-        self._k[self.length : self.length + steps] = key_states.permute(2, 0, 1, 3)
-        self._v[self.length : self.length + steps] = value_states.permute(2, 0, 1, 3)
+        else:
+            self._reserve(key_states, value_states, self.length + steps)
+            self._k[self.length : self.length + steps] = new_k
+            self._v[self.length : self.length + steps] = new_v
         self.length += steps
         self._views()
         return self.keys, self.values
@@ -93,18 +91,16 @@ class BufferedLayer(DynamicLayer):
         if not self.get_seq_length():
             return
         beam_idx = beam_idx.to(self.device)
-        if self._k.requires_grad:  # out= does not record autograd
-            self._k = self._k[: self.length].index_select(1, beam_idx)
-            self._v = self._v[: self.length].index_select(1, beam_idx)
-            self._spare = None
-            self._views()
-            return
-        if self._spare is None:
-            self._spare = (torch.empty_like(self._k), torch.empty_like(self._v))
-        spare_k, spare_v = self._spare
-        torch.index_select(self._k[: self.length], 1, beam_idx, out=spare_k[: self.length])
-        torch.index_select(self._v[: self.length], 1, beam_idx, out=spare_v[: self.length])
-        self._spare, self._k, self._v = (self._k, self._v), spare_k, spare_v
+        keys, values = self._k[: self.length], self._v[: self.length]
+        if keys.requires_grad:  # out= does not record autograd
+            self._k, self._v, self._spare = keys.index_select(1, beam_idx), values.index_select(1, beam_idx), None
+        else:
+            if self._spare is None:
+                self._spare = (torch.empty_like(self._k), torch.empty_like(self._v))
+            spare_k, spare_v = self._spare
+            torch.index_select(keys, 1, beam_idx, out=spare_k[: self.length])
+            torch.index_select(values, 1, beam_idx, out=spare_v[: self.length])
+            self._spare, self._k, self._v = (self._k, self._v), spare_k, spare_v
         self._views()
 
     def _rebuild(self, keys, values):
