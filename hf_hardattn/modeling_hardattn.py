@@ -42,12 +42,18 @@ class BufferedLayer(DynamicLayer):
     ``DynamicLayer`` copies the whole cache at every step (``torch.cat``) and again at every beam reorder
     (``index_select``); here a step writes one time slot, and a reorder gathers the filled part into a second
     buffer in one pass (``index_select(out=...)``) and swaps the two. Other batch edits (repeat, select, crop) are
-    rare and rebuild the buffer from the current keys/values."""
+    rare and rebuild the buffer from the current keys/values. While autograd tracks the cache (a loss over
+    step-by-step decoding), steps and reorders go out of place instead, as in ``DynamicLayer``: an in-place write
+    would change keys that earlier steps saved for backward, and ``out=`` records no gradient."""
 
     def lazy_initialization(self, key_states, value_states):
         self.dtype, self.device = key_states.dtype, key_states.device
         self.length, self._k, self._v, self._spare = 0, None, None, None
         self.is_initialized = True
+
+    def _tracked(self, *tensors) -> bool:
+        """Whether autograd tracks the cache's buffers or the given new keys/values (then: no in-place writes)."""
+        return any(t is not None and t.requires_grad for t in (self._k, self._v, *tensors))
 
     def _views(self):
         self.keys = self._k[: self.length].permute(1, 2, 0, 3)
@@ -69,10 +75,7 @@ class BufferedLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         steps = key_states.shape[-2]
         new_k, new_v = key_states.permute(2, 0, 1, 3), value_states.permute(2, 0, 1, 3)
-        if torch.is_grad_enabled() and (key_states.requires_grad or value_states.requires_grad
-                                        or (self._k is not None and self._k.requires_grad)):
-            # autograd through the cache (a loss over step-by-step decoding): an in-place write would change keys
-            # that earlier steps saved for backward, so extend out of place, as DynamicLayer does
+        if self._tracked(key_states, value_states):
             if self.length:
                 new_k, new_v = torch.cat([self._k[: self.length], new_k]), torch.cat([self._v[: self.length], new_v])
             self._k, self._v, self._spare = new_k, new_v, None
@@ -92,7 +95,7 @@ class BufferedLayer(DynamicLayer):
             return
         beam_idx = beam_idx.to(self.device)
         keys, values = self._k[: self.length], self._v[: self.length]
-        if keys.requires_grad:  # out= does not record autograd
+        if self._tracked():
             self._k, self._v, self._spare = keys.index_select(1, beam_idx), values.index_select(1, beam_idx), None
         else:
             if self._spare is None:
