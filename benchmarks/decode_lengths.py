@@ -9,7 +9,7 @@ sentences, 30 new tokens), alternating round by round: the cost of a step alone,
     python benchmarks/decode_lengths.py soft hard_self_cross hc_all hybrid_dot
     python benchmarks/decode_lengths.py soft hard_self_cross --folder outputs/reproduce/multi30k-cpu --threads 2
 
-Writes benchmarks/results/decode_lengths.json.
+Writes benchmarks/results/decode_lengths.json, or ``--output``.
 """
 
 import argparse
@@ -62,6 +62,7 @@ def main(argv=None):
     parser.add_argument("--new-tokens", type=int, default=30)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--output", default=os.path.join(RESULTS, "decode_lengths.json"))
     args = parser.parse_args(argv)
     for name in ("batch_size", "num_beams", "forced_sentences", "new_tokens", "rounds", "threads"):
         if getattr(args, name) < 1:
@@ -86,8 +87,8 @@ def main(argv=None):
         results[m].update(forced_seconds=[round(s, 2) for s in seconds[m]],
                           forced_speed_x_first=round(reference / statistics.median(seconds[m]), 3))
         print(m, results[m], flush=True)
-    os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, "decode_lengths.json"), "w") as handle:
+    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+    with open(args.output, "w") as handle:
         command = "python benchmarks/decode_lengths.py " + " ".join(sys.argv[1:] if argv is None else argv)
         json.dump(dict(machine=machine(), command=command, folder=args.folder, threads=args.threads, results=results),
                   handle, indent=2)
