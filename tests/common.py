@@ -69,9 +69,16 @@ def run_generate(model, mode, use_cache, input_ids=None, attention_mask=None):
                           **generate_kwargs(mode))
 
 
+MIN_DISTINCT_TOKENS = 4
+
+
+def is_nontrivial(tokens):
+    return len(torch.unique(tokens)) >= MIN_DISTINCT_TOKENS
+
+
 def assert_nontrivial(tokens):
-    """Guards the equivalence checks: outputs that repeat one token could hide a bug."""
-    assert len(torch.unique(tokens)) >= 4, f"degenerate output, the check could not fail: {tokens.tolist()}"
+    """Guards the equivalence checks: outputs that repeat one token could hide a bug (`fitted` aims above it)."""
+    assert is_nontrivial(tokens), f"degenerate output, the check could not fail: {tokens.tolist()}"
 
 
 def check_cache_equivalence(model):
@@ -231,21 +238,30 @@ def collate(rows):
     return {"input_ids": ids, "attention_mask": (ids != PAD).long(), "labels": labels}
 
 
-def fitted(model, steps=150, lr=5e-3, seed=0):
+def fitted(model, steps=150, lr=5e-3, seed=0, max_rounds=3):
     """Weights that make the cache/batching checks able to fail. Random tied-embedding models (even N(0, 0.5)) decode
     one repeated token, so any cache bug would go unseen; a model briefly fitted (150 Adam steps, ~2 s) on the
     reversal task emits varied tokens that depend on the source, the prefix and the position. Callers still assert
-    that with `assert_nontrivial`."""
+    that with `assert_nontrivial`.
+
+    The fit is not bit-identical across CPUs and thread counts (GEMM rounding; a hard-attention model's sampled
+    training amplifies it), and on some a 150-step model still repeats one or two tokens. So while greedy or beam
+    decoding of `source_batch()` is not `is_nontrivial`, it trains `steps` more on new rows, up to `max_rounds`
+    rounds in all; where the first round suffices, the weights are exactly those of one round."""
     torch.manual_seed(seed)
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
-    rows = copy_task(steps * 16, seed=seed)
-    model.train()
-    for step in range(steps):
-        loss = model(**collate(rows[step * 16 : (step + 1) * 16])).loss
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    return model.eval()
+    rows = copy_task(steps * 16 * max_rounds, seed=seed)  # prefix-stable: round 0 sees the rows of a 1-round fit
+    for round_ in range(max_rounds):
+        model.train()
+        for step in range(round_ * steps, (round_ + 1) * steps):
+            loss = model(**collate(rows[step * 16 : (step + 1) * 16])).loss
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        model.eval()
+        if all(is_nontrivial(run_generate(model, mode, True)) for mode in ("greedy", "beam")):
+            break
+    return model
 
 
 def beam_result(model):
