@@ -250,8 +250,9 @@ def fitted(model, steps=150, lr=5e-3, seed=0, max_rounds=3):
     rounds in all; where the first round suffices, the weights are exactly those of one round."""
     torch.manual_seed(seed)
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
-    rows = copy_task(steps * 16 * max_rounds, seed=seed)  # prefix-stable: round 0 sees the rows of a 1-round fit
     for round_ in range(max_rounds):
+        # prefix-stable: round 0 sees the rows of a 1-round fit; rows for later rounds are made only when needed
+        rows = copy_task(steps * 16 * (round_ + 1), seed=seed)
         model.train()
         for step in range(round_ * steps, (round_ + 1) * steps):
             loss = model(**collate(rows[step * 16 : (step + 1) * 16])).loss
