@@ -5,6 +5,7 @@ no-cache, padded batch == single, save/load, remote code in a fresh process, Tra
 for all of them.
 """
 
+import itertools
 import json
 import os
 import subprocess
@@ -170,15 +171,18 @@ def check_remote_code(model, tmp_path):
     assert result["beam"] == beam.tolist() == result["packed_beam"]
 
 
-def copy_task(n=256, seed=0, length=(3, 8)):
-    """Toy task: the target is the source reversed. Returns a list of {input_ids, labels} dicts."""
+def copy_rows(seed=0, length=(3, 8)):
+    """Toy task: the target is the source reversed. An endless stream of {input_ids, labels} dicts."""
     generator = torch.Generator().manual_seed(seed)
-    rows = []
-    for _ in range(n):
+    while True:
         size = int(torch.randint(length[0], length[1] + 1, (1,), generator=generator))
         src = torch.randint(4, VOCAB, (size,), generator=generator).tolist()
-        rows.append({"input_ids": src + [EOS], "attention_mask": [1] * (size + 1), "labels": src[::-1] + [EOS]})
-    return rows
+        yield {"input_ids": src + [EOS], "attention_mask": [1] * (size + 1), "labels": src[::-1] + [EOS]}
+
+
+def copy_task(n=256, seed=0, length=(3, 8)):
+    """The first `n` rows of `copy_rows`, as a list."""
+    return list(itertools.islice(copy_rows(seed, length), n))
 
 
 def toy_tokenizer():
@@ -250,12 +254,11 @@ def fitted(model, steps=150, lr=5e-3, seed=0, max_rounds=3):
     rounds in all; where the first round suffices, the weights are exactly those of one round."""
     torch.manual_seed(seed)
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
-    for round_ in range(max_rounds):
-        # prefix-stable: round 0 sees the rows of a 1-round fit; rows for later rounds are made only when needed
-        rows = copy_task(steps * 16 * (round_ + 1), seed=seed)
+    rows = copy_rows(seed)  # one stream: a later round continues where the previous one stopped
+    for _ in range(max_rounds):
         model.train()
-        for step in range(round_ * steps, (round_ + 1) * steps):
-            loss = model(**collate(rows[step * 16 : (step + 1) * 16])).loss
+        for _ in range(steps):
+            loss = model(**collate(list(itertools.islice(rows, 16)))).loss
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
