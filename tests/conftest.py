@@ -1,7 +1,18 @@
-"""Tests run offline: nothing is downloaded from the Hub."""
+"""Tests run offline: nothing is downloaded from the Hub. Every test starts from the same global RNG state."""
 
 import os
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("DISABLE_TQDM", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def seed_rng():
+    """A model built in a test draws its initial weights from the global RNG; seeding it per test makes them (and
+    the weights `fitted` trains from them) independent of which tests ran before, e.g. under `-k` or one file.
+    Module-scoped fixtures are built before this runs and seed themselves."""
+    torch.manual_seed(0)
