@@ -8,8 +8,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from common import (beam_result, check_cache_equivalence, check_padded_batch, check_remote_code, check_save_load,
-                    check_trainer,
-                    fitted, run_generate, source_batch, tiny_kwargs)
+                    check_trainer, fitted, source_batch, tiny_kwargs)
 from hf_hardattn import HardAttnCache, HybridConfig, HybridForConditionalGeneration
 
 KINDS = ("additive", "dot", "multihead")

@@ -1,11 +1,9 @@
 """HF integration of the foundation's two models: soft baseline and hard retrieval."""
 
 import pytest
-import torch
 
 import hf_hardattn
-from common import (check_cache_equivalence, check_padded_batch, check_remote_code, check_save_load,
-                    check_trainer, fitted, tiny_kwargs)
+from common import check_cache_equivalence, check_padded_batch, check_remote_code, check_save_load, fitted, tiny_kwargs
 from hf_hardattn import (HardRetrievalConfig, HardRetrievalForConditionalGeneration, SoftTransformerConfig,
                          SoftTransformerForConditionalGeneration)
 
