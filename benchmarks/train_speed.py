@@ -41,6 +41,35 @@ class VocabOnly:
 TRAINED = [row for row in ROWS if row.build is not None and not row.kd and "multi30k" in row.tasks]
 
 
+def build_models(names):
+    """The rows' models at the cpu preset's size, in training mode, each from seed 0."""
+    ctx = dict(recipe=PRESETS["multi30k"]["cpu"], tokenizer=VocabOnly(), length_ratio=1.0)
+    rows = {row.name: row for row in TRAINED}
+    models = {}
+    for name in names:
+        torch.manual_seed(0)
+        models[name] = rows[name].build(ctx).train()
+    return models
+
+
+def synthetic_batch(batch, length):
+    """``batch`` sentences of ``length`` random source and target tokens (seed 0), no padding."""
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(4, 8000, (batch, length), generator=generator)
+    labels = torch.randint(4, 8000, (batch, length), generator=generator)
+    return dict(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels)
+
+
+def forward_loss(name, model, batch, bf16):
+    """The row's training loss on ``batch`` (label smoothing 0.1), under bf16 autocast if ``bf16``."""
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        if name == "marian":  # its own loss has no label smoothing; the Trainer's LabelSmoother adds it
+            logits = model(**batch).logits
+            return F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(),
+                                   label_smoothing=PRESETS["multi30k"]["cpu"].label_smoothing)
+        return model(**batch).loss
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", nargs="+", default=[row.name for row in TRAINED],
@@ -58,28 +87,13 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     names = list(dict.fromkeys(["soft"] + args.rows))
     recipe = PRESETS["multi30k"]["cpu"]
-    ctx = dict(recipe=recipe, tokenizer=VocabOnly(), length_ratio=1.0)
-    rows = {row.name: row for row in TRAINED}
-    models = {}
-    for name in names:
-        torch.manual_seed(0)
-        models[name] = rows[name].build(ctx).train()
+    models = build_models(names)
     optimizers = {name: torch.optim.Adam(m.parameters(), lr=1e-4) for name, m in models.items()}
-    generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(4, 8000, (args.batch, args.length), generator=generator)
-    labels = torch.randint(4, 8000, (args.batch, args.length), generator=generator)
-    batch = dict(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels)
+    batch = synthetic_batch(args.batch, args.length)
 
     def step(name):
-        model = models[name]
         start = time.perf_counter()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
-            if name == "marian":  # its own loss has no label smoothing; the Trainer's LabelSmoother adds it
-                logits = model(**batch).logits
-                loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(),
-                                       label_smoothing=recipe.label_smoothing)
-            else:
-                loss = model(**batch).loss
+        loss = forward_loss(name, models[name], batch, args.bf16)
         optimizers[name].zero_grad(set_to_none=True)
         loss.backward()
         optimizers[name].step()
