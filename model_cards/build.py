@@ -42,7 +42,13 @@ def reproduction_tables(model_type):
             parts.append(f"{payload['task']}, preset `{payload['preset']}`{run} ({payload['test_examples']} test "
                          f"examples; command per row in `{os.path.relpath(path, os.path.dirname(RESULTS))}`):\n\n"
                          + row_table(payload["task"], payload["preset"], rows))
-    return "\n\n".join(parts)
+    if not parts:
+        return ""
+    return ("A task's score is measured the same way in each of its tables (same test set, same scoring); the "
+            "tables differ in training budget (minutes or steps) and precision. Training minutes and sentences/s "
+            "compare only between rows run on the same machine in one session: the rows of one table may come from "
+            "different sessions and CPUs (each row's JSON stores its command and, since 2026-11-23, its `machine`)."
+            "\n\n" + "\n\n".join(parts))
 
 
 def main():
