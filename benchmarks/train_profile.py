@@ -21,7 +21,7 @@ import sys
 import time
 
 import torch
-from train_speed import TRAINED, build_models, forward_loss, synthetic_batch
+from train_speed import TRAINED, add_step_arguments, build_models, forward_loss, output_path, synthetic_batch
 
 from hf_hardattn.training import machine
 
@@ -65,7 +65,7 @@ def op_profile(name, model, optimizer, batch, bf16, steps):
                 optimizer.zero_grad(set_to_none=True)
         return prof.key_averages()
 
-    # FLOP counting adds its own work to the ops' self times (measured: copy_ 2.7x, sub 9x), so it gets a step of
+    # FLOP counting adds its own work to the ops' self times (measured: copy_ 2.7x), so it gets a step of
     # its own and the times come from a run without it
     flops = sum(e.flops for e in run(1, True) if e.key in MATRIX)
     events = run(steps, False)
@@ -110,19 +110,13 @@ def main(argv=None):
     parser.add_argument("--rows", nargs="+", default=["soft", "marian"], choices=[row.name for row in TRAINED])
     parser.add_argument("--rounds", type=int, default=5, help="timed steps for the phases (after one warm-up)")
     parser.add_argument("--profiled-steps", type=int, default=3)
-    parser.add_argument("--batch", type=int, default=128)
-    parser.add_argument("--length", type=int, default=30)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--bf16", action="store_true", help="bf16 autocast, as the Multi30k cpu recipe trains")
-    parser.add_argument("--output", default=None, help="default benchmarks/results/train_profile[_bf16].json")
+    add_step_arguments(parser, "train_profile")
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     for flag in ("rounds", "profiled_steps", "batch", "length", "threads"):
         if getattr(args, flag) < 1:
             raise ValueError(f"`--{flag.replace('_', '-')}` must be >= 1, got {getattr(args, flag)}.")
-    if args.output is None:
-        args.output = os.path.join(os.path.dirname(__file__), "results",
-                                   "train_profile_bf16.json" if args.bf16 else "train_profile.json")
+    args.output = output_path(args, "train_profile")
     torch.set_num_threads(args.threads)
     batch = synthetic_batch(args.batch, args.length)
     rows = {}
@@ -139,7 +133,8 @@ def main(argv=None):
     for name, row in rows.items():
         ops = row["ops"]
         share = {group: seconds / ops["total_s"] for group, seconds in ops["groups_s"].items()}
-        lines.append(f"| {name} | {row['step_s']:.3f} | " + " | ".join(f"{row['phases_s'][k]:.3f}" for k in row["phases_s"])
+        lines.append(f"| {name} | {row['step_s']:.3f} | "
+                     + " | ".join(f"{row['phases_s'][k]:.3f}" for k in row["phases_s"])
                      + " | " + " | ".join(f"{100 * share[g]:.0f}%" for g in ops["groups_s"])
                      + f" | {ops['matrix_gflops']:.0f} |")
     table = "\n".join(lines)

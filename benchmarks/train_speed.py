@@ -70,20 +70,30 @@ def forward_loss(name, model, batch, bf16):
         return model(**batch).loss
 
 
+def add_step_arguments(parser, script):
+    """The options this script and ``train_profile.py`` share: the batch, threads, precision and output file."""
+    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--length", type=int, default=30)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--bf16", action="store_true", help="bf16 autocast, as the Multi30k cpu recipe trains")
+    parser.add_argument("--output", default=None, help=f"default benchmarks/results/{script}[_bf16].json")
+
+
+def output_path(args, script):
+    """``--output``, or benchmarks/results/{script}[_bf16].json."""
+    if args.output is not None:
+        return args.output
+    return os.path.join(os.path.dirname(__file__), "results", f"{script}_bf16.json" if args.bf16 else f"{script}.json")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", nargs="+", default=[row.name for row in TRAINED],
                         choices=[row.name for row in TRAINED])
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--batch", type=int, default=128)
-    parser.add_argument("--length", type=int, default=30)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--bf16", action="store_true", help="bf16 autocast, as the Multi30k cpu recipe trains")
-    parser.add_argument("--output", default=None, help="default benchmarks/results/train_speed[_bf16].json")
+    add_step_arguments(parser, "train_speed")
     args = parser.parse_args(argv)
-    if args.output is None:
-        args.output = os.path.join(os.path.dirname(__file__), "results",
-                                   "train_speed_bf16.json" if args.bf16 else "train_speed.json")
+    args.output = output_path(args, "train_speed")
     torch.set_num_threads(args.threads)
     names = list(dict.fromkeys(["soft"] + args.rows))
     recipe = PRESETS["multi30k"]["cpu"]
