@@ -21,7 +21,8 @@ import sys
 import time
 
 import torch
-from train_speed import TRAINED, add_step_arguments, build_models, forward_loss, output_path, synthetic_batch
+from train_speed import (TRAINED, add_step_arguments, build_models, check_counts, forward_loss, output_path,
+                         synthetic_batch)
 
 from hf_hardattn.training import machine
 
@@ -113,9 +114,7 @@ def main(argv=None):
     add_step_arguments(parser, "train_profile")
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
-    for flag in ("rounds", "profiled_steps", "batch", "length", "threads"):
-        if getattr(args, flag) < 1:
-            raise ValueError(f"`--{flag.replace('_', '-')}` must be >= 1, got {getattr(args, flag)}.")
+    check_counts(args, "rounds", "profiled_steps")
     args.output = output_path(args, "train_profile")
     torch.set_num_threads(args.threads)
     batch = synthetic_batch(args.batch, args.length)

@@ -79,6 +79,14 @@ def add_step_arguments(parser, script):
     parser.add_argument("--output", default=None, help=f"default benchmarks/results/{script}[_bf16].json")
 
 
+def check_counts(args, *flags):
+    """Refuse a count below 1 with an error that names its flag: the shared batch, length and threads, and
+    ``flags`` (the calling script's own counts)."""
+    for flag in ("batch", "length", "threads") + flags:
+        if getattr(args, flag) < 1:
+            raise ValueError(f"`--{flag.replace('_', '-')}` must be >= 1, got {getattr(args, flag)}.")
+
+
 def output_path(args, script):
     """``--output``, or benchmarks/results/{script}[_bf16].json."""
     if args.output is not None:
@@ -93,6 +101,7 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=5)
     add_step_arguments(parser, "train_speed")
     args = parser.parse_args(argv)
+    check_counts(args, "rounds")
     args.output = output_path(args, "train_speed")
     torch.set_num_threads(args.threads)
     names = list(dict.fromkeys(["soft"] + args.rows))
