@@ -27,7 +27,7 @@ import torch
 
 from hf_hardattn import RecurrentConfig, RecurrentForConditionalGeneration, SoftTransformerConfig
 from hf_hardattn import SoftTransformerForConditionalGeneration
-from hf_hardattn.modeling_hardattn import HardAttnCache
+from hf_hardattn.modeling_hardattn import CACHE_FIELD, HardAttnCache
 from hf_hardattn.recurrent import RECURRENT_VARIANTS
 from hf_hardattn.training import decode_speed, machine
 
@@ -57,8 +57,8 @@ def sequential_loss(model, batch):
     cache, logits = HardAttnCache(), []
     for t in range(decoder_ids.shape[1]):
         out = model(encoder_outputs=encoder, attention_mask=batch["attention_mask"],
-                    decoder_input_ids=decoder_ids[:, t : t + 1], past_key_values=cache, use_cache=True)
-        cache = out.past_key_values
+                    decoder_input_ids=decoder_ids[:, t : t + 1], cache=cache, use_cache=True)
+        cache = getattr(out, CACHE_FIELD)
         logits.append(out.logits)
     return model.compute_loss(torch.cat(logits, 1), labels)
 

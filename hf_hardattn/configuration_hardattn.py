@@ -60,7 +60,7 @@ class HardAttnConfig(PreTrainedConfig):
     """
 
     model_type = "hardattn"
-    keys_to_ignore_at_inference = ["past_key_values"]
+    keys_to_ignore_at_inference = ["past_key_values", "cache"]  # the cache's name before / since transformers 5.24
     attribute_map = {
         "hidden_size": "d_model",
         "num_attention_heads": "decoder_attention_heads",

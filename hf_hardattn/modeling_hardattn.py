@@ -31,6 +31,11 @@ from .configuration_hardattn import ROLES, HardAttnConfig
 from .model_card import write_model_card
 from .packed_linear import DEFAULT_MAX_ROWS, pack_linears, unpack_linears
 
+# transformers 5.24 renamed the decoding cache from `past_key_values` to `cache`: generate() passes `cache=` and model
+# outputs carry `.cache`; earlier 5.x releases use `past_key_values` for both. forward() accepts either name, and
+# outputs use the installed release's field (read a cache from an output as `getattr(output, CACHE_FIELD)`).
+CACHE_FIELD = "cache" if "cache" in Seq2SeqLMOutput.__dataclass_fields__ else "past_key_values"
+
 
 # ----------------------------------------------------------------------------------------------------------------
 # Cache
@@ -184,7 +189,8 @@ class HardAttnCache(EncoderDecoderCache):
             new.seen_tokens = cache.get_seq_length()
             return new
         raise TypeError(
-            f"`past_key_values` must be None or an EncoderDecoderCache (e.g. HardAttnCache), got {type(cache).__name__}."
+            f"`cache` (`past_key_values`) must be None or an EncoderDecoderCache (e.g. HardAttnCache), got "
+            f"{type(cache).__name__}."
         )
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -720,9 +726,13 @@ class HardAttnForConditionalGeneration(HardAttnPreTrainedModel, GenerationMixin)
         use_cache=None,
         return_dict=None,
         num_items_in_batch=None,
+        cache=None,
         **kwargs,
     ):
         _refuse_unsupported_outputs(kwargs)
+        if cache is not None and past_key_values is not None:
+            raise ValueError("Pass the decoding cache as `cache` or as `past_key_values` (its name before "
+                             "transformers 5.24), not both.")
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if labels is not None:
             use_cache = False
@@ -732,7 +742,7 @@ class HardAttnForConditionalGeneration(HardAttnPreTrainedModel, GenerationMixin)
             encoder_outputs = self.model.encoder(input_ids, attention_mask, inputs_embeds)
         elif isinstance(encoder_outputs, (tuple, list)):
             encoder_outputs = BaseModelOutput(last_hidden_state=encoder_outputs[0])
-        cache = HardAttnCache.from_cache(past_key_values) if use_cache else None
+        cache = HardAttnCache.from_cache(past_key_values if cache is None else cache) if use_cache else None
         hidden = self.decode(
             decoder_input_ids, encoder_outputs.last_hidden_state, attention_mask, decoder_attention_mask,
             decoder_inputs_embeds, cache,
@@ -741,8 +751,8 @@ class HardAttnForConditionalGeneration(HardAttnPreTrainedModel, GenerationMixin)
                                     attention_mask=attention_mask)
         loss = self.compute_loss(logits, labels, num_items_in_batch) if labels is not None else None
         output = Seq2SeqLMOutput(
-            loss=loss, logits=logits, past_key_values=cache,
-            encoder_last_hidden_state=encoder_outputs.last_hidden_state,
+            loss=loss, logits=logits, encoder_last_hidden_state=encoder_outputs.last_hidden_state,
+            **{CACHE_FIELD: cache},
         )
         return output if return_dict is not False else output.to_tuple()
 

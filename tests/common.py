@@ -281,9 +281,11 @@ def beam_result(model):
 def decode_step_by_step(model, decoder_ids, **inputs):
     """Logits of ``decoder_ids`` decoded one position per call through the KV cache (``inputs``: the source, or
     ``encoder_outputs``), concatenated over time; and the final cache."""
+    from hf_hardattn.modeling_hardattn import CACHE_FIELD
+
     cache, logits = None, []
     for t in range(decoder_ids.shape[1]):
-        out = model(**inputs, decoder_input_ids=decoder_ids[:, t : t + 1], past_key_values=cache, use_cache=True)
-        cache = out.past_key_values
+        out = model(**inputs, decoder_input_ids=decoder_ids[:, t : t + 1], cache=cache, use_cache=True)
+        cache = getattr(out, CACHE_FIELD)
         logits.append(out.logits)
     return torch.cat(logits, 1), cache

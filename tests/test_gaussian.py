@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from common import (check_cache_equivalence, check_padded_batch, check_remote_code, check_save_load, check_trainer,
-                    collate, copy_task, fitted, tiny_kwargs, toy_tokenizer)
-from hf_hardattn import GaussianConfig, GaussianForConditionalGeneration, HardAttnCache, fit_length_ratio
+                    collate, copy_task, decode_step_by_step, fitted, tiny_kwargs, toy_tokenizer)
+from hf_hardattn import GaussianConfig, GaussianForConditionalGeneration, fit_length_ratio
 from hf_hardattn.gaussian import GaussianAttention
 from hf_hardattn.soft import SoftTransformerConfig, SoftTransformerForConditionalGeneration
 
@@ -157,13 +157,7 @@ def step_by_step(model, ids, mask, target):
     """Decoder states fed one token at a time through the cache, and all at once without it."""
     encoded = model.get_encoder()(ids, mask)
     full = model(encoder_outputs=encoded, attention_mask=mask, decoder_input_ids=target, use_cache=False).logits
-    cache, steps = HardAttnCache(), []
-    for t in range(target.shape[1]):
-        out = model(encoder_outputs=encoded, attention_mask=mask, decoder_input_ids=target[:, t:t + 1],
-                    past_key_values=cache, use_cache=True)
-        cache = out.past_key_values
-        steps.append(out.logits)
-    return full, torch.cat(steps, 1), cache
+    return full, *decode_step_by_step(model, target, encoder_outputs=encoded, attention_mask=mask)
 
 
 @pytest.mark.parametrize("implementation,sigma", [("full", 1.0), ("full", 2.0), ("conv", 1.0), ("index", 1.0)])

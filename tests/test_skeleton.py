@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from common import check_trainer, collate, copy_task, decode_step_by_step, tiny_kwargs
 from hf_hardattn import (HardAttnCache, HardRetrievalConfig, HardRetrievalForConditionalGeneration,
                          SoftTransformerConfig, SoftTransformerForConditionalGeneration)
-from hf_hardattn.modeling_hardattn import sinusoidal_table
+from hf_hardattn.modeling_hardattn import CACHE_FIELD, sinusoidal_table
 
 
 @pytest.mark.parametrize(
@@ -220,6 +220,25 @@ def test_loss_over_cached_step_by_step_decoding_equals_teacher_forcing():
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
 
 
+def test_cache_is_read_under_its_old_name_past_key_values():
+    """transformers < 5.24 passes the cache to forward() as `past_key_values`, 5.24 on as `cache`: both names carry
+    it (each step's logits equal the teacher-forced ones); both at once is an error naming them."""
+    torch.manual_seed(0)
+    model = SoftTransformerForConditionalGeneration(SoftTransformerConfig(**tiny_kwargs())).eval()
+    ids, decoder_ids = torch.tensor([[5, 6, 7, 8, 2]]), torch.tensor([[1, 12, 13, 14]])
+    with torch.no_grad():
+        want = model(input_ids=ids, decoder_input_ids=decoder_ids, use_cache=False).logits
+        encoder, cache, steps = model.model.encoder(ids), None, []
+        for t in range(decoder_ids.shape[1]):
+            out = model(encoder_outputs=encoder, decoder_input_ids=decoder_ids[:, t : t + 1], past_key_values=cache)
+            cache = getattr(out, CACHE_FIELD)
+            steps.append(out.logits)
+    assert cache.get_seq_length() == decoder_ids.shape[1]
+    torch.testing.assert_close(torch.cat(steps, 1), want, atol=1e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="`cache`.*`past_key_values`"):
+        model(encoder_outputs=encoder, decoder_input_ids=decoder_ids[:, :1], cache=cache, past_key_values=cache)
+
+
 def test_generate_uses_the_buffered_self_attention_cache():
     from hf_hardattn.modeling_hardattn import BufferedLayer
 
@@ -227,7 +246,7 @@ def test_generate_uses_the_buffered_self_attention_cache():
     model = SoftTransformerForConditionalGeneration(SoftTransformerConfig(**tiny_kwargs())).eval()
     ids = torch.tensor([[5, 6, 7, 2]])
     out = model.generate(input_ids=ids, max_new_tokens=3, min_new_tokens=3, return_dict_in_generate=True)
-    cache = out.past_key_values
+    cache = getattr(out, CACHE_FIELD)
     assert isinstance(cache, HardAttnCache)
     assert all(isinstance(layer, BufferedLayer) for layer in cache.self_attention_cache.layers)
     assert cache.get_seq_length() == 3
