@@ -278,14 +278,15 @@ def beam_result(model):
     return out.sequences, out.sequences_scores
 
 
-def decode_step_by_step(model, decoder_ids, **inputs):
+def decode_step_by_step(model, decoder_ids, cache_kwarg="cache", **inputs):
     """Logits of ``decoder_ids`` decoded one position per call through the KV cache (``inputs``: the source, or
-    ``encoder_outputs``), concatenated over time; and the final cache."""
+    ``encoder_outputs``), concatenated over time; and the final cache. ``cache_kwarg``: the name forward() gets the
+    cache under (``"past_key_values"`` before transformers 5.24)."""
     from hf_hardattn.modeling_hardattn import CACHE_FIELD
 
     cache, logits = None, []
     for t in range(decoder_ids.shape[1]):
-        out = model(**inputs, decoder_input_ids=decoder_ids[:, t : t + 1], cache=cache, use_cache=True)
+        out = model(**inputs, decoder_input_ids=decoder_ids[:, t : t + 1], use_cache=True, **{cache_kwarg: cache})
         cache = getattr(out, CACHE_FIELD)
         logits.append(out.logits)
     return torch.cat(logits, 1), cache

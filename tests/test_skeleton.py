@@ -228,13 +228,10 @@ def test_cache_is_read_under_its_old_name_past_key_values():
     ids, decoder_ids = torch.tensor([[5, 6, 7, 8, 2]]), torch.tensor([[1, 12, 13, 14]])
     with torch.no_grad():
         want = model(input_ids=ids, decoder_input_ids=decoder_ids, use_cache=False).logits
-        encoder, cache, steps = model.model.encoder(ids), None, []
-        for t in range(decoder_ids.shape[1]):
-            out = model(encoder_outputs=encoder, decoder_input_ids=decoder_ids[:, t : t + 1], past_key_values=cache)
-            cache = getattr(out, CACHE_FIELD)
-            steps.append(out.logits)
+        encoder = model.model.encoder(ids)
+        steps, cache = decode_step_by_step(model, decoder_ids, cache_kwarg="past_key_values", encoder_outputs=encoder)
     assert cache.get_seq_length() == decoder_ids.shape[1]
-    torch.testing.assert_close(torch.cat(steps, 1), want, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(steps, want, atol=1e-5, rtol=1e-4)
     with pytest.raises(ValueError, match="`cache`.*`past_key_values`"):
         model(encoder_outputs=encoder, decoder_input_ids=decoder_ids[:, :1], cache=cache, past_key_values=cache)
 
