@@ -7,6 +7,9 @@ import json
 import os
 
 RESULTS_FILE = "hardattn_results.json"  # optional: a variant's measured results, shown in the card
+# pyproject.toml's lower bound (a test keeps the two equal). Releases before it copy only the direct relative imports
+# of an auto_map file when remote code loads from a local folder; ours reach most files through modeling_hardattn.py.
+MIN_TRANSFORMERS = "5.10.1"
 
 
 def _kinds_table(config) -> str:
@@ -58,7 +61,8 @@ def render_model_card(model, results: dict | None = None) -> str:
         "```",
         "",
         "The modeling code is stored with the weights (`trust_remote_code=True`); with `pip install hf-hardattn` and "
-        "`import hf_hardattn`, `AutoModelForSeq2SeqLM` resolves this model type without remote code. On a CPU, "
+        "`import hf_hardattn`, `AutoModelForSeq2SeqLM` resolves this model type without remote code. Either way "
+        f"it requires `transformers>={MIN_TRANSFORMERS}`. On a CPU, "
         "`model.pack_linears()` decodes small batches faster (oneDNN-prepacked linear weights; parameters unchanged).",
     ]
     if auto_map:

@@ -14,6 +14,8 @@ import textwrap
 
 import torch
 
+from hf_hardattn.model_card import MIN_TRANSFORMERS
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 VOCAB = 40
@@ -108,6 +110,7 @@ def check_save_load(model, tmp_path):
     assert (tmp_path / "model.safetensors").exists()
     card = (tmp_path / "README.md").read_text()
     assert model.config.model_type in card
+    assert f"`transformers>={MIN_TRANSFORMERS}`" in card
     reloaded = AutoModelForSeq2SeqLM.from_pretrained(tmp_path).eval()
     assert type(reloaded) is type(model)
     for mode in ("greedy", "beam"):

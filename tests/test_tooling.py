@@ -22,6 +22,7 @@ from transformers import AutoTokenizer  # noqa: E402
 
 from hf_hardattn import SoftTransformerConfig, SoftTransformerForConditionalGeneration  # noqa: E402
 from hf_hardattn.data import _noun_paradigms, german_nouns, load_parallel, multi30k  # noqa: E402
+from hf_hardattn.model_card import MIN_TRANSFORMERS  # noqa: E402
 from hf_hardattn.tokenization import train_tokenizer  # noqa: E402
 from hf_hardattn.training import (  # noqa: E402
     accuracy, bleu, decode_speed, tokenize_dataset, train_seq2seq, translate)
@@ -38,6 +39,13 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def test_model_cards_name_the_pyproject_transformers_bound():
+    """The cards' required transformers is the one pip enforces and .ci/run tests against."""
+    with open(os.path.join(os.path.dirname(__file__), "..", "pyproject.toml")) as handle:
+        pyproject = handle.read()
+    assert f'"transformers>={MIN_TRANSFORMERS}",' in pyproject
 
 
 def write(path, lines, compress):
