@@ -161,7 +161,9 @@ class HardAttnCache(EncoderDecoderCache):
 
     Beam search only ever reorders beams *within* a sentence, and every beam of a sentence has the same
     cross-attention keys/values, so :meth:`reorder_cache` leaves the cross-attention cache alone (it is the same
-    tensor after reordering). Use :meth:`batch_select_indices` for an arbitrary selection.
+    tensor after reordering). Use :meth:`batch_select_indices` for an arbitrary selection. Under ``generate()`` with
+    beams or several returned sequences the cross-attention cache may hold one row per sentence, not per beam
+    (grouped memory, see :class:`SoftAttention`).
     """
 
     def __init__(self, self_attention_cache=None, cross_attention_cache=None):
@@ -208,6 +210,11 @@ class HardAttnCache(EncoderDecoderCache):
                 states[name] = state.repeat_interleave(repeats, dim=0)
 
     def batch_select_indices(self, indices: torch.Tensor):
+        rows = next((layer.keys.shape[0] for layer in self.self_attention_cache.layers if layer.get_seq_length()), 0)
+        for layer in self.cross_attention_cache.layers:  # a grouped memory's keys/values (one row per sentence, see
+            if layer.is_initialized and rows and layer.keys.shape[0] != rows:  # SoftAttention): one row per decoder
+                groups = rows // layer.keys.shape[0]  # row first, so that `indices` select decoder rows
+                layer.keys, layer.values = (t.repeat_interleave(groups, dim=0) for t in (layer.keys, layer.values))
         super().batch_select_indices(indices)
         for states in (self.states, self.sentence_states):
             for name, state in states.items():
@@ -362,7 +369,14 @@ class SoftAttention(nn.Module):
     * ``cache``: a :class:`HardAttnCache` during cached decoding.
 
     Kinds that keep the projections and change only how the weights are formed override :meth:`attend`.
+
+    As cross-attention it also reads a *grouped* memory: ``memory`` with B rows for ``hidden`` with B x g rows, row r
+    of ``hidden`` attending to row r // g of ``memory`` (g beams or returned sequences per sentence; see
+    :meth:`HardAttnForConditionalGeneration._expand_inputs_for_generation`). Kinds whose ``forward`` or ``attend``
+    treats a query by its position rather than on its own set ``reads_memory_grouped = False``.
     """
+
+    reads_memory_grouped = True
 
     def __init__(self, config: HardAttnConfig, role: str, layer_idx: int):
         super().__init__()
@@ -417,9 +431,19 @@ class SoftAttention(nn.Module):
         batch, _, length, _ = out.shape
         return self.out_proj(out.transpose(1, 2).reshape(batch, length, self.num_heads * self.head_dim))
 
+    def memory_rows(self, memory, cache) -> int:
+        """Rows of the encoder output this cross-attention reads: the cached keys' once computed, else ``memory``'s."""
+        if cache is not None and cache.is_updated.get(self.layer_idx):
+            return cache.cross_attention_cache.layers[self.layer_idx].keys.shape[0]
+        return memory.shape[0]
+
     def forward(self, hidden, memory=None, mask=None, causal=False, cache=None):
-        q, k, v = self.project(hidden, memory, cache)
-        return self.merge(self.attend(q, k, v, mask, causal))
+        batch, length, width = hidden.shape
+        sources = self.memory_rows(memory, cache) if self.is_cross else batch
+        if sources != batch:  # grouped memory (HardAttnDecoder.forward): the `batch // sources` consecutive rows of a
+            hidden = hidden.reshape(sources, -1, width)  # sentence share its keys/values; queries attend independently,
+        q, k, v = self.project(hidden, memory, cache)  # so they go as one sequence of (batch // sources) * length
+        return self.merge(self.attend(q, k, v, mask, causal)).reshape(batch, length, -1)
 
 
 def attention_classes() -> dict:
@@ -553,12 +577,31 @@ class HardAttnDecoder(nn.Module):
             return None, True
         return causal_mask(query_length, key_length, device), False
 
+    def reads_memory_grouped(self) -> bool:
+        """Whether every cross-attention of this decoder reads a grouped memory (see :class:`SoftAttention`)."""
+        return all(layer.cross_attn is None or getattr(layer.cross_attn.module, "reads_memory_grouped", False)
+                   for layer in self.layers)
+
+    def check_memory_rows(self, rows, encoder_hidden_states, encoder_attention_mask):
+        """The encoder output has one row per decoder row, or one per group of ``rows // sources`` consecutive decoder
+        rows (grouped memory); its mask has the encoder output's rows. Returns the mask."""
+        sources = encoder_hidden_states.shape[0]
+        if sources != rows and (rows % sources or not self.reads_memory_grouped()):
+            allowed = f"{rows} or a divisor of it" if self.reads_memory_grouped() else f"{rows} (this model's " \
+                      f"cross-attention kinds need one encoder row per decoder row)"
+            raise ValueError(f"`encoder_hidden_states` (`encoder_outputs`) has {sources} rows for {rows} decoder rows;"
+                             f" allowed: {allowed}.")
+        if encoder_attention_mask is not None and encoder_attention_mask.shape[0] != sources:
+            raise ValueError(f"`attention_mask` has {encoder_attention_mask.shape[0]} rows for an encoder output of "
+                             f"{sources} rows; allowed: {sources}.")
+        return encoder_attention_mask
+
     def forward(self, input_ids, encoder_hidden_states, encoder_attention_mask=None, attention_mask=None,
                 inputs_embeds=None, cache=None):
         past_length = cache.get_seq_length() if cache is not None else 0
         x = self.embed(input_ids, inputs_embeds, past_length)
         self_mask, causal = self.self_attention_mask(attention_mask, x.shape[1], past_length, x.device)
-        cross_mask = padding_mask(encoder_attention_mask)
+        cross_mask = padding_mask(self.check_memory_rows(x.shape[0], encoder_hidden_states, encoder_attention_mask))
         for layer in self.layers:
             x = layer(x, encoder_hidden_states, self_mask, causal, cross_mask, cache)
         if cache is not None:
@@ -755,6 +798,29 @@ class HardAttnForConditionalGeneration(HardAttnPreTrainedModel, GenerationMixin)
             **{CACHE_FIELD: cache},
         )
         return output if return_dict is not False else output.to_tuple()
+
+    def _expand_inputs_for_generation(self, expand_size=1, is_encoder_decoder=False, input_ids=None, **model_kwargs):
+        """``generate()`` repeats every sentence ``expand_size`` times (beams, ``num_return_sequences``). When the
+        decoder reads a grouped memory (skeleton decoder and output layer, cross-attention kinds that allow it), the
+        encoder output and its mask stay at one row per sentence: cross-attention keys/values are then projected,
+        cached and read once per sentence instead of once per beam. Outputs are unchanged (tested against the
+        expanded path)."""
+        grouped = (expand_size > 1 and is_encoder_decoder and model_kwargs.get("encoder_outputs") is not None
+                   and self._memory_grouped_decoding())
+        kept = {key: model_kwargs.pop(key) for key in ("encoder_outputs", "attention_mask")
+                if grouped and key in model_kwargs}
+        input_ids, model_kwargs = super()._expand_inputs_for_generation(
+            expand_size=expand_size, is_encoder_decoder=is_encoder_decoder and not grouped, input_ids=input_ids,
+            **model_kwargs)
+        model_kwargs.update(kept)
+        return input_ids, model_kwargs
+
+    def _memory_grouped_decoding(self) -> bool:
+        """Whether generate() may hand the decoder a grouped memory: the skeleton's decode and output layer, and every
+        cross-attention kind reads it (variants that override ``decode``/``output_logits`` keep the expanded one)."""
+        base = HardAttnForConditionalGeneration
+        return (type(self).decode is base.decode and type(self).output_logits is base.output_logits
+                and isinstance(self.model.decoder, HardAttnDecoder) and self.model.decoder.reads_memory_grouped())
 
     def with_attention(self, **kinds):
         """A copy of this model whose attention kinds are replaced, sharing no tensors with it, e.g.

@@ -74,6 +74,8 @@ class RecurrentCrossAttention(SoftAttention):
     Eq. 7 (``g_key`` only for Eq. 8). Eq. 5, 9 and 10 add none.
     """
 
+    reads_memory_grouped = False  # each beam carries its own previous step (cache.states), one memory row per beam
+
     def __init__(self, config: HardAttnConfig, role: str, layer_idx: int):
         if role != "cross":
             raise ValueError(f"The `recurrent` attention kind is for role 'cross' only; allowed roles: ['cross'], got {role!r}.")

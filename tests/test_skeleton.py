@@ -1,11 +1,19 @@
 """The shared skeleton: validation, masks, positions, loss under gradient accumulation, Trainer."""
 
+import copy
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
+from transformers.modeling_outputs import BaseModelOutput
 
-from common import check_trainer, collate, copy_task, decode_step_by_step, tiny_kwargs
-from hf_hardattn import (HardAttnCache, HardRetrievalConfig, HardRetrievalForConditionalGeneration,
+from common import (assert_nontrivial, check_trainer, collate, copy_task, decode_step_by_step, fitted, randomize,
+                    source_batch, tiny_kwargs)
+from hf_hardattn import (BeamJointTransformerConfig, BeamJointTransformerForConditionalGeneration, GaussianConfig,
+                         GaussianForConditionalGeneration, HardAttnCache, HardRetrievalConfig,
+                         HardRetrievalForConditionalGeneration, HybridConfig, HybridForConditionalGeneration,
+                         RecurrentConfig, RecurrentForConditionalGeneration,
                          SoftTransformerConfig, SoftTransformerForConditionalGeneration)
 from hf_hardattn.modeling_hardattn import CACHE_FIELD, sinusoidal_table
 
@@ -307,3 +315,94 @@ def test_attention_runs_in_fp32_under_cpu_autocast():
     expected = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out, expected.bfloat16(), rtol=0, atol=0)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# grouped memory: beams (and returned sequences) of a sentence read one encoder row
+# ----------------------------------------------------------------------------------------------------------------
+GROUPED = {
+    "soft": lambda: SoftTransformerForConditionalGeneration(SoftTransformerConfig(**tiny_kwargs())),
+    "hard_retrieval": lambda: HardRetrievalForConditionalGeneration(HardRetrievalConfig(**tiny_kwargs())),
+    "hc_sa": lambda: GaussianForConditionalGeneration(GaussianConfig.preset("hc-sa", **tiny_kwargs())),
+    "sh_x": lambda: GaussianForConditionalGeneration(GaussianConfig.preset("sh-x", **tiny_kwargs())),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def fitted_grouped(name):
+    return fitted(GROUPED[name]())
+
+
+GROUPED_MODES = {
+    "beam": dict(num_beams=4, num_return_sequences=2),
+    "sample": dict(do_sample=True, top_k=0, num_return_sequences=3),
+    "beam_sample": dict(do_sample=True, num_beams=3, num_return_sequences=3),
+}
+
+
+@pytest.mark.parametrize("mode", sorted(GROUPED_MODES))
+@pytest.mark.parametrize("name", sorted(GROUPED))
+def test_generate_with_grouped_memory_equals_the_expanded_memory(name, mode):
+    """generate() leaves the encoder output at one row per sentence (cross keys/values projected and cached once per
+    sentence); the reference is the same model with transformers' expansion to one row per beam."""
+    model = fitted_grouped(name)
+    assert model._memory_grouped_decoding()
+    expanded = copy.deepcopy(model)
+    expanded._memory_grouped_decoding = lambda: False
+    ids, mask = source_batch()
+    results = {}
+    for key, m in (("grouped", model), ("expanded", expanded)):
+        torch.manual_seed(1234)
+        results[key] = m.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, min_new_tokens=10,
+                                  return_dict_in_generate=True, output_scores=True, **GROUPED_MODES[mode])
+    grouped, reference = results["grouped"], results["expanded"]
+    assert_nontrivial(grouped.sequences)
+    assert torch.equal(grouped.sequences, reference.sequences)
+    for a, b in zip(grouped.scores, reference.scores):
+        assert torch.allclose(a, b, atol=1e-4)
+    expand = max(GROUPED_MODES[mode].get("num_beams", 1), GROUPED_MODES[mode]["num_return_sequences"])
+    rows = {key: {layer.keys.shape[0] for layer in getattr(out, CACHE_FIELD).cross_attention_cache.layers
+                  if layer.is_initialized} for key, out in results.items()}
+    assert rows == {"grouped": {ids.shape[0]}, "expanded": {ids.shape[0] * expand}}
+
+
+def test_forward_with_grouped_memory_equals_repeated_memory():
+    torch.manual_seed(0)
+    model = randomize(SoftTransformerForConditionalGeneration(SoftTransformerConfig(**tiny_kwargs())))
+    ids, mask = source_batch()
+    encoder = model.get_encoder()(input_ids=ids, attention_mask=mask)
+    decoder_ids = torch.randint(3, 40, (6, 5), generator=torch.Generator().manual_seed(0))
+    repeated = BaseModelOutput(last_hidden_state=encoder.last_hidden_state.repeat_interleave(3, dim=0))
+    reference = model(encoder_outputs=repeated, attention_mask=mask.repeat_interleave(3, dim=0),
+                      decoder_input_ids=decoder_ids, use_cache=False).logits
+    grouped = model(encoder_outputs=encoder, attention_mask=mask, decoder_input_ids=decoder_ids, use_cache=False)
+    assert torch.allclose(grouped.logits, reference, atol=1e-5)
+    steps, _ = decode_step_by_step(model, decoder_ids, encoder_outputs=encoder, attention_mask=mask)
+    assert torch.allclose(steps, reference, atol=1e-4)
+    with pytest.raises(ValueError, match=r"`encoder_hidden_states` \(`encoder_outputs`\) has 2 rows for 5 decoder "
+                                         r"rows; allowed: 5 or a divisor of it"):
+        model(encoder_outputs=encoder, attention_mask=mask, decoder_input_ids=decoder_ids[:5])
+    with pytest.raises(ValueError, match=r"`attention_mask` has 6 rows for an encoder output of 2 rows; allowed: 2"):
+        model(encoder_outputs=encoder, attention_mask=mask.repeat_interleave(3, dim=0), decoder_input_ids=decoder_ids)
+
+
+def test_kinds_that_need_a_memory_row_per_beam_keep_the_expanded_memory():
+    recurrent = RecurrentForConditionalGeneration(RecurrentConfig(**tiny_kwargs()))
+    hc_all = GaussianForConditionalGeneration(GaussianConfig.preset("hc-all", **tiny_kwargs()))
+    for model in (recurrent, hc_all, HybridForConditionalGeneration(HybridConfig(**tiny_kwargs())),
+                  BeamJointTransformerForConditionalGeneration(BeamJointTransformerConfig(**tiny_kwargs()))):
+        assert not model._memory_grouped_decoding(), type(model).__name__
+    ids, mask = source_batch()
+    encoder = recurrent.get_encoder()(input_ids=ids, attention_mask=mask)
+    with pytest.raises(ValueError, match=r"has 2 rows for 4 decoder rows; allowed: 4 \(this model's cross-attention"):
+        recurrent(encoder_outputs=encoder, attention_mask=mask, decoder_input_ids=torch.ones(4, 3, dtype=torch.long))
+
+
+def test_select_on_a_grouped_cache_selects_decoder_rows():
+    cache = HardAttnCache()
+    rows = torch.arange(6.0).view(6, 1, 1, 1)
+    cache.self_attention_cache.update(rows, rows, 0)
+    cache.cross_attention_cache.update(torch.arange(2.0).view(2, 1, 1, 1), torch.arange(2.0).view(2, 1, 1, 1), 0)
+    cache.batch_select_indices(torch.tensor([4, 0, 2]))
+    assert cache.self_attention_cache.layers[0].keys.flatten().tolist() == [4, 0, 2]
+    assert cache.cross_attention_cache.layers[0].keys.flatten().tolist() == [1, 0, 0]
