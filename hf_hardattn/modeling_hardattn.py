@@ -183,6 +183,11 @@ class HardAttnCache(EncoderDecoderCache):
         if isinstance(cache, cls):
             return cache
         if isinstance(cache, EncoderDecoderCache):
+            for part in (cache.self_attention_cache, cache.cross_attention_cache):
+                if not isinstance(part, DynamicCache):  # a StaticCache has fixed-length slots that need a mask
+                    raise ValueError(
+                        f"hf_hardattn models decode with growing (DynamicCache) caches; got a {type(part).__name__} "
+                        f"(generate's `cache_implementation`); allowed `cache_implementation`: None or 'dynamic'.")
             self_cache = cache.self_attention_cache
             if type(self_cache) is DynamicCache and self_cache.get_seq_length() == 0:  # generate()'s fresh cache
                 self_cache = BufferedCache()

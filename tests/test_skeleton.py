@@ -126,6 +126,13 @@ def test_cache_reorders_state_and_self_attention_only():
         cache.crop(-1)
 
 
+def test_refuses_a_static_cache_naming_cache_implementation():
+    model = SoftTransformerForConditionalGeneration(SoftTransformerConfig(**tiny_kwargs())).eval()
+    ids, mask = source_batch()
+    with pytest.raises(ValueError, match=r"got a StaticCache.*allowed `cache_implementation`: None or 'dynamic'"):
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, cache_implementation="static")
+
+
 def test_refuses_output_attentions():
     model = SoftTransformerForConditionalGeneration(SoftTransformerConfig(**tiny_kwargs()))
     with pytest.raises(ValueError, match="output_attentions"):
