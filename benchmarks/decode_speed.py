@@ -16,9 +16,9 @@ median per model is reported, so load from other processes hits all of them alik
 * ``soft_bf16`` / ``marian_bf16``: the same two models with bfloat16 weights (this CPU has AMX-BF16).
 * ``*_packed``: the same model after ``pack_linears()`` (``hf_hardattn/packed_linear.py``): linear layers multiply
   inputs of up to 128 rows with oneDNN-prepacked weights; MarianMTModel is packed too, for the fair comparison.
-* ``soft_expanded`` / ``soft_packed_expanded``: the same models with the encoder output expanded to one row per beam
-  (what transformers does; our models keep one row per sentence, so cross-attention keys/values are projected,
-  cached and read once per sentence). Only beam 4 differs.
+* ``soft_expanded`` / ``soft_packed_expanded`` / ``hybrid_dot_expanded``: the same models with the encoder output
+  expanded to one row per beam (what transformers does; our models keep one row per sentence, so cross-attention
+  keys/values are projected, cached and read once per sentence). Only beam 4 differs.
 * ``ct2_float32`` / ``ct2_int8``: the same MarianMTModel converted with ``ctranslate2`` (what a user would pick for
   fast CPU decoding), ``intra_threads`` = --threads; the reference, not a model of this package. Measured in a
   second process after the torch models (its OpenMP threads keep spinning after each call and would slow down the
@@ -122,7 +122,7 @@ BUILDERS["soft_bf16"] = lambda: BUILDERS["soft"]().to(torch.bfloat16)
 BUILDERS["marian_bf16"] = lambda: build_marian().to(torch.bfloat16)
 for _name in ("soft", "marian", "hard_retrieval", "attention_removed", "sh_x", "hybrid_dot"):  # oneDNN-prepacked
     BUILDERS[f"{_name}_packed"] = lambda _name=_name: pack_linears(BUILDERS[_name]())  # linears (packed_linear.py)
-for _name in ("soft", "soft_packed"):  # the encoder output expanded to one row per beam, as transformers does it
+for _name in ("soft", "soft_packed", "hybrid_dot"):  # encoder output expanded to one row per beam, as in transformers
     BUILDERS[f"{_name}_expanded"] = lambda _name=_name: expanded_memory(BUILDERS[_name]())
 CT2 = ("ct2_float32", "ct2_int8")
 RATIOS = [  # label, numerator, denominator
@@ -139,6 +139,7 @@ RATIOS = [  # label, numerator, denominator
     ("ct2_int8 / soft", "ct2_int8", "soft"),
     ("soft / soft_expanded", "soft", "soft_expanded"),
     ("soft_packed / soft_packed_expanded", "soft_packed", "soft_packed_expanded"),
+    ("hybrid_dot / hybrid_dot_expanded", "hybrid_dot", "hybrid_dot_expanded"),
     ("soft_packed / soft", "soft_packed", "soft"),
     ("soft_packed / marian", "soft_packed", "marian"),
     ("soft_packed / marian_packed", "soft_packed", "marian_packed"),

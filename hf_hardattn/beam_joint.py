@@ -37,7 +37,8 @@ import torch.nn.functional as F
 
 from .configuration_hardattn import HardAttnConfig
 from .hybrid import HybridConfig, HybridForConditionalGeneration
-from .modeling_hardattn import HardAttnForConditionalGeneration, causal_mask, padding_mask, token_mean
+from .modeling_hardattn import (HardAttnForConditionalGeneration, causal_mask, check_memory_rows, padding_mask,
+                                token_mean)
 
 # Masked attention scores: a large finite negative instead of -inf, so that log-probabilities and their gradients
 # stay finite at padded positions (their probability is exactly 0 after exp).
@@ -316,6 +317,12 @@ class JointOutputMixin:
             k = self.config.joint_inference_k
         return k
 
+    @staticmethod
+    def check_memory(decoder_input_ids, decoder_inputs_embeds, encoder_hidden_states, attention_mask):
+        """One encoder row per decoder row: the joint mixes each row's own source states (no grouped memory)."""
+        rows = (decoder_input_ids if decoder_input_ids is not None else decoder_inputs_embeds).shape[0]
+        check_memory_rows(rows, encoder_hidden_states, attention_mask, grouped=False)
+
     def check_source_length(self, source_length: int):
         limit = self.config.full_joint_max_source_length
         if self.config.full_joint and source_length > limit:
@@ -475,6 +482,7 @@ class BeamJointTransformerForConditionalGeneration(JointOutputMixin, HardAttnFor
         memory = encoder_hidden_states
         batch, source_length = memory.shape[:2]
         self.check_source_length(source_length)
+        self.check_memory(decoder_input_ids, decoder_inputs_embeds, memory, attention_mask)
         past = cache.get_seq_length() if cache is not None else 0
         x = decoder.embed(decoder_input_ids, decoder_inputs_embeds, past)
         length = x.shape[1]
@@ -616,6 +624,7 @@ class BeamJointRNNForConditionalGeneration(JointOutputMixin, HybridForConditiona
     def decode(self, decoder_input_ids, encoder_hidden_states, attention_mask, decoder_attention_mask,
                decoder_inputs_embeds, cache):
         self.check_source_length(encoder_hidden_states.shape[1])
+        self.check_memory(decoder_input_ids, decoder_inputs_embeds, encoder_hidden_states, attention_mask)
         k_active = self.active_k()
         out = self.decoder_outputs(decoder_input_ids, encoder_hidden_states, attention_mask, decoder_inputs_embeds,
                                    cache)

@@ -60,7 +60,7 @@ from transformers import initialization as init
 from transformers.utils import ModelOutput
 
 from .configuration_hardattn import HardAttnConfig
-from .modeling_hardattn import (HardAttnCache, HardAttnForConditionalGeneration, HardAttnModel,
+from .modeling_hardattn import (HardAttnCache, HardAttnForConditionalGeneration, HardAttnModel, check_memory_rows,
                                 HardAttnPreTrainedModel)
 
 RNN_ATTENTIONS = ("additive", "dot", "multihead")
@@ -139,10 +139,12 @@ class AdditiveAttention(nn.Module):
         return self.key_proj(memory).unsqueeze(1), memory.unsqueeze(1)
 
     def attend(self, query, keys, values, mask):
-        """query [B, A] (= W_a s + b) -> context [B, d], probabilities [B, S]."""
-        hidden = torch.tanh(keys[:, 0] + query.unsqueeze(1))  # [B, S, A]
-        probs = _masked_softmax(torch.matmul(hidden, self.score.weight[0]), mask)  # [B, S]
-        return torch.bmm(probs.unsqueeze(1), values[:, 0]).squeeze(1), probs
+        """query [N, A] (= W_a s + b) -> context [N, d], probabilities [N, S]; N = B x g rows read B source rows
+        (grouped memory: g consecutive rows per sentence, see :meth:`HybridDecoder.forward`)."""
+        batch, rows = keys.shape[0], query.shape[0]
+        hidden = torch.tanh(keys[:, 0, None] + query.view(batch, -1, 1, query.shape[-1]))  # [B, g, S, A]
+        probs = _masked_softmax(torch.matmul(hidden, self.score.weight[0]), mask)  # [B, g, S]
+        return torch.matmul(probs, values[:, 0]).view(rows, -1), probs.view(rows, -1)
 
     def hard_contexts(self, memory):
         return memory
@@ -162,9 +164,11 @@ class DotAttention(nn.Module):
         return (self.key_proj(memory) * self.scale).unsqueeze(1), memory.unsqueeze(1)  # scale folded into keys
 
     def attend(self, query, keys, values, mask):
-        """query [B, H] (= s) -> context [B, d], probabilities [B, S]."""
-        probs = _masked_softmax(torch.bmm(keys[:, 0], query.unsqueeze(-1)).squeeze(-1), mask)
-        return torch.bmm(probs.unsqueeze(1), values[:, 0]).squeeze(1), probs
+        """query [N, H] (= s) -> context [N, d], probabilities [N, S] (N = B x g, as in AdditiveAttention)."""
+        batch, rows = keys.shape[0], query.shape[0]
+        scores = torch.matmul(query.view(batch, -1, query.shape[-1]), keys[:, 0].transpose(1, 2))  # [B, g, S]
+        probs = _masked_softmax(scores, mask)
+        return torch.matmul(probs, values[:, 0]).view(rows, -1), probs.view(rows, -1)
 
     def hard_contexts(self, memory):
         return memory
@@ -190,11 +194,13 @@ class MultiHeadAttention(nn.Module):
         return k * self.head_dim**-0.5, v
 
     def attend(self, query, keys, values, mask):
-        """query [B, d] (= W_q s + b_q) -> context [B, d], head-averaged probabilities [B, S]."""
-        q = query.view(query.shape[0], self.num_heads, 1, self.head_dim)
-        probs = _masked_softmax(torch.matmul(q, keys.transpose(-1, -2)), mask)  # [B, heads, 1, S]
-        out = torch.matmul(probs, values).reshape(query.shape[0], -1)  # heads concatenated
-        return self.out_proj(out), probs.mean(1).squeeze(1)
+        """query [N, d] (= W_q s + b_q) -> context [N, d], head-averaged probabilities [N, S] (N = B x g, as in
+        AdditiveAttention)."""
+        batch, rows = keys.shape[0], query.shape[0]
+        q = query.view(batch, -1, self.num_heads, self.head_dim).transpose(1, 2)  # [B, heads, g, head_dim]
+        probs = _masked_softmax(torch.matmul(q, keys.transpose(-1, -2)), mask)  # [B, heads, g, S]
+        out = torch.matmul(probs, values).transpose(1, 2).reshape(rows, -1)  # heads concatenated
+        return self.out_proj(out), probs.mean(1).view(rows, -1)
 
     def hard_contexts(self, memory):
         _, values = self.kv_proj(memory).chunk(2, dim=-1)  # all heads on position j: concatenated value rows
@@ -321,6 +327,9 @@ class HybridDecoder(nn.Module):
                 cache: HardAttnCache | None = None) -> HybridDecoderOutput:
         """Run the T given target positions (teacher forcing; or the new token(s) of cached decoding, continuing from
         ``cache.states``)."""
+        word_inputs = self.word_inputs(input_ids, inputs_embeds)
+        rows = word_inputs.shape[0]  # grouped memory: rows // sources consecutive rows per encoder row (beams)
+        check_memory_rows(rows, encoder_hidden_states, encoder_attention_mask, grouped=True)
         mask = None
         if encoder_attention_mask is not None and not bool(encoder_attention_mask.all()):
             mask = encoder_attention_mask.bool()
@@ -328,8 +337,9 @@ class HybridDecoder(nn.Module):
         if cache is not None and "gru.0" in cache.states:
             states = [cache.states[f"gru.{l}"] for l in range(self.num_layers)]
         else:
-            states = self.initial_states(encoder_hidden_states, encoder_attention_mask)
-        word_inputs = self.word_inputs(input_ids, inputs_embeds)
+            groups = rows // encoder_hidden_states.shape[0]
+            states = [s.repeat_interleave(groups, dim=0) if groups > 1 else s
+                      for s in self.initial_states(encoder_hidden_states, encoder_attention_mask)]
         tops, contexts, attentions = [], [], []
         for t in range(word_inputs.shape[1]):
             states, context, probs = self.step(word_inputs[:, t], states, keys, values, mask)
@@ -393,6 +403,12 @@ class HybridForConditionalGeneration(HybridPreTrainedModel, HardAttnForCondition
         """The full :class:`HybridDecoderOutput` (readout, states, contexts, attentions)."""
         return self.model.decoder(decoder_input_ids, encoder_hidden_states, attention_mask, decoder_inputs_embeds,
                                   cache)
+
+    def _memory_grouped_decoding(self) -> bool:
+        """The GRU decoder reads a grouped memory (:meth:`HybridDecoder.forward`); subclasses with their own decode or
+        output layer (beam-joint) keep the expanded one."""
+        return (type(self).decode is HybridForConditionalGeneration.decode
+                and type(self).output_logits is HardAttnForConditionalGeneration.output_logits)
 
     def decode(self, decoder_input_ids, encoder_hidden_states, attention_mask, decoder_attention_mask,
                decoder_inputs_embeds, cache):

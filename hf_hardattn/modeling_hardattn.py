@@ -215,7 +215,8 @@ class HardAttnCache(EncoderDecoderCache):
                 states[name] = state.repeat_interleave(repeats, dim=0)
 
     def batch_select_indices(self, indices: torch.Tensor):
-        rows = next((layer.keys.shape[0] for layer in self.self_attention_cache.layers if layer.get_seq_length()), 0)
+        rows = next((layer.keys.shape[0] for layer in self.self_attention_cache.layers if layer.get_seq_length()),
+                    next((state.shape[0] for state in self.states.values()), 0))  # decoder rows
         for layer in self.cross_attention_cache.layers:  # a grouped memory's keys/values (one row per sentence, see
             if layer.is_initialized and rows and layer.keys.shape[0] != rows:  # SoftAttention): one row per decoder
                 groups = rows // layer.keys.shape[0]  # row first, so that `indices` select decoder rows
@@ -524,6 +525,20 @@ def padding_mask(attention_mask):
     return attention_mask[:, None, None, :].bool()
 
 
+def check_memory_rows(rows, encoder_hidden_states, encoder_attention_mask, grouped: bool):
+    """The encoder output has one row per decoder row (of ``rows``) or, where the decoder reads a ``grouped`` memory,
+    one per group of ``rows // sources`` consecutive decoder rows; its mask has the encoder output's rows."""
+    sources = encoder_hidden_states.shape[0]
+    if sources != rows and (rows % sources or not grouped):
+        allowed = f"{rows} or a divisor of it" if grouped else \
+            f"{rows} (this model reads one encoder row per decoder row)"
+        raise ValueError(f"`encoder_hidden_states` (`encoder_outputs`) has {sources} rows for {rows} decoder rows; "
+                         f"allowed: {allowed}.")
+    if encoder_attention_mask is not None and encoder_attention_mask.shape[0] != sources:
+        raise ValueError(f"`attention_mask` has {encoder_attention_mask.shape[0]} rows for an encoder output of "
+                         f"{sources} rows; allowed: {sources}.")
+
+
 class HardAttnEncoder(nn.Module):
     def __init__(self, config: HardAttnConfig, embed_tokens: nn.Embedding):
         super().__init__()
@@ -587,26 +602,13 @@ class HardAttnDecoder(nn.Module):
         return all(layer.cross_attn is None or getattr(layer.cross_attn.module, "reads_memory_grouped", False)
                    for layer in self.layers)
 
-    def check_memory_rows(self, rows, encoder_hidden_states, encoder_attention_mask):
-        """The encoder output has one row per decoder row, or one per group of ``rows // sources`` consecutive decoder
-        rows (grouped memory); its mask has the encoder output's rows. Returns the mask."""
-        sources = encoder_hidden_states.shape[0]
-        if sources != rows and (rows % sources or not self.reads_memory_grouped()):
-            allowed = f"{rows} or a divisor of it" if self.reads_memory_grouped() else f"{rows} (this model's " \
-                      f"cross-attention kinds need one encoder row per decoder row)"
-            raise ValueError(f"`encoder_hidden_states` (`encoder_outputs`) has {sources} rows for {rows} decoder rows;"
-                             f" allowed: {allowed}.")
-        if encoder_attention_mask is not None and encoder_attention_mask.shape[0] != sources:
-            raise ValueError(f"`attention_mask` has {encoder_attention_mask.shape[0]} rows for an encoder output of "
-                             f"{sources} rows; allowed: {sources}.")
-        return encoder_attention_mask
-
     def forward(self, input_ids, encoder_hidden_states, encoder_attention_mask=None, attention_mask=None,
                 inputs_embeds=None, cache=None):
         past_length = cache.get_seq_length() if cache is not None else 0
         x = self.embed(input_ids, inputs_embeds, past_length)
         self_mask, causal = self.self_attention_mask(attention_mask, x.shape[1], past_length, x.device)
-        cross_mask = padding_mask(self.check_memory_rows(x.shape[0], encoder_hidden_states, encoder_attention_mask))
+        check_memory_rows(x.shape[0], encoder_hidden_states, encoder_attention_mask, self.reads_memory_grouped())
+        cross_mask = padding_mask(encoder_attention_mask)
         for layer in self.layers:
             x = layer(x, encoder_hidden_states, self_mask, causal, cross_mask, cache)
         if cache is not None:

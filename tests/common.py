@@ -5,6 +5,7 @@ no-cache, padded batch == single, save/load, remote code in a fresh process, Tra
 for all of them.
 """
 
+import copy
 import itertools
 import json
 import os
@@ -89,6 +90,40 @@ def check_cache_equivalence(model):
         cached, uncached = run_generate(model, mode, True), run_generate(model, mode, False)
         assert_nontrivial(cached)
         assert torch.equal(cached, uncached), f"{mode}: cache {cached.tolist()} != no cache {uncached.tolist()}"
+
+
+GROUPED_MODES = {  # generate() settings that repeat each sentence: beams, returned sequences, both
+    "beam": dict(num_beams=4, num_return_sequences=2),
+    "sample": dict(do_sample=True, top_k=0, num_return_sequences=3),
+    "beam_sample": dict(do_sample=True, num_beams=3, num_return_sequences=3),
+}
+
+
+def check_grouped_memory(model, mode):
+    """generate() leaves the encoder output at one row per sentence (grouped memory: source keys/values projected and
+    cached once per sentence); the reference is the same model on transformers' expansion to one row per beam.
+    Tokens equal, step scores within 1e-4, and the cached source keys have one row per sentence (per beam on the
+    reference path)."""
+    from hf_hardattn.modeling_hardattn import CACHE_FIELD
+
+    assert model._memory_grouped_decoding()
+    expanded = copy.deepcopy(model)
+    expanded._memory_grouped_decoding = lambda: False
+    ids, mask = source_batch()
+    results = {}
+    for key, m in (("grouped", model), ("expanded", expanded)):
+        torch.manual_seed(1234)
+        results[key] = m.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, min_new_tokens=10,
+                                  return_dict_in_generate=True, output_scores=True, **GROUPED_MODES[mode])
+    grouped, reference = results["grouped"], results["expanded"]
+    assert_nontrivial(grouped.sequences)
+    assert torch.equal(grouped.sequences, reference.sequences)
+    for a, b in zip(grouped.scores, reference.scores):
+        assert torch.allclose(a, b, atol=1e-4)
+    expand = max(GROUPED_MODES[mode].get("num_beams", 1), GROUPED_MODES[mode]["num_return_sequences"])
+    rows = {key: {layer.keys.shape[0] for layer in getattr(out, CACHE_FIELD).cross_attention_cache.layers
+                  if layer.is_initialized} for key, out in results.items()}
+    assert rows == {"grouped": {ids.shape[0]}, "expanded": {ids.shape[0] * expand}}
 
 
 def check_padded_batch(model, modes=("greedy", "beam")):

@@ -7,8 +7,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from common import (beam_result, check_cache_equivalence, check_padded_batch, check_remote_code, check_save_load,
-                    check_trainer, fitted, source_batch, tiny_kwargs)
+from common import (GROUPED_MODES, beam_result, check_cache_equivalence, check_grouped_memory, check_padded_batch,
+                    check_remote_code, check_save_load, check_trainer, fitted, source_batch, tiny_kwargs)
 from hf_hardattn import HardAttnCache, HybridConfig, HybridForConditionalGeneration
 
 KINDS = ("additive", "dot", "multihead")
@@ -157,6 +157,13 @@ def test_cache_equals_no_cache(kind):
 @pytest.mark.parametrize("kind", KINDS)
 def test_padded_batch_equals_single(kind):
     check_padded_batch(fitted_model(kind))
+
+
+@pytest.mark.parametrize("mode", sorted(GROUPED_MODES))
+@pytest.mark.parametrize("kind", KINDS)
+def test_grouped_memory_equals_the_expanded_memory(kind, mode):
+    """Beams of a sentence read its one row of source keys/values and initial state (HybridDecoder.forward)."""
+    check_grouped_memory(fitted_model(kind), mode)
 
 
 def test_beam_search_needs_state_reordering(monkeypatch):

@@ -1,6 +1,5 @@
 """The shared skeleton: validation, masks, positions, loss under gradient accumulation, Trainer."""
 
-import copy
 import functools
 
 import pytest
@@ -8,9 +7,10 @@ import torch
 import torch.nn.functional as F
 from transformers.modeling_outputs import BaseModelOutput
 
-from common import (assert_nontrivial, check_trainer, collate, copy_task, decode_step_by_step, fitted, randomize,
-                    source_batch, tiny_kwargs)
-from hf_hardattn import (BeamJointTransformerConfig, BeamJointTransformerForConditionalGeneration, GaussianConfig,
+from common import (GROUPED_MODES, check_grouped_memory, check_trainer, collate, copy_task, decode_step_by_step, fitted,
+                    randomize, source_batch, tiny_kwargs)
+from hf_hardattn import (BeamJointRNNConfig, BeamJointRNNForConditionalGeneration, BeamJointTransformerConfig,
+                         BeamJointTransformerForConditionalGeneration, GaussianConfig,
                          GaussianForConditionalGeneration, HardAttnCache, HardRetrievalConfig,
                          HardRetrievalForConditionalGeneration, HybridConfig, HybridForConditionalGeneration,
                          RecurrentConfig, RecurrentForConditionalGeneration,
@@ -340,37 +340,10 @@ def fitted_grouped(name):
     return fitted(GROUPED[name]())
 
 
-GROUPED_MODES = {
-    "beam": dict(num_beams=4, num_return_sequences=2),
-    "sample": dict(do_sample=True, top_k=0, num_return_sequences=3),
-    "beam_sample": dict(do_sample=True, num_beams=3, num_return_sequences=3),
-}
-
-
 @pytest.mark.parametrize("mode", sorted(GROUPED_MODES))
 @pytest.mark.parametrize("name", sorted(GROUPED))
 def test_generate_with_grouped_memory_equals_the_expanded_memory(name, mode):
-    """generate() leaves the encoder output at one row per sentence (cross keys/values projected and cached once per
-    sentence); the reference is the same model with transformers' expansion to one row per beam."""
-    model = fitted_grouped(name)
-    assert model._memory_grouped_decoding()
-    expanded = copy.deepcopy(model)
-    expanded._memory_grouped_decoding = lambda: False
-    ids, mask = source_batch()
-    results = {}
-    for key, m in (("grouped", model), ("expanded", expanded)):
-        torch.manual_seed(1234)
-        results[key] = m.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, min_new_tokens=10,
-                                  return_dict_in_generate=True, output_scores=True, **GROUPED_MODES[mode])
-    grouped, reference = results["grouped"], results["expanded"]
-    assert_nontrivial(grouped.sequences)
-    assert torch.equal(grouped.sequences, reference.sequences)
-    for a, b in zip(grouped.scores, reference.scores):
-        assert torch.allclose(a, b, atol=1e-4)
-    expand = max(GROUPED_MODES[mode].get("num_beams", 1), GROUPED_MODES[mode]["num_return_sequences"])
-    rows = {key: {layer.keys.shape[0] for layer in getattr(out, CACHE_FIELD).cross_attention_cache.layers
-                  if layer.is_initialized} for key, out in results.items()}
-    assert rows == {"grouped": {ids.shape[0]}, "expanded": {ids.shape[0] * expand}}
+    check_grouped_memory(fitted_grouped(name), mode)
 
 
 def test_forward_with_grouped_memory_equals_repeated_memory():
@@ -394,15 +367,16 @@ def test_forward_with_grouped_memory_equals_repeated_memory():
 
 
 def test_kinds_that_need_a_memory_row_per_beam_keep_the_expanded_memory():
-    recurrent = RecurrentForConditionalGeneration(RecurrentConfig(**tiny_kwargs()))
-    hc_all = GaussianForConditionalGeneration(GaussianConfig.preset("hc-all", **tiny_kwargs()))
-    for model in (recurrent, hc_all, HybridForConditionalGeneration(HybridConfig(**tiny_kwargs())),
-                  BeamJointTransformerForConditionalGeneration(BeamJointTransformerConfig(**tiny_kwargs()))):
-        assert not model._memory_grouped_decoding(), type(model).__name__
+    models = [RecurrentForConditionalGeneration(RecurrentConfig(**tiny_kwargs())),
+              GaussianForConditionalGeneration(GaussianConfig.preset("hc-all", **tiny_kwargs())),
+              BeamJointTransformerForConditionalGeneration(BeamJointTransformerConfig(**tiny_kwargs())),
+              BeamJointRNNForConditionalGeneration(BeamJointRNNConfig(**tiny_kwargs()))]
     ids, mask = source_batch()
-    encoder = recurrent.get_encoder()(input_ids=ids, attention_mask=mask)
-    with pytest.raises(ValueError, match=r"has 2 rows for 4 decoder rows; allowed: 4 \(this model's cross-attention"):
-        recurrent(encoder_outputs=encoder, attention_mask=mask, decoder_input_ids=torch.ones(4, 3, dtype=torch.long))
+    for model in models:
+        assert not model._memory_grouped_decoding(), type(model).__name__
+        encoder = model.get_encoder()(input_ids=ids, attention_mask=mask)
+        with pytest.raises(ValueError, match=r"has 2 rows for 4 decoder rows; allowed: 4 \(this model reads one"):
+            model(encoder_outputs=encoder, attention_mask=mask, decoder_input_ids=torch.ones(4, 3, dtype=torch.long))
 
 
 def test_select_on_a_grouped_cache_selects_decoder_rows():
