@@ -22,7 +22,8 @@ Speed-ups of the paper's Sec. 3.1:
 
 * pre-computed attention (Devlin, 2017): everything that depends only on the source (U_a h_j, W_k h_j, the
   multi-head keys/values) is computed once per sentence and kept in ``cache.cross_attention_cache`` (layer 0), which
-  beam search never needs to reorder (all beams of a sentence share it);
+  beam search never needs to reorder (all beams of a sentence share it; under ``generate()`` it holds one row per
+  sentence, which the g consecutive beam rows of that sentence read: grouped memory, see SoftAttention);
 * weight combination: the GRU's hidden-side gate projections and the attention's query projection read the same
   s_{t-1}, so they are ONE matrix (``hidden_projs[-1]``, rows [W_hr; W_hz; W_hn; W_query]); the word-side gate
   projections of all T target words given in one call are one matmul before the time loop.
