@@ -12,8 +12,7 @@ from common import (GROUPED_MODES, check_grouped_memory, check_trainer, collate,
 from hf_hardattn import (BeamJointRNNConfig, BeamJointRNNForConditionalGeneration, BeamJointTransformerConfig,
                          BeamJointTransformerForConditionalGeneration, GaussianConfig,
                          GaussianForConditionalGeneration, HardAttnCache, HardRetrievalConfig,
-                         HardRetrievalForConditionalGeneration, HybridConfig, HybridForConditionalGeneration,
-                         RecurrentConfig, RecurrentForConditionalGeneration,
+                         HardRetrievalForConditionalGeneration, RecurrentConfig, RecurrentForConditionalGeneration,
                          SoftTransformerConfig, SoftTransformerForConditionalGeneration)
 from hf_hardattn.modeling_hardattn import CACHE_FIELD, sinusoidal_table
 
@@ -387,3 +386,9 @@ def test_select_on_a_grouped_cache_selects_decoder_rows():
     cache.batch_select_indices(torch.tensor([4, 0, 2]))
     assert cache.self_attention_cache.layers[0].keys.flatten().tolist() == [4, 0, 2]
     assert cache.cross_attention_cache.layers[0].keys.flatten().tolist() == [1, 0, 0]
+    rnn = HardAttnCache()  # a GRU decoder's cache: no self-attention keys, the decoder rows are its states' rows
+    rnn.states["gru.0"] = torch.arange(6.0)[:, None]
+    rnn.cross_attention_cache.update(torch.arange(2.0).view(2, 1, 1, 1), torch.arange(2.0).view(2, 1, 1, 1), 0)
+    rnn.batch_select_indices(torch.tensor([5, 1]))
+    assert rnn.states["gru.0"].flatten().tolist() == [5, 1]
+    assert rnn.cross_attention_cache.layers[0].keys.flatten().tolist() == [1, 0]
