@@ -27,6 +27,7 @@ from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 import hf_hardattn  # noqa: F401  (registers the model types)
 from hf_hardattn.data import multi30k
 from hf_hardattn.training import machine, translate
+from trained_models import check_trained_args
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -53,13 +54,7 @@ def main(argv=None):
     parser.add_argument("--packed", action="store_true", help="also both paths after pack_linears()")
     parser.add_argument("--output", default=os.path.join(RESULTS, "grouped_memory.json"))
     args = parser.parse_args(argv)
-    for name in ("batch_size", "num_beams", "rounds", "threads"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    missing = [m for m in args.models if not os.path.isdir(os.path.join(args.folder, "models", m))]
-    if missing:
-        parser.error(f"no trained model for {missing} under {args.folder}/models; run benchmarks/reproduce.py first")
-    torch.set_num_threads(args.threads)
+    check_trained_args(parser, args, ("batch_size", "num_beams", "rounds", "threads"))
     test = multi30k("test_2016_flickr")
     sources, references = list(test["source"]), list(test["target"])
     tokenizer = AutoTokenizer.from_pretrained(os.path.join(args.folder, "tokenizer"))
