@@ -27,6 +27,7 @@ from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 import hf_hardattn  # noqa: F401  (registers the model types)
 from hf_hardattn.data import multi30k
 from hf_hardattn.training import machine, translate
+from decode_speed import expanded_memory
 from trained_models import check_trained_args
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -34,12 +35,9 @@ RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 def variants(model, packed: bool) -> dict:
     """name -> model: the grouped (default) and expanded paths, and packed copies of both with ``packed``."""
-    expanded = copy.deepcopy(model)
-    expanded._memory_grouped_decoding = lambda: False  # transformers' expansion: one encoder row per beam
-    out = {"grouped": model, "expanded": expanded}
-    if packed:
+    out = {"grouped": model, "expanded": expanded_memory(copy.deepcopy(model))}
+    if packed:  # a deep copy keeps the expanded path's switch
         out.update({f"{name}_packed": copy.deepcopy(m).pack_linears() for name, m in list(out.items())})
-        out["expanded_packed"]._memory_grouped_decoding = lambda: False
     return out
 
 

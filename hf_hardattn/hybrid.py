@@ -324,13 +324,18 @@ class HybridDecoder(nn.Module):
         return new_states, context, probs
 
     # -- whole call -------------------------------------------------------------------------------------------
+    @staticmethod
+    def reads_memory_grouped() -> bool:
+        """Every attention function reads a grouped memory (see :class:`AdditiveAttention`)."""
+        return True
+
     def forward(self, input_ids=None, encoder_hidden_states=None, encoder_attention_mask=None, inputs_embeds=None,
                 cache: HardAttnCache | None = None) -> HybridDecoderOutput:
         """Run the T given target positions (teacher forcing; or the new token(s) of cached decoding, continuing from
         ``cache.states``)."""
         word_inputs = self.word_inputs(input_ids, inputs_embeds)
         rows = word_inputs.shape[0]  # grouped memory: rows // sources consecutive rows per encoder row (beams)
-        check_memory_rows(rows, encoder_hidden_states, encoder_attention_mask, grouped=True)
+        check_memory_rows(rows, encoder_hidden_states, encoder_attention_mask, self.reads_memory_grouped())
         mask = None
         if encoder_attention_mask is not None and not bool(encoder_attention_mask.all()):
             mask = encoder_attention_mask.bool()
@@ -405,11 +410,7 @@ class HybridForConditionalGeneration(HybridPreTrainedModel, HardAttnForCondition
         return self.model.decoder(decoder_input_ids, encoder_hidden_states, attention_mask, decoder_inputs_embeds,
                                   cache)
 
-    def _memory_grouped_decoding(self) -> bool:
-        """The GRU decoder reads a grouped memory (:meth:`HybridDecoder.forward`); subclasses with their own decode or
-        output layer (beam-joint) keep the expanded one."""
-        return (type(self).decode is HybridForConditionalGeneration.decode
-                and type(self).output_logits is HardAttnForConditionalGeneration.output_logits)
+    decode_reads_memory_grouped = True  # see HardAttnForConditionalGeneration._memory_grouped_decoding
 
     def decode(self, decoder_input_ids, encoder_hidden_states, attention_mask, decoder_attention_mask,
                decoder_inputs_embeds, cache):

@@ -607,7 +607,9 @@ class HardAttnDecoder(nn.Module):
         past_length = cache.get_seq_length() if cache is not None else 0
         x = self.embed(input_ids, inputs_embeds, past_length)
         self_mask, causal = self.self_attention_mask(attention_mask, x.shape[1], past_length, x.device)
-        check_memory_rows(x.shape[0], encoder_hidden_states, encoder_attention_mask, self.reads_memory_grouped())
+        rows = x.shape[0]  # the per-layer check runs only for a grouped memory, not at every ordinary step
+        grouped = rows != encoder_hidden_states.shape[0] and self.reads_memory_grouped()
+        check_memory_rows(rows, encoder_hidden_states, encoder_attention_mask, grouped)
         cross_mask = padding_mask(encoder_attention_mask)
         for layer in self.layers:
             x = layer(x, encoder_hidden_states, self_mask, causal, cross_mask, cache)
@@ -822,12 +824,16 @@ class HardAttnForConditionalGeneration(HardAttnPreTrainedModel, GenerationMixin)
         model_kwargs.update(kept)
         return input_ids, model_kwargs
 
+    decode_reads_memory_grouped = True  # declared beside each ``decode`` that passes a grouped memory through
+
     def _memory_grouped_decoding(self) -> bool:
-        """Whether generate() may hand the decoder a grouped memory: the skeleton's decode and output layer, and every
-        cross-attention kind reads it (variants that override ``decode``/``output_logits`` keep the expanded one)."""
-        base = HardAttnForConditionalGeneration
-        return (type(self).decode is base.decode and type(self).output_logits is base.output_logits
-                and isinstance(self.model.decoder, HardAttnDecoder) and self.model.decoder.reads_memory_grouped())
+        """Whether generate() may hand the decoder a grouped memory: the class that defines ``decode`` declares that it
+        passes one through, the output layer is this one, and the decoder reads it. A variant that overrides
+        ``decode`` or ``output_logits`` (beam-joint) keeps the expanded memory unless it declares otherwise."""
+        owner = next(cls for cls in type(self).__mro__ if "decode" in vars(cls))
+        return (vars(owner).get("decode_reads_memory_grouped", False)
+                and type(self).output_logits is HardAttnForConditionalGeneration.output_logits
+                and self.model.decoder.reads_memory_grouped())
 
     def with_attention(self, **kinds):
         """A copy of this model whose attention kinds are replaced, sharing no tensors with it, e.g.
