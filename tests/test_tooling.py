@@ -264,7 +264,8 @@ def test_bf16_matmul_probe_matches_the_cpu_flags():
     """oneDNN runs bf16 GEMMs natively on x86 CPUs with AVX512 BW + VL + DQ (AVX512-BF16 / AMX make them faster)."""
     from hf_hardattn.training import cpu_has_bf16_matmul
 
-    flags = set(next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split(":")[1].split())
+    with open("/proc/cpuinfo") as cpuinfo:
+        flags = set(next(line for line in cpuinfo if line.startswith("flags")).split(":")[1].split())
     assert cpu_has_bf16_matmul() == ({"avx512bw", "avx512vl", "avx512dq"} <= flags)
 
 
