@@ -156,6 +156,8 @@ class GaussianAttention(nn.Module):
 
     Parameters: the value projection ``v_proj`` and the output projection ``out_proj`` only (Sec. 3.1)."""
 
+    reads_memory_grouped = False  # its heads are centred by query position (hc-all's cross heads), see SoftAttention
+
     def __init__(self, config: HardAttnConfig, role: str, layer_idx: int):
         super().__init__()
         check_gaussian_settings(config)

@@ -245,6 +245,8 @@ class HybridDecoderOutput(ModelOutput):
 
 
 class HybridDecoder(nn.Module):
+    reads_memory_grouped = True  # every attention function reads a grouped memory (see AdditiveAttention.attend)
+
     def __init__(self, config: HybridConfig, embed_tokens: nn.Embedding):
         super().__init__()
         self.config = config
@@ -324,18 +326,13 @@ class HybridDecoder(nn.Module):
         return new_states, context, probs
 
     # -- whole call -------------------------------------------------------------------------------------------
-    @staticmethod
-    def reads_memory_grouped() -> bool:
-        """Every attention function reads a grouped memory (see :class:`AdditiveAttention`)."""
-        return True
-
     def forward(self, input_ids=None, encoder_hidden_states=None, encoder_attention_mask=None, inputs_embeds=None,
                 cache: HardAttnCache | None = None) -> HybridDecoderOutput:
         """Run the T given target positions (teacher forcing; or the new token(s) of cached decoding, continuing from
         ``cache.states``)."""
         word_inputs = self.word_inputs(input_ids, inputs_embeds)
         rows = word_inputs.shape[0]  # grouped memory: rows // sources consecutive rows per encoder row (beams)
-        check_memory_rows(rows, encoder_hidden_states, encoder_attention_mask, self.reads_memory_grouped())
+        check_memory_rows(rows, encoder_hidden_states, encoder_attention_mask, self.reads_memory_grouped)
         mask = None
         if encoder_attention_mask is not None and not bool(encoder_attention_mask.all()):
             mask = encoder_attention_mask.bool()

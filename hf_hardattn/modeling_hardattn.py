@@ -215,11 +215,13 @@ class HardAttnCache(EncoderDecoderCache):
                 states[name] = state.repeat_interleave(repeats, dim=0)
 
     def batch_select_indices(self, indices: torch.Tensor):
+        # A grouped memory's keys/values (one row per sentence, see SoftAttention) are first repeated to one row per
+        # decoder row, so that `indices` select decoder rows.
         rows = next((layer.keys.shape[0] for layer in self.self_attention_cache.layers if layer.get_seq_length()),
                     next((state.shape[0] for state in self.states.values()), 0))  # decoder rows
-        for layer in self.cross_attention_cache.layers:  # a grouped memory's keys/values (one row per sentence, see
-            if layer.is_initialized and rows and layer.keys.shape[0] != rows:  # SoftAttention): one row per decoder
-                groups = rows // layer.keys.shape[0]  # row first, so that `indices` select decoder rows
+        for layer in self.cross_attention_cache.layers:
+            if layer.is_initialized and rows and layer.keys.shape[0] != rows:
+                groups = rows // layer.keys.shape[0]
                 layer.keys, layer.values = (t.repeat_interleave(groups, dim=0) for t in (layer.keys, layer.values))
         super().batch_select_indices(indices)
         for states in (self.states, self.sentence_states):
@@ -446,9 +448,11 @@ class SoftAttention(nn.Module):
     def forward(self, hidden, memory=None, mask=None, causal=False, cache=None):
         batch, length, width = hidden.shape
         sources = self.memory_rows(memory, cache) if self.is_cross else batch
-        if sources != batch:  # grouped memory (HardAttnDecoder.forward): the `batch // sources` consecutive rows of a
-            hidden = hidden.reshape(sources, -1, width)  # sentence share its keys/values; queries attend independently,
-        q, k, v = self.project(hidden, memory, cache)  # so they go as one sequence of (batch // sources) * length
+        # Grouped memory: the `batch // sources` consecutive rows of a sentence share its keys/values; queries attend
+        # independently, so they go as one sequence of (batch // sources) * length queries.
+        if sources != batch:
+            hidden = hidden.reshape(sources, -1, width)
+        q, k, v = self.project(hidden, memory, cache)
         return self.merge(self.attend(q, k, v, mask, causal)).reshape(batch, length, -1)
 
 
@@ -575,6 +579,11 @@ class HardAttnDecoder(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(config, i, s, c) for i, (s, c) in enumerate(zip(self_kinds, cross_kinds))
         )
+        # Whether every cross-attention reads a grouped memory (see SoftAttention); the kinds are fixed at construction
+        # (with_attention builds a new model), so it is derived once here, not at every decoding step.
+        self.reads_memory_grouped = all(layer.cross_attn is None or
+                                        getattr(layer.cross_attn.module, "reads_memory_grouped", False)
+                                        for layer in self.layers)
         self.final_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps) if config.normalize_before else None
 
     def embed(self, input_ids, inputs_embeds, past_length):
@@ -597,19 +606,12 @@ class HardAttnDecoder(nn.Module):
             return None, True
         return causal_mask(query_length, key_length, device), False
 
-    def reads_memory_grouped(self) -> bool:
-        """Whether every cross-attention of this decoder reads a grouped memory (see :class:`SoftAttention`)."""
-        return all(layer.cross_attn is None or getattr(layer.cross_attn.module, "reads_memory_grouped", False)
-                   for layer in self.layers)
-
     def forward(self, input_ids, encoder_hidden_states, encoder_attention_mask=None, attention_mask=None,
                 inputs_embeds=None, cache=None):
         past_length = cache.get_seq_length() if cache is not None else 0
         x = self.embed(input_ids, inputs_embeds, past_length)
         self_mask, causal = self.self_attention_mask(attention_mask, x.shape[1], past_length, x.device)
-        rows = x.shape[0]  # the per-layer check runs only for a grouped memory, not at every ordinary step
-        grouped = rows != encoder_hidden_states.shape[0] and self.reads_memory_grouped()
-        check_memory_rows(rows, encoder_hidden_states, encoder_attention_mask, grouped)
+        check_memory_rows(x.shape[0], encoder_hidden_states, encoder_attention_mask, self.reads_memory_grouped)
         cross_mask = padding_mask(encoder_attention_mask)
         for layer in self.layers:
             x = layer(x, encoder_hidden_states, self_mask, causal, cross_mask, cache)
@@ -833,7 +835,7 @@ class HardAttnForConditionalGeneration(HardAttnPreTrainedModel, GenerationMixin)
         owner = next(cls for cls in type(self).__mro__ if "decode" in vars(cls))
         return (vars(owner).get("decode_reads_memory_grouped", False)
                 and type(self).output_logits is HardAttnForConditionalGeneration.output_logits
-                and self.model.decoder.reads_memory_grouped())
+                and self.model.decoder.reads_memory_grouped)
 
     def with_attention(self, **kinds):
         """A copy of this model whose attention kinds are replaced, sharing no tensors with it, e.g.
