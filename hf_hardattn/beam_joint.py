@@ -37,8 +37,8 @@ import torch.nn.functional as F
 
 from .configuration_hardattn import HardAttnConfig
 from .hybrid import HybridConfig, HybridForConditionalGeneration
-from .modeling_hardattn import (HardAttnForConditionalGeneration, causal_mask, check_memory_rows, padding_mask,
-                                token_mean)
+from .modeling_hardattn import (DecoderResult, HardAttnForConditionalGeneration, causal_mask, check_memory_rows,
+                                padding_mask, token_mean)
 
 # Masked attention scores: a large finite negative instead of -inf, so that log-probabilities and their gradients
 # stay finite at padded positions (their probability is exactly 0 after exp).
@@ -431,13 +431,14 @@ def _sublayer_input(sublayer, x):
 def candidate_self_attention(q, k_own, v_own, k_hist, v_hist, hist_mask, scale, dropout, training):
     """Self-attention of the candidates of a layer after the joint layer: candidate (t, k) attends to the soft
     decoder's states of the positions before t (``hist_mask``) and to its own state at t.
-    q/k_own/v_own [B, H, T*K, hd]; k_hist/v_hist [B, H, Tk, hd]; hist_mask bool [.., T*K, Tk]."""
+    q/k_own/v_own [B, H, T*K, hd]; k_hist/v_hist [B, H, Tk, hd]; hist_mask bool [.., T*K, Tk].
+    Returns (output [B, H, T*K, hd], weights [B, H, T*K, Tk + 1], the last column the candidate's own state)."""
     hist = (q @ k_hist.transpose(-1, -2)) * scale
     hist = hist.masked_fill(~hist_mask, _NEG)
     own = (q * k_own).sum(-1, keepdim=True) * scale
     probs = torch.cat([hist, own], dim=-1).softmax(-1)
     probs = F.dropout(probs, dropout, training)
-    return probs[..., :-1] @ v_hist + probs[..., -1:] * v_own
+    return probs[..., :-1] @ v_hist + probs[..., -1:] * v_own, probs
 
 
 class BeamJointTransformerForConditionalGeneration(JointOutputMixin, HardAttnForConditionalGeneration):
@@ -451,6 +452,15 @@ class BeamJointTransformerForConditionalGeneration(JointOutputMixin, HardAttnFor
     one (the soft context feeds the next step, as in the reference implementation); a candidate at t attends to
     that soft history plus its own state. Attention dropout is not applied to the mixture weights P_t(a) (it still
     applies to the soft stream that later layers see).
+
+    Outputs (``output_attentions`` / ``output_hidden_states``): layers before the joint layer as in the soft model.
+    The joint layer's ``cross_attentions`` slot holds every head's softmax [B, H, T, S]: P_t(a) is its mean over the
+    heads (dim 1), and the top-K set of position t is ``P_t.topk(K).indices`` (K = ``joint_k`` in training,
+    ``joint_inference_k`` when set in eval; ties aside; ``full_joint``: every position). From the joint layer on,
+    ``decoder_hidden_states`` are the candidates' states [B, T, K, d] (the last one: the output layer's input, whose K
+    distributions mix into the logits), and the attentions of later layers are the candidates': queries flattened as
+    t * K + k, self-attention [B, H, T * K, past + T + 1] over the soft history plus (last column) the candidate's own
+    state, cross-attention [B, H, T * K, S].
     """
 
     config_class = BeamJointTransformerConfig
@@ -475,7 +485,7 @@ class BeamJointTransformerForConditionalGeneration(JointOutputMixin, HardAttnFor
     )
 
     def decode(self, decoder_input_ids, encoder_hidden_states, attention_mask, decoder_attention_mask,
-               decoder_inputs_embeds, cache):
+               decoder_inputs_embeds, cache, output_attentions=False, output_hidden_states=False):
         config, decoder = self.config, self.model.decoder
         joint = config.joint_layer_index()
         k_active = self.active_k()
@@ -489,21 +499,36 @@ class BeamJointTransformerForConditionalGeneration(JointOutputMixin, HardAttnFor
         self_mask, causal = decoder.self_attention_mask(decoder_attention_mask, length, past, x.device)
         cross_mask = padding_mask(attention_mask)
         n_layers = len(decoder.layers)
+        hidden_states = [x] if output_hidden_states else None
+        attentions, cross_attentions = ([], []) if output_attentions else (None, None)
+
+        def record(state, self_weights=None, cross_weights=None):
+            if output_hidden_states:
+                hidden_states.append(state)
+            if output_attentions:
+                attentions.append(self_weights)
+                cross_attentions.append(cross_weights)
 
         for index, layer in enumerate(decoder.layers):
             if index < joint:
-                x = layer(x, memory, self_mask, causal, cross_mask, cache)
+                out = layer(x, memory, self_mask, causal, cross_mask, cache, output_attentions=output_attentions)
+                x, *weights = out if output_attentions else (out,)
+                record(x, *weights)
                 continue
             if index == joint:
+                self_weights = None
                 if layer.self_attn is not None:
-                    x = layer.self_attn(x, mask=self_mask, causal=causal, cache=cache)
+                    x = layer.self_attn(x, mask=self_mask, causal=causal, cache=cache,
+                                        output_attentions=output_attentions)
+                    x, self_weights = x if output_attentions else (x, None)
                 sub = layer.cross_attn
                 attn = sub.module
                 q, k, v = attn.project(_sublayer_input(sub, x), memory, cache)  # [B, H, T, hd], [B, H, S, hd]
                 scores = _at_least_fp32(q @ k.transpose(-1, -2)) * attn.head_dim**-0.5  # Eq. 1 per head
                 if cross_mask is not None:
                     scores = scores.masked_fill(~cross_mask, _NEG)
-                log_p = torch.logsumexp(scores.log_softmax(-1), dim=1) - math.log(attn.num_heads)  # head average
+                log_heads = scores.log_softmax(-1)
+                log_p = torch.logsumexp(log_heads, dim=1) - math.log(attn.num_heads)  # head average
                 log_w, index_k = select_candidates(log_p, k_active, config.full_joint, config.renormalize_joint)
                 # hard attention of every head on position a: out_proj(concat_h v_h[a])  [B, S, d]
                 # (a constant of the sentence: computed once per sentence when decoding with the cache)
@@ -519,8 +544,10 @@ class BeamJointTransformerForConditionalGeneration(JointOutputMixin, HardAttnFor
                 if index < n_layers - 1:  # the soft stream feeds later layers' self-attention
                     x = _residual(sub, x, attn.merge(attn.attend(q, k, v, cross_mask, False)))
                     x = layer.ffn(x)
+                record(y.view(batch, length, n_cand, -1), self_weights, log_heads.exp() if output_attentions else None)
                 continue
             # layers after the joint layer: candidates attend to the soft history and themselves
+            self_weights = cross_weights = None
             if layer.self_attn is not None:
                 sub = layer.self_attn
                 attn = sub.module
@@ -531,24 +558,30 @@ class BeamJointTransformerForConditionalGeneration(JointOutputMixin, HardAttnFor
                 if decoder_attention_mask is not None:
                     hist = hist & decoder_attention_mask[:, None, None, -key_length:].bool()
                 qc, kc, vc = attn._split(attn.qkv_proj(_sublayer_input(sub, y)), 3)
-                out = candidate_self_attention(qc, kc, vc, k, v, hist, attn.head_dim**-0.5, attn.dropout,
-                                               self.training)
+                out, self_weights = candidate_self_attention(qc, kc, vc, k, v, hist, attn.head_dim**-0.5, attn.dropout,
+                                                             self.training)
                 y = _residual(sub, y, attn.merge(out))
                 if index < n_layers - 1:
                     x = _residual(sub, x, attn.merge(attn.attend(q, k, v, self_mask, causal)))
             if layer.cross_attn is not None:
                 if index < n_layers - 1:
                     x = layer.cross_attn(x, memory=memory, mask=cross_mask, cache=cache)
-                y = layer.cross_attn(y, memory=memory, mask=cross_mask, cache=cache)
+                y = layer.cross_attn(y, memory=memory, mask=cross_mask, cache=cache, output_attentions=output_attentions)
+                y, cross_weights = y if output_attentions else (y, None)
             if index < n_layers - 1:
                 x = layer.ffn(x)
             y = layer.ffn(y)
+            record(y.view(batch, length, n_cand, -1), self_weights, cross_weights)
 
         if cache is not None:
             cache.seen_tokens += length
         if decoder.final_norm is not None:
             y = decoder.final_norm(y)
-        return JointCandidates(y.view(batch, length, n_cand, -1), log_w)
+        y = y.view(batch, length, n_cand, -1)
+        if output_hidden_states:
+            hidden_states[-1] = y
+        return DecoderResult(JointCandidates(y, log_w), hidden_states and tuple(hidden_states),
+                             attentions and tuple(attentions), cross_attentions and tuple(cross_attentions))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -622,19 +655,27 @@ class BeamJointRNNForConditionalGeneration(JointOutputMixin, HybridForConditiona
         return torch.tanh(from_state[:, :, None, :] + picked.view(batch, length, n_cand, -1))
 
     def decode(self, decoder_input_ids, encoder_hidden_states, attention_mask, decoder_attention_mask,
-               decoder_inputs_embeds, cache):
+               decoder_inputs_embeds, cache, output_attentions=False, output_hidden_states=False):
+        """Outputs as the hybrid's (its ``cross_attentions`` layer holds every head's a_t: P_t(a) is their mean over
+        dim 1 and the top-K set ``P_t.topk(K).indices``, see BeamJointTransformerForConditionalGeneration), except that
+        the last ``decoder_hidden_states`` entry is the candidates' readouts [B, T, K, d_model]."""
         self.check_source_length(encoder_hidden_states.shape[1])
         self.check_memory(decoder_input_ids, decoder_inputs_embeds, encoder_hidden_states, attention_mask)
         k_active = self.active_k()
         out = self.decoder_outputs(decoder_input_ids, encoder_hidden_states, attention_mask, decoder_inputs_embeds,
-                                   cache)
-        log_w, index = select_candidates(_log_probs(_at_least_fp32(out.attentions)), k_active, self.config.full_joint,
+                                   cache, output_hidden_states)
+        heads = out.attentions  # [B, heads, T, S]
+        p = heads[:, 0] if heads.shape[1] == 1 else heads.mean(1)  # P_t(a), head-averaged for multi-head
+        log_w, index = select_candidates(_log_probs(_at_least_fp32(p)), k_active, self.config.full_joint,
                                          self.config.renormalize_joint)
         hard = self.hard_contexts(encoder_hidden_states, cache)
         dropout, training = self.config.dropout, self.training
         states = F.dropout(out.states, dropout, training)  # as HybridDecoder.forward does before its readout
         readouts = F.dropout(self.candidate_readouts(states, hard, index), dropout, training)
-        return JointCandidates(readouts, log_w)
+        hidden_states = out.hidden_states[:-1] + (readouts,) if output_hidden_states else None
+        return DecoderResult(JointCandidates(readouts, log_w), hidden_states,
+                             (None,) * self.config.decoder_layers if output_attentions else None,
+                             (heads,) if output_attentions else None)
 
 
 __all__ = [

@@ -101,6 +101,19 @@ class HardAttnConfig(PreTrainedConfig):
         super().__post_init__(**kwargs)
         self.check()
 
+    # Every attention kind returns its weights on request whatever the implementation ("sdpa" switches to the written-out
+    # softmax for the call that asks), so, unlike transformers' models, `output_attentions` needs no "eager".
+    @property
+    def output_attentions(self):
+        return self._output_attentions
+
+    @output_attentions.setter
+    def output_attentions(self, value: bool):
+        self._output_attentions = value
+
+    def validate_output_attentions(self):
+        pass
+
     # -- validation -------------------------------------------------------------------------------------
     def check(self):
         """Raise a ValueError naming the parameter and its allowed values for any inconsistent field."""

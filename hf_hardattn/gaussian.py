@@ -148,6 +148,17 @@ def cutoff_radius(sigma: float, cutoff: float = FULL_CUTOFF) -> int:
     return int(math.floor(sigma * math.sqrt(-2.0 * math.log(cutoff)) + 1e-9))
 
 
+def leading_padding(mask):
+    """[B]: the padded keys before each row's first real one, from a key mask [B, 1, 1, S] (True = real); None when no
+    row starts with padding (while tracing, torch.compile / export, always the counts)."""
+    if mask is None:
+        return None
+    keys = mask[:, 0, 0, :]
+    if not torch.compiler.is_compiling() and bool(keys[:, 0].all()):
+        return None
+    return (~keys).long().cumprod(-1).sum(-1)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # The attention kind
 # ----------------------------------------------------------------------------------------------------------------
@@ -227,6 +238,15 @@ class GaussianAttention(nn.Module):
             self._weights[memo_key] = weights
         return weights
 
+    def shifted_weights(self, query_start: int, query_length: int, shift: torch.Tensor, key_length: int, device,
+                        dtype):
+        """[B, H, Tq, S] cross-attention weights over a left-padded source: source positions count from each row's
+        first real token, so row b's centres floor(gamma * i + o) move right by its ``shift[b]`` padded positions."""
+        q_pos = torch.arange(query_start, query_start + query_length, device=device)
+        k_pos = torch.arange(key_length, device=device, dtype=torch.float64)
+        distance = k_pos - shift.to(torch.float64)[:, None, None, None] - self.centres(q_pos)[None, :, :, None]
+        return self.kernel(distance).to(dtype)
+
     # -- values ----------------------------------------------------------------------------------------------
     def _split(self, x: torch.Tensor) -> torch.Tensor:
         batch, length, _ = x.shape
@@ -246,9 +266,9 @@ class GaussianAttention(nn.Module):
             cache.states[key] = values[:, :, max(values.shape[2] - self.lookback, 0):]
         return values, query_start, query_start + hidden.shape[1] - values.shape[2]
 
-    def cross_values(self, memory, cache, query_length):
-        """Encoder values [B, H, S', hd] for the queries' reach, and the position of the first one. The values of the
-        whole source are computed once per sentence (``cross_attention_cache``)."""
+    def cross_values(self, memory, cache, query_length, whole=False):
+        """Encoder values [B, H, S', hd] for the queries' reach (``whole``: all of them), and the position of the first
+        one. The values of the whole source are computed once per sentence (``cross_attention_cache``)."""
         if cache is not None and cache.is_updated.get(self.layer_idx):
             values = cache.cross_attention_cache.layers[self.layer_idx].values
         else:
@@ -257,8 +277,8 @@ class GaussianAttention(nn.Module):
                 # no keys: a 1-wide slice stands in for them so the cache layer reports (and batch-selects) its length
                 cache.cross_attention_cache.update(values[..., :1], values, self.layer_idx)
                 cache.is_updated[self.layer_idx] = True
-        if cache is None:
-            return values, 0, 0
+        if cache is None or whole:
+            return values, 0 if cache is None else cache.seen_tokens, 0
         query_start, source_length = cache.seen_tokens, values.shape[2]
         first = math.floor(self.gamma * query_start + min(self.offsets)) - self.radius
         last = math.floor(self.gamma * (query_start + query_length - 1) + max(self.offsets)) + self.radius
@@ -266,14 +286,22 @@ class GaussianAttention(nn.Module):
         return values[:, :, low:max(high, low)], query_start, low
 
     # -- forward ---------------------------------------------------------------------------------------------
-    def forward(self, hidden, memory=None, mask=None, causal=False, cache=None):
+    def forward(self, hidden, memory=None, mask=None, causal=False, cache=None, output_attentions=False):
+        """[B, Tq, d]; with ``output_attentions``, ``(output, weights [B, H, Tq, Tk])``: the fixed weights over all Tk
+        keys (every earlier position for decoder self-attention, the whole source for cross-attention), as the kind
+        used them: not renormalised, 0 on padding, after attention dropout in training, and 0 on the keys that cached
+        decoding skips (beyond the heads' reach, see the module docstring)."""
         batch, query_length, _ = hidden.shape
+        shift = leading_padding(mask) if self.is_cross else None  # self-attention weights are relative: no shift
         if self.is_cross:
-            values, query_start, key_start = self.cross_values(memory, cache, query_length)
+            values, query_start, key_start = self.cross_values(memory, cache, query_length, whole=shift is not None)
         else:
             values, query_start, key_start = self.self_values(hidden, cache)
         key_length = values.shape[2]
-        weights = self.weights(query_start, query_length, key_start, key_length, values.device, values.dtype)
+        if shift is None:
+            weights = self.weights(query_start, query_length, key_start, key_length, values.device, values.dtype)
+        else:
+            weights = self.shifted_weights(query_start, query_length, shift, key_length, values.device, values.dtype)
         if mask is not None:  # padded (or otherwise hidden) keys contribute nothing; no renormalisation
             if mask.shape[-1] != 1:
                 total = mask.shape[-1]
@@ -283,7 +311,13 @@ class GaussianAttention(nn.Module):
         if self.training and self.dropout > 0:
             weights = F.dropout(weights.expand(batch, *weights.shape[-3:]), self.dropout, True)
         out = weights @ values  # Eq. 2: [B, H, Tq, hd]
-        return self.out_proj(out.transpose(1, 2).reshape(batch, query_length, self.num_heads * self.head_dim))
+        out = self.out_proj(out.transpose(1, 2).reshape(batch, query_length, self.num_heads * self.head_dim))
+        if not output_attentions:
+            return out
+        keys = memory.shape[1] if self.is_cross else query_start + query_length
+        shown = values.new_zeros(batch, self.num_heads, query_length, keys)
+        shown[..., key_start:key_start + key_length] = weights
+        return out, shown
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ Runtime code shipped with saved models: flat, same-folder relative imports only.
 import torch
 
 from .configuration_hardattn import HardAttnConfig
-from .modeling_hardattn import HardAttnForConditionalGeneration, SoftAttention, causal_mask
+from .modeling_hardattn import HardAttnForConditionalGeneration, SoftAttention, full_mask
 
 
 def gather_rows(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -43,14 +43,6 @@ class HardRetrieval(torch.autograd.Function):
             expanded = index.unsqueeze(-1).expand_as(grad_out)
             grad_values = torch.zeros_like(values).scatter_add_(2, expanded, grad_out.to(values.dtype))
         return grad_probs, grad_values, None
-
-
-def full_mask(mask, causal, query_length, key_length, device):
-    """The bool mask (True = may attend) implied by ``mask`` / ``causal``, or None when everything is visible."""
-    if causal:
-        tri = causal_mask(query_length, key_length, device)
-        return tri if mask is None else mask & tri
-    return mask
 
 
 def sample_indices(probs: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
@@ -85,13 +77,24 @@ class HardRetrievalAttention(SoftAttention):
             scores = scores.masked_fill(~mask, float("-inf"))
         return torch.softmax(scores, dim=-1)
 
-    def attend(self, q, k, v, mask, causal):
+    def retrieve(self, q, k, v, mask, causal):
+        """(output [B, H, Tq, head_dim], the retrieved index [B, H, Tq])."""
         if not self.training:
-            return gather_rows(v, inference_indices(q, k, mask, causal))  # Eq. 11 + Eq. 6
+            index = inference_indices(q, k, mask, causal)  # Eq. 11
+            return gather_rows(v, index), index  # Eq. 6
         probs = self.training_probabilities(q, k, mask, causal)
         dropped = torch.nn.functional.dropout(probs, self.dropout, True) if self.dropout > 0 else probs
         index = sample_indices(dropped.detach(), probs.detach())  # Eq. 4-5
-        return HardRetrieval.apply(dropped, v, index)  # Eq. 6, backward Eq. 8-10
+        return HardRetrieval.apply(dropped, v, index), index  # Eq. 6, backward Eq. 8-10
+
+    def attend(self, q, k, v, mask, causal):
+        return self.retrieve(q, k, v, mask, causal)[0]
+
+    def attend_with_weights(self, q, k, v, mask, causal):
+        """(output, weights [B, H, Tq, Tk]): the one-hot of the index each head retrieved (sampled in training, the
+        argmax at inference), so that weights @ V is the output. The weights carry no gradient."""
+        out, index = self.retrieve(q, k, v, mask, causal)
+        return out, torch.nn.functional.one_hot(index, k.shape[-2]).to(v.dtype)
 
 
 class HardRetrievalConfig(HardAttnConfig):

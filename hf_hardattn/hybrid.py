@@ -36,8 +36,8 @@ Interface for other decoders built on this one (e.g. beam-joint attention):
 * :meth:`HybridDecoder.readout` ``(state [.., H], context [.., C]) -> [.., d_model]``: the vector that the tied
   ``lm_head`` projects to vocabulary scores;
 * :meth:`HybridDecoder.forward` returns a :class:`HybridDecoderOutput` with ``readout`` [B, T, d_model], ``states``
-  (top-layer s_t) [B, T, H], ``contexts`` c_t [B, T, C] and ``attentions`` a_t [B, T, S] (head-averaged for
-  multi-head; padded source positions have weight 0);
+  (top-layer s_t) [B, T, H], ``contexts`` c_t [B, T, C] and ``attentions`` a_t [B, heads, T, S] (every head of the
+  multi-head attention, one for additive and dot; padded source positions have weight 0);
 * :meth:`HybridDecoder.hard_contexts` ``(encoder_hidden_states) -> [B, S, C]``: for each source position j the
   context the attention returns when it puts all of its weight on j (additive/dot: h_j; multi-head: the output
   projection of the per-head value rows at j). C == d_model for all three attentions.
@@ -61,8 +61,8 @@ from transformers import initialization as init
 from transformers.utils import ModelOutput
 
 from .configuration_hardattn import HardAttnConfig
-from .modeling_hardattn import (HardAttnCache, HardAttnForConditionalGeneration, HardAttnModel, check_memory_rows,
-                                HardAttnPreTrainedModel)
+from .modeling_hardattn import (DecoderResult, HardAttnCache, HardAttnForConditionalGeneration, HardAttnModel,
+                                HardAttnPreTrainedModel, check_memory_rows)
 
 RNN_ATTENTIONS = ("additive", "dot", "multihead")
 
@@ -140,12 +140,12 @@ class AdditiveAttention(nn.Module):
         return self.key_proj(memory).unsqueeze(1), memory.unsqueeze(1)
 
     def attend(self, query, keys, values, mask):
-        """query [N, A] (= W_a s + b) -> context [N, d], probabilities [N, S]; N = B x g rows read B source rows
-        (grouped memory: g consecutive rows per sentence, see :meth:`HybridDecoder.forward`)."""
+        """query [N, A] (= W_a s + b) -> context [N, d], probabilities [N, 1, S] (one head); N = B x g rows read B
+        source rows (grouped memory: g consecutive rows per sentence, see :meth:`HybridDecoder.forward`)."""
         batch, rows = keys.shape[0], query.shape[0]
         hidden = torch.tanh(keys[:, 0, None] + query.view(batch, -1, 1, query.shape[-1]))  # [B, g, S, A]
         probs = _masked_softmax(torch.matmul(hidden, self.score.weight[0]), mask)  # [B, g, S]
-        return torch.matmul(probs, values[:, 0]).view(rows, -1), probs.view(rows, -1)
+        return torch.matmul(probs, values[:, 0]).view(rows, -1), probs.view(rows, 1, -1)
 
     def hard_contexts(self, memory):
         return memory
@@ -165,11 +165,11 @@ class DotAttention(nn.Module):
         return (self.key_proj(memory) * self.scale).unsqueeze(1), memory.unsqueeze(1)  # scale folded into keys
 
     def attend(self, query, keys, values, mask):
-        """query [N, H] (= s) -> context [N, d], probabilities [N, S] (N = B x g, as in AdditiveAttention)."""
+        """query [N, H] (= s) -> context [N, d], probabilities [N, 1, S] (N = B x g, as in AdditiveAttention)."""
         batch, rows = keys.shape[0], query.shape[0]
         scores = torch.matmul(query.view(batch, -1, query.shape[-1]), keys[:, 0].transpose(1, 2))  # [B, g, S]
         probs = _masked_softmax(scores, mask)
-        return torch.matmul(probs, values[:, 0]).view(rows, -1), probs.view(rows, -1)
+        return torch.matmul(probs, values[:, 0]).view(rows, -1), probs.view(rows, 1, -1)
 
     def hard_contexts(self, memory):
         return memory
@@ -195,13 +195,13 @@ class MultiHeadAttention(nn.Module):
         return k * self.head_dim**-0.5, v
 
     def attend(self, query, keys, values, mask):
-        """query [N, d] (= W_q s + b_q) -> context [N, d], head-averaged probabilities [N, S] (N = B x g, as in
+        """query [N, d] (= W_q s + b_q) -> context [N, d], probabilities of every head [N, heads, S] (N = B x g, as in
         AdditiveAttention)."""
         batch, rows = keys.shape[0], query.shape[0]
         q = query.view(batch, -1, self.num_heads, self.head_dim).transpose(1, 2)  # [B, heads, g, head_dim]
         probs = _masked_softmax(torch.matmul(q, keys.transpose(-1, -2)), mask)  # [B, heads, g, S]
         out = torch.matmul(probs, values).transpose(1, 2).reshape(rows, -1)  # heads concatenated
-        return self.out_proj(out), probs.mean(1).view(rows, -1)
+        return self.out_proj(out), probs.transpose(1, 2).reshape(rows, self.num_heads, -1)
 
     def hard_contexts(self, memory):
         _, values = self.kv_proj(memory).chunk(2, dim=-1)  # all heads on position j: concatenated value rows
@@ -236,12 +236,15 @@ class GRUHiddenProjection(nn.Linear):
 
 @dataclass
 class HybridDecoderOutput(ModelOutput):
-    """readout [B, T, d_model], states (top GRU layer) [B, T, H], contexts [B, T, C], attentions [B, T, S]."""
+    """readout [B, T, d_model], states (top GRU layer) [B, T, H], contexts [B, T, C], attentions a_t of every head
+    [B, heads, T, S] (one head for additive and dot attention); with ``output_hidden_states``, ``hidden_states`` =
+    (the word embeddings [B, T, d_model], the states of every GRU layer [B, T, H], ..., the readout)."""
 
     readout: torch.Tensor | None = None
     states: torch.Tensor | None = None
     contexts: torch.Tensor | None = None
     attentions: torch.Tensor | None = None
+    hidden_states: tuple | None = None
 
 
 class HybridDecoder(nn.Module):
@@ -300,17 +303,18 @@ class HybridDecoder(nn.Module):
         return keys, values
 
     def word_inputs(self, input_ids=None, inputs_embeds=None):
-        """Word-side gate inputs W_e E y + b [B, T, 3H] of layer 0, for all given positions in one matmul."""
+        """(word embeddings [B, T, d_model] after dropout, the word-side gate inputs W_e E y + b [B, T, 3H] of layer 0
+        for all given positions in one matmul)."""
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids) * self.embed_scale
-        x = F.dropout(inputs_embeds, self.config.dropout, self.training)
-        if self.embed_in is not None:
-            x = self.embed_in(x)
-        return self.input_projs[0](x)
+        embeddings = F.dropout(inputs_embeds, self.config.dropout, self.training)
+        x = self.embed_in(embeddings) if self.embed_in is not None else embeddings
+        return embeddings, self.input_projs[0](x)
 
     def step(self, word_input, states, keys, values, mask=None):
         """One decoder step. word_input [B, 3H] (from :meth:`word_inputs`), states: list of [B, H] (s_{t-1} per
-        layer), keys/values from :meth:`source`, mask bool [B, S] or None -> (new states, c_t [B, C], a_t [B, S])."""
+        layer), keys/values from :meth:`source`, mask bool [B, S] or None -> (new states, c_t [B, C], a_t of every head
+        [B, heads, S])."""
         top, hidden = self.num_layers - 1, self.hidden_size
         fused = self.hidden_projs[top](states[top])  # weight combination: [W_h; W_query] s_{t-1}
         top_gh = fused[:, : 3 * hidden]
@@ -327,10 +331,10 @@ class HybridDecoder(nn.Module):
 
     # -- whole call -------------------------------------------------------------------------------------------
     def forward(self, input_ids=None, encoder_hidden_states=None, encoder_attention_mask=None, inputs_embeds=None,
-                cache: HardAttnCache | None = None) -> HybridDecoderOutput:
+                cache: HardAttnCache | None = None, output_hidden_states=False) -> HybridDecoderOutput:
         """Run the T given target positions (teacher forcing; or the new token(s) of cached decoding, continuing from
         ``cache.states``)."""
-        word_inputs = self.word_inputs(input_ids, inputs_embeds)
+        embeddings, word_inputs = self.word_inputs(input_ids, inputs_embeds)
         rows = word_inputs.shape[0]  # grouped memory: rows // sources consecutive rows per encoder row (beams)
         check_memory_rows(rows, encoder_hidden_states, encoder_attention_mask, self.reads_memory_grouped)
         mask = None
@@ -343,20 +347,27 @@ class HybridDecoder(nn.Module):
             groups = rows // encoder_hidden_states.shape[0]
             states = [s.repeat_interleave(groups, dim=0) if groups > 1 else s
                       for s in self.initial_states(encoder_hidden_states, encoder_attention_mask)]
-        tops, contexts, attentions = [], [], []
+        tops, contexts, attentions, all_states = [], [], [], []
         for t in range(word_inputs.shape[1]):
             states, context, probs = self.step(word_inputs[:, t], states, keys, values, mask)
             tops.append(states[-1])
             contexts.append(context)
             attentions.append(probs)
+            if output_hidden_states:
+                all_states.append(states)
         if cache is not None:
             for l, state in enumerate(states):
                 cache.states[f"gru.{l}"] = state
             cache.seen_tokens += word_inputs.shape[1]
         tops, contexts = torch.stack(tops, 1), torch.stack(contexts, 1)
         readout = self.readout(F.dropout(tops, self.config.dropout, self.training), contexts)
-        return HybridDecoderOutput(readout=F.dropout(readout, self.config.dropout, self.training), states=tops,
-                                   contexts=contexts, attentions=torch.stack(attentions, 1))
+        readout = F.dropout(readout, self.config.dropout, self.training)
+        hidden_states = None
+        if output_hidden_states:
+            layers = [torch.stack([step[l] for step in all_states], 1) for l in range(self.num_layers)]
+            hidden_states = (embeddings, *layers, readout)
+        return HybridDecoderOutput(readout=readout, states=tops, contexts=contexts,
+                                   attentions=torch.stack(attentions, 2), hidden_states=hidden_states)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -402,19 +413,25 @@ class HybridForConditionalGeneration(HybridPreTrainedModel, HardAttnForCondition
     )
 
     def decoder_outputs(self, decoder_input_ids, encoder_hidden_states, attention_mask, decoder_inputs_embeds=None,
-                        cache=None) -> HybridDecoderOutput:
-        """The full :class:`HybridDecoderOutput` (readout, states, contexts, attentions)."""
+                        cache=None, output_hidden_states=False) -> HybridDecoderOutput:
+        """The full :class:`HybridDecoderOutput` (readout, states, contexts, attentions, hidden states when asked)."""
         return self.model.decoder(decoder_input_ids, encoder_hidden_states, attention_mask, decoder_inputs_embeds,
-                                  cache)
+                                  cache, output_hidden_states=output_hidden_states)
 
     decode_reads_memory_grouped = True  # see HardAttnForConditionalGeneration._memory_grouped_decoding
 
     def decode(self, decoder_input_ids, encoder_hidden_states, attention_mask, decoder_attention_mask,
-               decoder_inputs_embeds, cache):
+               decoder_inputs_embeds, cache, output_attentions=False, output_hidden_states=False) -> DecoderResult:
         """Readout vectors [B, T, d_model]. Decoder inputs are right-padded (padding comes after the tokens that
-        matter), so ``decoder_attention_mask`` is not needed by a left-to-right RNN."""
-        return self.decoder_outputs(decoder_input_ids, encoder_hidden_states, attention_mask, decoder_inputs_embeds,
-                                    cache).readout
+        matter), so ``decoder_attention_mask`` is not needed by a left-to-right RNN. With ``output_attentions`` the
+        GRU decoder's attention over the source is its one ``cross_attentions`` layer [B, heads, T, S] (one head for
+        additive and dot attention) and ``decoder_attentions`` holds None for each GRU layer (no self-attention);
+        ``output_hidden_states`` gives (embeddings, every GRU layer's states [B, T, rnn_hidden_size], the readout)."""
+        out = self.decoder_outputs(decoder_input_ids, encoder_hidden_states, attention_mask, decoder_inputs_embeds,
+                                   cache, output_hidden_states)
+        attentions = (None,) * self.config.decoder_layers if output_attentions else None
+        return DecoderResult(out.readout, out.hidden_states, attentions,
+                             (out.attentions,) if output_attentions else None)
 
 
 __all__ = [

@@ -17,6 +17,7 @@ import contextlib
 import copy
 import math
 import os
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +26,7 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import DynamicCache, DynamicLayer, EncoderDecoderCache
-from transformers.modeling_outputs import BaseModelOutput, Seq2SeqLMOutput
+from transformers.modeling_outputs import BaseModelOutput, BaseModelOutputWithPastAndCrossAttentions, Seq2SeqLMOutput
 
 from .configuration_hardattn import ROLES, HardAttnConfig
 from .model_card import write_model_card
@@ -203,6 +204,13 @@ class HardAttnCache(EncoderDecoderCache):
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.seen_tokens
 
+    @property
+    def is_linear(self) -> list[bool]:
+        """No layer is a linear-attention (state-space) layer. generate() (transformers >= 5.24) cuts an already cached
+        decoder prefix only when some layer is not linear, and a decoder that keeps no key/value layers (Gaussian
+        self-attention, the hybrid's GRU) would otherwise report an empty list, i.e. "all linear"."""
+        return [False] * max(1, len(self.self_attention_cache.layers))
+
     def reorder_cache(self, beam_idx: torch.LongTensor):
         self.self_attention_cache.reorder_cache(beam_idx)
         for name, state in self.states.items():
@@ -255,7 +263,8 @@ def sinusoidal_table(num_positions: int, dim: int, offset: int = 0) -> torch.Ten
 
 
 class PositionEmbedding(nn.Module):
-    """Sinusoidal (default) or learned absolute positions."""
+    """Sinusoidal (default) or learned absolute positions: of consecutive positions (``forward``), or of one position
+    per token (``at``: a left-padded source, whose positions count from each row's first real token)."""
 
     def __init__(self, config: HardAttnConfig):
         super().__init__()
@@ -265,19 +274,40 @@ class PositionEmbedding(nn.Module):
         else:
             self.register_buffer("table", sinusoidal_table(self.limit, self.dim), persistent=False)
 
+    def check_length(self, end: int):
+        if self.kind == "learned" and end > self.limit:
+            raise ValueError(
+                f"Sequence of {end} positions exceeds `max_position_embeddings`={self.limit} with "
+                f"`position_embedding`='learned'; allowed: at most {self.limit} positions (truncate the input, "
+                f"or use position_embedding='sinusoidal', which extends beyond the table)."
+            )
+
     def forward(self, start: int, length: int) -> torch.Tensor:
+        """[length, d]: positions start, ..., start + length - 1."""
         end = start + length
+        self.check_length(end)
         if self.kind == "learned":
-            if end > self.limit:
-                raise ValueError(
-                    f"Sequence of {end} positions exceeds `max_position_embeddings`={self.limit} with "
-                    f"`position_embedding`='learned'; allowed: at most {self.limit} positions (truncate the input, "
-                    f"or use position_embedding='sinusoidal', which extends beyond the table)."
-                )
             return self.embed.weight[start:end]
         if end > self.limit:  # sinusoidal positions extend beyond the table
             return sinusoidal_table(length, self.dim, offset=start).to(self.table)
         return self.table[start:end]
+
+    def at(self, positions: torch.Tensor) -> torch.Tensor:
+        """[B, S, d]: the embedding of every position in ``positions`` [B, S] (each < S)."""
+        length = positions.shape[-1]
+        self.check_length(length)
+        if self.kind == "learned":
+            return self.embed(positions)
+        return (self.table if length <= self.limit else sinusoidal_table(length, self.dim).to(self.table))[positions]
+
+
+def token_positions(attention_mask):
+    """Per-token positions [B, S] counted from each row's first real token (0 on the padding before it), or None when
+    every row starts with a real token (right padding or none), where positions are simply 0, 1, ... (a
+    data-dependent check, so while tracing (torch.compile / export) the positions are always computed)."""
+    if attention_mask is None or (not torch.compiler.is_compiling() and bool(attention_mask[:, 0].all())):
+        return None
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
 class FeedForward(nn.Module):
@@ -293,6 +323,24 @@ class FeedForward(nn.Module):
 def causal_mask(query_length: int, key_length: int, device) -> torch.Tensor:
     """Boolean [Tq, Tk] mask, True where query i (the last Tq of Tk positions) may attend to key j."""
     return torch.ones(query_length, key_length, dtype=torch.bool, device=device).tril(key_length - query_length)
+
+
+def full_mask(mask, causal, query_length, key_length, device):
+    """The bool mask (True = may attend) implied by ``mask`` / ``causal``, or None when everything is visible."""
+    if causal:
+        tri = causal_mask(query_length, key_length, device)
+        return tri if mask is None else mask & tri
+    return mask
+
+
+def ungroup_weights(weights: torch.Tensor, rows: int) -> torch.Tensor:
+    """Attention weights of a grouped memory, [sources, H, g * Tq, Tk] (the g decoder rows of a sentence as one query
+    sequence, see SoftAttention), as one row per decoder row: [rows = sources * g, H, Tq, Tk]."""
+    sources, heads, queries, keys = weights.shape
+    if sources == rows:
+        return weights
+    groups = rows // sources
+    return weights.view(sources, heads, groups, queries // groups, keys).transpose(1, 2).reshape(rows, heads, -1, keys)
 
 
 class _SmoothedCrossEntropy(torch.autograd.Function):
@@ -374,9 +422,12 @@ class SoftAttention(nn.Module):
     * ``hidden``: the queries' layer input [B, Tq, d]; ``memory``: the encoder output [B, S, d] (cross-attention);
     * ``mask``: bool, broadcastable to [B, heads, Tq, Tk], True = may attend, or None;
     * ``causal``: the decoder's causal mask when ``mask`` is None and Tq == Tk (training, no cache);
-    * ``cache``: a :class:`HardAttnCache` during cached decoding.
+    * ``cache``: a :class:`HardAttnCache` during cached decoding;
+    * ``output_attentions``: also return the attention weights the kind used, ``(output, weights)`` with weights
+      [B, heads, Tq, Tk] (transformers' layout; computed only when asked, the fused kernel stays the default).
 
-    Kinds that keep the projections and change only how the weights are formed override :meth:`attend`.
+    Kinds that keep the projections and change only how the weights are formed override :meth:`attend` and
+    :meth:`attend_with_weights`.
 
     As cross-attention it also reads a *grouped* memory: ``memory`` with B rows for ``hidden`` with B x g rows, row r
     of ``hidden`` attending to row r // g of ``memory`` (g beams or returned sequences per sentence; see
@@ -388,6 +439,7 @@ class SoftAttention(nn.Module):
 
     def __init__(self, config: HardAttnConfig, role: str, layer_idx: int):
         super().__init__()
+        self.config = config  # its `_attn_implementation` ("sdpa" or "eager") is read at every call
         self.role, self.layer_idx, self.is_cross = role, layer_idx, role == "cross"
         d_model = config.d_model
         self.num_heads = config.encoder_attention_heads if role == "encoder" else config.decoder_attention_heads
@@ -424,15 +476,28 @@ class SoftAttention(nn.Module):
         return q, k, v
 
     def attend(self, q, k, v, mask, causal):
-        """Eq. 1 of Vaswani et al.: [B, H, Tq, head_dim]. Under CPU autocast (bf16 training on CPU) it runs in fp32:
+        """Eq. 1 of Vaswani et al.: [B, H, Tq, head_dim], by torch's fused kernel (``attn_implementation="sdpa"``, the
+        default) or written out (``"eager"``). Under CPU autocast (bf16 training on CPU) the fused kernel runs in fp32:
         the CPU flash kernel's bf16 backward is several times slower than its fp32 one (measured: 21 ms vs 4 ms per
         call at d 256, 128 x 30 tokens), and attention is a small share of the GEMM work bf16 speeds up."""
+        if self.config._attn_implementation == "eager":
+            return self.attend_with_weights(q, k, v, mask, causal)[0]
         fp32 = q.requires_grad and q.device.type == "cpu" and torch.is_autocast_enabled("cpu")  # (never when decoding)
         with torch.autocast("cpu", enabled=False) if fp32 else contextlib.nullcontext():
             out = F.scaled_dot_product_attention(
                 *((t.float() for t in (q, k, v)) if fp32 else (q, k, v)), attn_mask=mask,
                 dropout_p=self.dropout if self.training else 0.0, is_causal=causal)
         return out.to(q.dtype) if fp32 else out
+
+    def attend_with_weights(self, q, k, v, mask, causal):
+        """Eq. 1 written out: (output [B, H, Tq, head_dim], weights [B, H, Tq, Tk] = softmax(QK^T / sqrt(d_k)) over
+        the visible keys, after attention dropout, as transformers' eager attention returns them)."""
+        scores = (q @ k.transpose(-1, -2)) * self.head_dim**-0.5
+        mask = full_mask(mask, causal, q.shape[-2], k.shape[-2], q.device)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        weights = F.dropout(torch.softmax(scores, dim=-1), self.dropout, self.training)
+        return weights @ v, weights
 
     def merge(self, out: torch.Tensor) -> torch.Tensor:
         """[B, H, Tq, head_dim] heads -> output projection [B, Tq, d_model]."""
@@ -445,7 +510,7 @@ class SoftAttention(nn.Module):
             return cache.cross_attention_cache.layers[self.layer_idx].keys.shape[0]
         return memory.shape[0]
 
-    def forward(self, hidden, memory=None, mask=None, causal=False, cache=None):
+    def forward(self, hidden, memory=None, mask=None, causal=False, cache=None, output_attentions=False):
         batch, length, width = hidden.shape
         sources = self.memory_rows(memory, cache) if self.is_cross else batch
         # Grouped memory: the `batch // sources` consecutive rows of a sentence share its keys/values; queries attend
@@ -453,7 +518,10 @@ class SoftAttention(nn.Module):
         if sources != batch:
             hidden = hidden.reshape(sources, -1, width)
         q, k, v = self.project(hidden, memory, cache)
-        return self.merge(self.attend(q, k, v, mask, causal)).reshape(batch, length, -1)
+        if not output_attentions:
+            return self.merge(self.attend(q, k, v, mask, causal)).reshape(batch, length, -1)
+        out, weights = self.attend_with_weights(q, k, v, mask, causal)
+        return self.merge(out).reshape(batch, length, -1), ungroup_weights(weights, batch)
 
 
 def attention_classes() -> dict:
@@ -484,10 +552,14 @@ class SubLayer(nn.Module):
         self.module, self.norm = module, nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
         self.pre_norm, self.dropout = config.normalize_before, config.dropout
 
-    def forward(self, x, *args, **kwargs):
-        if self.pre_norm:
-            return x + F.dropout(self.module(self.norm(x), *args, **kwargs), self.dropout, self.training)
-        return self.norm(x + F.dropout(self.module(x, *args, **kwargs), self.dropout, self.training))
+    def forward(self, x, *args, output_attentions=False, **kwargs):
+        """The new residual stream; with ``output_attentions`` (attention sub-layers), ``(stream, weights)``."""
+        out = self.module(self.norm(x) if self.pre_norm else x, *args,
+                          **(dict(kwargs, output_attentions=True) if output_attentions else kwargs))
+        out, weights = out if output_attentions else (out, None)
+        out = F.dropout(out, self.dropout, self.training)
+        x = x + out if self.pre_norm else self.norm(x + out)
+        return (x, weights) if output_attentions else x
 
 
 class EncoderLayer(nn.Module):
@@ -498,10 +570,14 @@ class EncoderLayer(nn.Module):
         ffn = FeedForward(config.d_model, config.encoder_ffn_dim, config.activation_function, config.activation_dropout)
         self.ffn = SubLayer(config, ffn)
 
-    def forward(self, x, mask):
+    def forward(self, x, mask, output_attentions=False):
+        """The layer output; with ``output_attentions``, ``(output, self-attention weights or None for kind "none")``."""
+        weights = None
         if self.self_attn is not None:
-            x = self.self_attn(x, mask=mask)
-        return self.ffn(x)
+            x = self.self_attn(x, mask=mask, output_attentions=output_attentions)
+            x, weights = x if output_attentions else (x, None)
+        x = self.ffn(x)
+        return (x, weights) if output_attentions else x
 
 
 class DecoderLayer(nn.Module):
@@ -514,12 +590,18 @@ class DecoderLayer(nn.Module):
         ffn = FeedForward(config.d_model, config.decoder_ffn_dim, config.activation_function, config.activation_dropout)
         self.ffn = SubLayer(config, ffn)
 
-    def forward(self, x, memory, self_mask, causal, cross_mask, cache):
+    def forward(self, x, memory, self_mask, causal, cross_mask, cache, output_attentions=False):
+        """The layer output; with ``output_attentions``, ``(output, self-attention weights, cross-attention weights)``,
+        None for a sub-layer of kind "none"."""
+        self_weights = cross_weights = None
         if self.self_attn is not None:
-            x = self.self_attn(x, mask=self_mask, causal=causal, cache=cache)
+            x = self.self_attn(x, mask=self_mask, causal=causal, cache=cache, output_attentions=output_attentions)
+            x, self_weights = x if output_attentions else (x, None)
         if self.cross_attn is not None:
-            x = self.cross_attn(x, memory=memory, mask=cross_mask, cache=cache)
-        return self.ffn(x)
+            x = self.cross_attn(x, memory=memory, mask=cross_mask, cache=cache, output_attentions=output_attentions)
+            x, cross_weights = x if output_attentions else (x, None)
+        x = self.ffn(x)
+        return (x, self_weights, cross_weights) if output_attentions else x
 
 
 def padding_mask(attention_mask):
@@ -553,20 +635,41 @@ class HardAttnEncoder(nn.Module):
         self.layers = nn.ModuleList(EncoderLayer(config, i, kind) for i, kind in enumerate(kinds))
         self.final_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps) if config.normalize_before else None
 
-    def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, return_dict=True, **kwargs):
-        _refuse_unsupported_outputs(kwargs)
+    def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, return_dict=None,
+                output_attentions=None, output_hidden_states=None, **kwargs):
+        """``BaseModelOutput``: ``last_hidden_state`` [B, S, d]; with ``output_hidden_states``, ``hidden_states`` = the
+        embeddings (layer 0's input) and every layer's output, the last one after the final norm of a pre-norm model
+        (as transformers' encoders); with ``output_attentions``, ``attentions`` = one [B, heads, S, S] tensor per layer
+        (None for a layer of kind "none"). Flags default to the config's. A left-padded source (padding before the
+        tokens) gets the same positions as the sentence alone."""
+        config = self.config
+        output_attentions = config.output_attentions if output_attentions is None else output_attentions
+        output_hidden_states = config.output_hidden_states if output_hidden_states is None else output_hidden_states
         if inputs_embeds is None:
             if input_ids is None:
                 raise ValueError("The encoder needs `input_ids` or `inputs_embeds`.")
             inputs_embeds = self.embed_tokens(input_ids) * self.embed_scale
-        x = inputs_embeds + self.embed_positions(0, inputs_embeds.shape[1])
-        x = F.dropout(x, self.config.dropout, self.training)
+        positions = token_positions(attention_mask)
+        x = inputs_embeds + (self.embed_positions(0, inputs_embeds.shape[1]) if positions is None
+                             else self.embed_positions.at(positions))
+        x = F.dropout(x, config.dropout, self.training)
         mask = padding_mask(attention_mask)
+        hidden_states, attentions = [x] if output_hidden_states else None, [] if output_attentions else None
         for layer in self.layers:
-            x = layer(x, mask)
+            if output_attentions:
+                x, weights = layer(x, mask, output_attentions=True)
+                attentions.append(weights)
+            else:
+                x = layer(x, mask)
+            if output_hidden_states:
+                hidden_states.append(x)
         if self.final_norm is not None:
             x = self.final_norm(x)
-        return BaseModelOutput(last_hidden_state=x)
+        if output_hidden_states:
+            hidden_states[-1] = x
+        output = BaseModelOutput(last_hidden_state=x, hidden_states=hidden_states and tuple(hidden_states),
+                                 attentions=attentions if attentions is None else tuple(attentions))
+        return output if (config.return_dict if return_dict is None else return_dict) else output.to_tuple()
 
 
 class HardAttnDecoder(nn.Module):
@@ -606,26 +709,75 @@ class HardAttnDecoder(nn.Module):
             return None, True
         return causal_mask(query_length, key_length, device), False
 
-    def forward(self, input_ids, encoder_hidden_states, encoder_attention_mask=None, attention_mask=None,
-                inputs_embeds=None, cache=None):
+    def forward(self, input_ids=None, encoder_hidden_states=None, encoder_attention_mask=None, attention_mask=None,
+                inputs_embeds=None, cache=None, output_attentions=None, output_hidden_states=None, return_dict=None,
+                **kwargs):
+        """``BaseModelOutputWithPastAndCrossAttentions``: ``last_hidden_state`` [B, T, d] (the input of the output
+        layer); with ``output_hidden_states``, ``hidden_states`` = the embeddings and every layer's output (the last
+        after the final norm of a pre-norm model); with ``output_attentions``, ``attentions`` (self-attention
+        [B, heads, T, past + T]) and ``cross_attentions`` ([B, heads, T, S]), one tensor per layer, None for a
+        sub-layer of kind "none". Flags default to the config's."""
+        config = self.config
+        output_attentions = config.output_attentions if output_attentions is None else output_attentions
+        output_hidden_states = config.output_hidden_states if output_hidden_states is None else output_hidden_states
         past_length = cache.get_seq_length() if cache is not None else 0
         x = self.embed(input_ids, inputs_embeds, past_length)
         self_mask, causal = self.self_attention_mask(attention_mask, x.shape[1], past_length, x.device)
         check_memory_rows(x.shape[0], encoder_hidden_states, encoder_attention_mask, self.reads_memory_grouped)
         cross_mask = padding_mask(encoder_attention_mask)
+        hidden_states = [x] if output_hidden_states else None
+        attentions, cross_attentions = ([], []) if output_attentions else (None, None)
         for layer in self.layers:
-            x = layer(x, encoder_hidden_states, self_mask, causal, cross_mask, cache)
+            if output_attentions:
+                x, self_weights, cross_weights = layer(x, encoder_hidden_states, self_mask, causal, cross_mask, cache,
+                                                       output_attentions=True)
+                attentions.append(self_weights)
+                cross_attentions.append(cross_weights)
+            else:
+                x = layer(x, encoder_hidden_states, self_mask, causal, cross_mask, cache)
+            if output_hidden_states:
+                hidden_states.append(x)
         if cache is not None:
             cache.seen_tokens += x.shape[1]
         if self.final_norm is not None:
             x = self.final_norm(x)
-        return x
+        if output_hidden_states:
+            hidden_states[-1] = x
+        output = BaseModelOutputWithPastAndCrossAttentions(
+            last_hidden_state=x, hidden_states=hidden_states and tuple(hidden_states),
+            attentions=attentions and tuple(attentions), cross_attentions=cross_attentions and tuple(cross_attentions),
+            **{CACHE_FIELD: cache})
+        return output if (config.return_dict if return_dict is None else return_dict) else output.to_tuple()
 
 
-def _refuse_unsupported_outputs(kwargs):
-    for name in ("output_attentions", "output_hidden_states"):
-        if kwargs.get(name):
-            raise ValueError(f"`{name}=True` is not supported by hf_hardattn models; allowed: False.")
+class DecoderResult(NamedTuple):
+    """What ``decode`` hands to ``forward``: the output layer's input (``last_hidden_state``: [B, T, d], or the
+    beam-joint candidates) and, when asked, the per-layer outputs in transformers' layout."""
+
+    last_hidden_state: Any
+    hidden_states: tuple | None = None
+    attentions: tuple | None = None
+    cross_attentions: tuple | None = None
+
+
+def check_labels(labels: torch.Tensor, vocab_size: int):
+    """``labels`` [B, T]: integers, each -100 (ignored) or in [0, vocab_size), padded on the right. A row that starts
+    with -100 and has real labels after it is left-padded (DataCollatorForSeq2Seq pads the labels on the tokenizer's
+    ``padding_side``): its decoder input would be [start, pad, ..., y_1, ...], so it is refused, not learned from."""
+    if labels.dim() != 2 or labels.dtype.is_floating_point or labels.dtype == torch.bool:
+        raise ValueError(f"`labels` must be an integer tensor [batch, target length], got {labels.dtype} of shape "
+                         f"{tuple(labels.shape)}.")
+    if torch.compiler.is_compiling():
+        return
+    bad = (labels != -100) & ((labels < 0) | (labels >= vocab_size))
+    if bool(bad.any()):
+        raise ValueError(f"`labels` must be -100 (ignored) or in [0, {vocab_size}), got {labels[bad][0].item()}.")
+    left = (labels[:, 0] == -100) & (labels != -100).any(-1)
+    if bool(left.any()):
+        row = int(left.nonzero()[0])
+        raise ValueError(f"`labels` row {row} starts with -100 (ignored) before its tokens: {labels[row].tolist()}; "
+                         f"labels must be padded on the right (the collator pads them on the tokenizer's side: set "
+                         f"tokenizer.padding_side='right').")
 
 
 def shift_tokens_right(labels: torch.Tensor, pad_token_id: int, decoder_start_token_id: int) -> torch.Tensor:
@@ -651,6 +803,31 @@ class HardAttnPreTrainedModel(PreTrainedModel):
     card_title = "Transformer encoder-decoder"
     card_description = "Standard Transformer (Vaswani et al., 2017) with scaled dot-product attention."
     card_citation = "Vaswani et al. (2017). Attention Is All You Need. NeurIPS."
+
+    ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
+
+    def _check_and_adjust_attn_implementation(self, attn_implementation, is_init_check=False,
+                                              allow_all_kernels=False) -> str:
+        """``attn_implementation`` (config, ``from_pretrained`` or ``set_attn_implementation``): None or "sdpa" (torch's
+        fused kernel for soft attention, the default) or "eager" (softmax(QK^T / sqrt(d_k)) written out). The other
+        kinds have their own kernels under both. Anything else is refused: transformers' other kernels (flash, flex,
+        paged, the registry's) expect Marian-style attention modules, which these models do not have."""
+        requested = "sdpa" if attn_implementation is None else attn_implementation
+        if requested not in self.ATTN_IMPLEMENTATIONS:
+            raise ValueError(f"`attn_implementation`={attn_implementation!r} is not supported by {type(self).__name__}; "
+                             f"allowed: {list(self.ATTN_IMPLEMENTATIONS)} (or None for 'sdpa').")
+        return requested
+
+    def mark_tied_weights_as_initialized(self, loading_info):
+        """transformers flags every tied target as initialised before loading the missing keys; our targets are the very
+        Parameter of their source (``model.shared.weight``), so the source got the flag too and, absent from a checkpoint,
+        was dropped from the missing keys and left on the meta device. A tied source that the checkpoint lacks stays
+        missing here, so that it is reported, materialised and initialised (as transformers does for MarianMTModel)."""
+        missing_sources = set(self.all_tied_weights_keys.values()) & loading_info.missing_keys
+        super().mark_tied_weights_as_initialized(loading_info)
+        for key in missing_sources:
+            self.get_parameter(key)._is_hf_initialized = False
+        loading_info.missing_keys |= missing_sources
 
     @torch.no_grad()
     def _init_weights(self, module):
@@ -746,12 +923,13 @@ class HardAttnForConditionalGeneration(HardAttnPreTrainedModel, GenerationMixin)
         return shift_tokens_right(labels, self.config.pad_token_id, self.config.decoder_start_token_id)
 
     def decode(self, decoder_input_ids, encoder_hidden_states, attention_mask, decoder_attention_mask,
-               decoder_inputs_embeds, cache):
-        """Decoder hidden states [B, T, d]. Variants whose decoder is not the skeleton's override this."""
-        return self.model.decoder(
-            decoder_input_ids, encoder_hidden_states, attention_mask, decoder_attention_mask,
-            decoder_inputs_embeds, cache,
-        )
+               decoder_inputs_embeds, cache, output_attentions=False, output_hidden_states=False) -> DecoderResult:
+        """The decoder's :class:`DecoderResult` (hidden states [B, T, d] for the output layer; per-layer weights and
+        states when asked). Variants whose decoder is not the skeleton's override this."""
+        out = self.model.decoder(
+            decoder_input_ids, encoder_hidden_states, attention_mask, decoder_attention_mask, decoder_inputs_embeds,
+            cache, output_attentions=output_attentions, output_hidden_states=output_hidden_states, return_dict=True)
+        return DecoderResult(out.last_hidden_state, out.hidden_states, out.attentions, out.cross_attentions)
 
     def output_logits(self, hidden, **kwargs):
         """Vocabulary scores [B, T, V] from decoder states (the beam-joint variant overrides this)."""
@@ -781,34 +959,51 @@ class HardAttnForConditionalGeneration(HardAttnPreTrainedModel, GenerationMixin)
         return_dict=None,
         num_items_in_batch=None,
         cache=None,
+        output_attentions=None,
+        output_hidden_states=None,
         **kwargs,
     ):
-        _refuse_unsupported_outputs(kwargs)
+        """``Seq2SeqLMOutput`` (a tuple in its field order with ``return_dict=False``). ``output_attentions`` adds
+        ``encoder_attentions``, ``decoder_attentions`` and ``cross_attentions``: one tensor per layer, [batch, heads,
+        query, key], holding the weights each attention kind really used (see each kind's ``attend_with_weights`` /
+        ``forward``), None in the slot of a sub-layer of kind "none". ``output_hidden_states`` adds
+        ``encoder_hidden_states`` and ``decoder_hidden_states`` (the embeddings and every layer's output; the last
+        decoder one is the output layer's input). Both default to the config's flags and cost nothing when off."""
+        config = self.config
+        output_attentions = config.output_attentions if output_attentions is None else output_attentions
+        output_hidden_states = config.output_hidden_states if output_hidden_states is None else output_hidden_states
+        return_dict = config.return_dict if return_dict is None else return_dict
         if cache is not None and past_key_values is not None:
             raise ValueError("Pass the decoding cache as `cache` or as `past_key_values` (its name before "
                              "transformers 5.24), not both.")
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if labels is not None:
+            check_labels(labels, self.config.vocab_size)
             use_cache = False
             if decoder_input_ids is None and decoder_inputs_embeds is None:
                 decoder_input_ids = self.prepare_decoder_input_ids_from_labels(labels)
         if encoder_outputs is None:
-            encoder_outputs = self.model.encoder(input_ids, attention_mask, inputs_embeds)
-        elif isinstance(encoder_outputs, (tuple, list)):
-            encoder_outputs = BaseModelOutput(last_hidden_state=encoder_outputs[0])
+            encoder_outputs = self.model.encoder(input_ids, attention_mask, inputs_embeds, return_dict=True,
+                                                 output_attentions=output_attentions,
+                                                 output_hidden_states=output_hidden_states)
+        elif isinstance(encoder_outputs, (tuple, list)):  # as transformers' models read a tuple
+            encoder_outputs = BaseModelOutput(*encoder_outputs[:3])
         cache = HardAttnCache.from_cache(past_key_values if cache is None else cache) if use_cache else None
-        hidden = self.decode(
+        decoded = self.decode(
             decoder_input_ids, encoder_outputs.last_hidden_state, attention_mask, decoder_attention_mask,
-            decoder_inputs_embeds, cache,
+            decoder_inputs_embeds, cache, output_attentions=output_attentions, output_hidden_states=output_hidden_states,
         )
-        logits = self.output_logits(hidden, encoder_hidden_states=encoder_outputs.last_hidden_state,
+        logits = self.output_logits(decoded.last_hidden_state, encoder_hidden_states=encoder_outputs.last_hidden_state,
                                     attention_mask=attention_mask)
         loss = self.compute_loss(logits, labels, num_items_in_batch) if labels is not None else None
         output = Seq2SeqLMOutput(
-            loss=loss, logits=logits, encoder_last_hidden_state=encoder_outputs.last_hidden_state,
+            loss=loss, logits=logits, decoder_hidden_states=decoded.hidden_states,
+            decoder_attentions=decoded.attentions, cross_attentions=decoded.cross_attentions,
+            encoder_last_hidden_state=encoder_outputs.last_hidden_state,
+            encoder_hidden_states=encoder_outputs.hidden_states, encoder_attentions=encoder_outputs.attentions,
             **{CACHE_FIELD: cache},
         )
-        return output if return_dict is not False else output.to_tuple()
+        return output if return_dict else output.to_tuple()
 
     def _expand_inputs_for_generation(self, expand_size=1, is_encoder_decoder=False, input_ids=None, **model_kwargs):
         """``generate()`` repeats every sentence ``expand_size`` times (beams, ``num_return_sequences``). When the

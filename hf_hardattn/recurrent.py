@@ -163,9 +163,11 @@ class RecurrentCrossAttention(SoftAttention):
         ``keys_extra`` the per-forward precomputation of Eq. 2-4, ``values`` [B, H, J, d_k], ``valid`` [B, 1, J] float
         or None, ``state`` from step i-1.
 
-        Returns (out, new state): out is the per-head context c_i^{l,n} [B, H, d_k] for Eq. 7, the full context c_i^l
-        [B, d] for Eq. 5/6, and otherwise weights over the values [B, H, J] (re-scaled energies for ``continuity``),
-        whose contexts are formed for all positions at once after the loop. Eq. 2 and 8 only ever use the previous
+        Returns (out, new state, weights): out is the per-head context c_i^{l,n} [B, H, d_k] for Eq. 7, the full context
+        c_i^l [B, d] for Eq. 5/6, and otherwise weights over the values [B, H, J] (re-scaled energies for
+        ``continuity``), whose contexts are formed for all positions at once after the loop; weights is what the
+        expand variants (Eq. 5-8) attended with, [B, H, J + 1] over the expanded key-value list (dropout applied), and
+        None for the others (their weights are ``out``). Eq. 2 and 8 only ever use the previous
         context through V, so their state is the weights w with c_{i-1}^{l,n} = sum_j w_j v_j (exact, and the loop
         never touches V)."""
         variant, scale = self.variant, self.head_dim**-0.5
@@ -175,26 +177,26 @@ class RecurrentCrossAttention(SoftAttention):
             rescaled = self.continuity_lambda * energy + (1 - self.continuity_lambda) * window
             if valid is not None:
                 rescaled = rescaled * valid  # padded positions never enter a window sum
-            return rescaled, {"energies": rescaled}
+            return rescaled, {"energies": rescaled}, None
         if variant == "coverage":  # Eq. 10, then Eq. 11
             weights = torch.softmax(torch.add(energy, state["accumulated"], alpha=-self.coverage_lambda * scale), -1)
-            return weights, {"accumulated": state["accumulated"] + weights}
+            return weights, {"accumulated": state["accumulated"] + weights}, None
         if variant == "concat_weight":  # Eq. 3: + alpha_{i-1,j} (k_j . w) / sqrt(d_k)
             weights = torch.softmax(torch.addcmul(energy, state["weights"], keys_extra), -1)
-            return weights, {"weights": weights}
+            return weights, {"weights": weights}, None
         if variant == "concat_accumulated":  # Eq. 4: + (sum_{i'<i} alpha_{i',j}) (k_j . w) / sqrt(d_k)
             weights = torch.softmax(torch.addcmul(energy, state["accumulated"], keys_extra), -1)
-            return weights, {"accumulated": state["accumulated"] + weights}
+            return weights, {"accumulated": state["accumulated"] + weights}, None
         if variant == "concat_context":  # Eq. 2: + k_j . (W_c c_{i-1}) / sqrt(d_k), c_{i-1} = sum_j' w_j' v_j'
             extra = (keys_extra @ state["context_weights"].unsqueeze(-1)).squeeze(-1)  # keys_extra = k W_c V^T / sqrt(d_k)
             weights = F.dropout(torch.softmax(energy + extra, -1), self.dropout, self.training)
-            return weights, {"context_weights": weights}  # c_i^{l,n} = weights @ V, formed after the loop
+            return weights, {"context_weights": weights}, None  # c_i^{l,n} = weights @ V, formed after the loop
         if variant == "expand_4":  # Eq. 8: g_k = W_gk^n c_{i-1}^{l,n}, g_v = c_{i-1}^{l,n} = sum_j w_j v_j
             previous = state["context_weights"]
             extra = (query * previous).sum(-1, keepdim=True)  # q_i . g_k / sqrt(d_k); query = q W_gk V^T / sqrt(d_k)
             weights = F.dropout(torch.softmax(torch.cat([energy, extra], -1), -1), self.dropout, self.training)
             combined = weights[..., :-1] + weights[..., -1:] * previous  # c_i = sum_j alpha_ij v_j + alpha_i,J+1 g_v
-            return combined, {"context_weights": combined}
+            return combined, {"context_weights": combined}, weights
         # expand key-value list (Eq. 5-7): one more (key, value) pair after the J source positions
         g_k, g_v = self.previous_pair(state["context"])
         extra = (query * g_k).sum(-1, keepdim=True) * scale
@@ -202,9 +204,13 @@ class RecurrentCrossAttention(SoftAttention):
         context = (weights[..., None, :-1] @ values).squeeze(-2) + weights[..., -1:] * g_v
         if variant in ("expand_1", "expand_2"):  # the full context c_i^l (heads concatenated + output projection)
             context = self.out_proj(context.reshape(context.shape[0], self.d_model))
-        return context, {"context": context}
+        return context, {"context": context}, weights
 
-    def forward(self, hidden, memory=None, mask=None, causal=False, cache=None):
+    def forward(self, hidden, memory=None, mask=None, causal=False, cache=None, output_attentions=False):
+        """[B, T, d]; with ``output_attentions``, ``(output, weights)``: the weights each position attended with,
+        after the variant's re-scaling (continuity, coverage) or query change (Eq. 2-4) and attention dropout,
+        [B, H, T, J] over the source; for the expand variants (Eq. 5-8) [B, H, T, J + 1] over the expanded key-value
+        list, whose last column is the weight of the extra pair (g_k, g_v) built from the previous step's context."""
         q, k, v = self.project(hidden, memory, cache)  # [B, H, T, d_k], [B, H, J, d_k]
         batch, _, length, _ = q.shape
         source_length = k.shape[-2]
@@ -228,25 +234,29 @@ class RecurrentCrossAttention(SoftAttention):
             keys_extra = torch.einsum("bhjd,hd->bhj", k, self.weight_query) * scale
 
         state = self.load_state(cache, batch, source_length, q)
-        outputs = []
+        outputs, step_weights = [], []
         for energy, query in zip(energies.unbind(2), queries.unbind(2)):  # only this loop is sequential
-            out, state = self.step(energy, query, keys_extra, v, valid, state)
+            out, state, weights = self.step(energy, query, keys_extra, v, valid, state)
             outputs.append(out)
+            step_weights.append(weights)
         self.store_state(cache, state)
 
         out = torch.stack(outputs, 1 if self.variant in ("expand_1", "expand_2") else 2)
-        if self.variant in ("expand_1", "expand_2"):
-            return out  # [B, T, d]: already the output projection of the heads
-        if self.variant == "expand_3":
-            return self.merge(out)  # [B, H, T, d_k] contexts
-        if self.variant in ("concat_context", "expand_4"):  # weights (dropout applied) of the values
-            return self.merge(out @ v)
+        if self.variant.startswith("expand"):
+            if self.variant == "expand_3":
+                out = self.merge(out)  # [B, H, T, d_k] contexts
+            elif self.variant == "expand_4":
+                out = self.merge(out @ v)  # weights of the values (dropout applied)
+            # (expand_1/2: [B, T, d], already the output projection of the heads)
+            return (out, torch.stack(step_weights, 2)) if output_attentions else out
         if self.variant == "continuity":  # Eq. 11 for all positions at once
             if mask is not None:
                 out = out.masked_fill(~mask.unsqueeze(2), float("-inf"))
             out = torch.softmax(out, -1)
-        out = F.dropout(out, self.dropout, self.training)
-        return self.merge(out @ v)  # c_i = sum_j alpha_ij v_j for every position at once
+        if self.variant != "concat_context":  # (its step applied the dropout)
+            out = F.dropout(out, self.dropout, self.training)
+        result = self.merge(out @ v)  # c_i = sum_j alpha_ij v_j for every position at once
+        return (result, out) if output_attentions else result
 
 
 class RecurrentConfig(HardAttnConfig):

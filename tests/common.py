@@ -328,3 +328,49 @@ def decode_step_by_step(model, decoder_ids, cache_kwarg="cache", **inputs):
         cache = getattr(out, CACHE_FIELD)
         logits.append(out.logits)
     return torch.cat(logits, 1), cache
+
+
+# -- one tiny model per model type (and per behaviour that differs within a type), for the contract tests -----------
+def _contract_builders():
+    import hf_hardattn as h
+
+    def kw(**overrides):
+        return tiny_kwargs(**overrides)
+
+    rnn = dict(decoder_layers=1, rnn_hidden_size=32)
+    return {
+        "soft": lambda: h.SoftTransformerForConditionalGeneration(h.SoftTransformerConfig(**kw())),
+        "soft_prenorm": lambda: h.SoftTransformerForConditionalGeneration(
+            h.SoftTransformerConfig(**kw(normalize_before=True, position_embedding="learned"))),
+        "hard_retrieval": lambda: h.HardRetrievalForConditionalGeneration(
+            h.HardRetrievalConfig(**kw(encoder_attention="hard_retrieval"))),
+        "gaussian_hc_all": lambda: h.GaussianForConditionalGeneration(
+            h.GaussianConfig.preset("hc-all", **kw(length_ratio=1.0))),
+        "gaussian_sh_x": lambda: h.GaussianForConditionalGeneration(h.GaussianConfig.preset("sh-x", **kw())),
+        "hybrid_additive": lambda: h.HybridForConditionalGeneration(h.HybridConfig(**kw(**rnn))),
+        "hybrid_multihead": lambda: h.HybridForConditionalGeneration(
+            h.HybridConfig(**kw(**dict(rnn, decoder_layers=2), rnn_attention="multihead"))),
+        "recurrent_expand_1": lambda: h.RecurrentForConditionalGeneration(h.RecurrentConfig(**kw())),
+        "recurrent_coverage": lambda: h.RecurrentForConditionalGeneration(
+            h.RecurrentConfig(**kw(recurrent_variant="coverage", cross_attention=["soft", "recurrent"]))),
+        "beam_joint_transformer": lambda: h.BeamJointTransformerForConditionalGeneration(
+            h.BeamJointTransformerConfig(**kw(joint_k=3, joint_layer=0))),
+        "beam_joint_rnn": lambda: h.BeamJointRNNForConditionalGeneration(
+            h.BeamJointRNNConfig(**kw(**rnn, joint_k=3, rnn_attention="multihead"))),
+    }
+
+
+CONTRACT_MODELS = tuple(_contract_builders())  # the names; every model type is among them
+_CONTRACT_FITTED = {}
+
+
+def contract_model(name, fit=True):
+    """A tiny model of contract configuration ``name``: fitted on the reversal task (shared, built once per session:
+    do not modify it, deep-copy first) or, with ``fit=False``, a fresh randomized one."""
+    if not fit:
+        torch.manual_seed(0)
+        return randomize(_contract_builders()[name]())
+    if name not in _CONTRACT_FITTED:
+        torch.manual_seed(0)  # the same initial weights whichever test asks first
+        _CONTRACT_FITTED[name] = fitted(_contract_builders()[name](), steps=100)
+    return _CONTRACT_FITTED[name]

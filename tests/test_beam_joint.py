@@ -96,12 +96,12 @@ def rnn_reference(model, ids, mask, dec):
     memory = hybrid.model.encoder(ids, mask).last_hidden_state
     out = hybrid.decoder_outputs(dec, memory, mask)
     hard = hybrid.model.decoder.hard_contexts(memory)  # [B, S, C]
-    B, T, S = out.attentions.shape
+    B, _, T, S = out.attentions.shape
     per_a = []
     for a in range(S):
         readout = hybrid.model.decoder.readout(out.states, hard[:, a : a + 1].expand(B, T, -1))
         per_a.append(hybrid.lm_head(readout).log_softmax(-1))
-    log_p = out.attentions.clamp_min(1e-300).log()  # padded positions: ~-690 with a zero gradient
+    log_p = out.attentions.mean(1).clamp_min(1e-300).log()  # head average; padding: ~-690 with a zero gradient
     return log_p, torch.stack(per_a, 2), dict(hybrid.named_parameters())
 
 

@@ -41,7 +41,8 @@ def fitted_model(kind):
 
 # ---- attention functions vs naive per-element references ------------------------------------------------------------
 def naive_attention(attention, kind, query_state, memory, mask, fused_query):
-    """Loops over batch rows and source positions, from the raw parameters."""
+    """Loops over batch rows and source positions, from the raw parameters: contexts [B, d], probabilities of every
+    head [B, heads, S]."""
     batch, length, d = memory.shape
     contexts, all_probs = [], []
     for b in range(batch):
@@ -55,18 +56,18 @@ def naive_attention(attention, kind, query_state, memory, mask, fused_query):
         if kind in ("additive", "dot"):
             weights = torch.softmax(torch.stack(scores), 0)
             context = sum(w * memory[b, j] for w, j in zip(weights, visible))
-            probs = torch.zeros(length)
-            probs[visible] = weights
+            probs = torch.zeros(1, length)
+            probs[0, visible] = weights
         else:
             heads, hd = attention.num_heads, attention.head_dim
             kv = [attention.kv_proj.weight @ memory[b, j] + attention.kv_proj.bias for j in range(length)]
-            outs, probs = [], torch.zeros(length)
+            outs, probs = [], torch.zeros(heads, length)
             for h in range(heads):
                 q = fused_query[b, h * hd : (h + 1) * hd]
                 scores = torch.stack([q @ kv[j][h * hd : (h + 1) * hd] / math.sqrt(hd) for j in visible])
                 weights = torch.softmax(scores, 0)
                 outs.append(sum(w * kv[j][d + h * hd : d + (h + 1) * hd] for w, j in zip(weights, visible)))
-                probs[visible] += weights / heads
+                probs[h, visible] = weights
             context = attention.out_proj.weight @ torch.cat(outs) + attention.out_proj.bias
         contexts.append(context)
         all_probs.append(probs)
@@ -89,7 +90,7 @@ def test_attention_equals_naive_reference(kind):
         ref_context, ref_probs = naive_attention(decoder.attention, kind, state, memory, mask, fused_query)
     torch.testing.assert_close(context, ref_context, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(probs, ref_probs, rtol=1e-5, atol=1e-6)
-    assert probs[1, 3:].abs().max() == 0  # padding gets no weight
+    assert probs[1, :, 3:].abs().max() == 0  # padding gets no weight
     assert probs.std() > 0.05  # far from uniform: the comparison could fail
 
 
@@ -140,10 +141,11 @@ def test_step_loop_equals_teacher_forcing(kind, layers):
             steps.append(model.decoder_outputs(targets[:, t : t + 1], memory, mask, cache=cache))
     assert cache.get_seq_length() == targets.shape[1] and set(cache.states) == {f"gru.{l}" for l in range(layers)}
     for field in ("readout", "states", "contexts", "attentions"):
-        stepped = torch.cat([getattr(s, field) for s in steps], 1)
+        stepped = torch.cat([getattr(s, field) for s in steps], 2 if field == "attentions" else 1)
         torch.testing.assert_close(stepped, getattr(full, field), rtol=1e-5, atol=1e-5)
-    assert full.attentions.shape == (2, 7, 7) and full.attentions[1, :, 5:].abs().max() == 0
-    torch.testing.assert_close(full.attentions.sum(-1), torch.ones(2, 7))
+    heads = 4 if kind == "multihead" else 1
+    assert full.attentions.shape == (2, heads, 7, 7) and full.attentions[1, ..., 5:].abs().max() == 0
+    torch.testing.assert_close(full.attentions.sum(-1), torch.ones(2, heads, 7))
     # the logits really differ by position and row (the comparison could fail)
     assert full.readout.std(1).mean() > 0.05
 

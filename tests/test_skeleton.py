@@ -132,12 +132,6 @@ def test_refuses_a_static_cache_naming_cache_implementation():
         model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, cache_implementation="static")
 
 
-def test_refuses_output_attentions():
-    model = SoftTransformerForConditionalGeneration(SoftTransformerConfig(**tiny_kwargs()))
-    with pytest.raises(ValueError, match="output_attentions"):
-        model(input_ids=torch.tensor([[5, 2]]), decoder_input_ids=torch.tensor([[1]]), output_attentions=True)
-
-
 @pytest.mark.parametrize("name", ["soft", "hard"])
 def test_seq2seq_trainer_lowers_loss_and_reports_bleu(name, tmp_path):
     if name == "soft":
