@@ -10,7 +10,9 @@ advertise ``pipeline_tag: translation``. ``import hf_hardattn`` calls :func:`reg
 generated ids as a continuation of the prompt, so on a seq2seq model it returned the prompt with the translation
 glued to it, with only a logged error.
 
-Tooling (not copied next to saved weights); imports transformers only.
+Tooling: a model's save_pretrained does not copy it. A pipeline's own save_pretrained does, as transformers does for
+every registered pipeline (the saved config then names it, and loading that folder as a pipeline takes
+trust_remote_code=True), so it imports transformers only.
 """
 
 import transformers
