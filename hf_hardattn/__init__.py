@@ -2,7 +2,7 @@
 
 Importing the package registers every model type with ``AutoConfig`` / ``AutoModelForSeq2SeqLM`` and marks the
 classes for remote-code saving, so a saved folder also loads with ``trust_remote_code=True`` where hf_hardattn is
-not installed.
+not installed. It also registers the ``translation`` pipeline task (``hf_hardattn.pipelines``), for any seq2seq model.
 """
 
 from transformers import AutoConfig, AutoModelForSeq2SeqLM
@@ -14,6 +14,8 @@ from .gaussian import GaussianConfig, GaussianForConditionalGeneration, fit_leng
 from .hard_retrieval import HardRetrievalConfig, HardRetrievalForConditionalGeneration
 from .hybrid import HybridConfig, HybridForConditionalGeneration
 from .modeling_hardattn import HardAttnCache, HardAttnForConditionalGeneration
+from .pipelines import TranslationPipeline
+from .pipelines import register as _register_pipelines
 from .recurrent import RecurrentConfig, RecurrentForConditionalGeneration
 from .soft import SoftTransformerConfig, SoftTransformerForConditionalGeneration
 
@@ -39,6 +41,7 @@ def _register():
 
 
 _register()
+_register_pipelines()
 
 __all__ = [
     "ATTENTION_KINDS",
@@ -61,4 +64,5 @@ __all__ = [
     "RecurrentForConditionalGeneration",
     "SoftTransformerConfig",
     "SoftTransformerForConditionalGeneration",
+    "TranslationPipeline",
 ]

@@ -64,6 +64,22 @@ def render_model_card(model, results: dict | None = None) -> str:
         "`import hf_hardattn`, `AutoModelForSeq2SeqLM` resolves this model type without remote code. Either way "
         f"it requires `transformers>={MIN_TRANSFORMERS}`. On a CPU, "
         "`model.pack_linears()` decodes small batches faster (oneDNN-prepacked linear weights; parameters unchanged).",
+        "",
+        "`import hf_hardattn` also registers the `translation` pipeline task, which transformers 5 does not have "
+        "(batches give the same translations as one text at a time):",
+        "",
+        "```python",
+        "import hf_hardattn",
+        "from transformers import pipeline",
+        "",
+        'translator = pipeline("translation", model="PATH_OR_REPO")',
+        'print(translator(["A man is riding a bike."], num_beams=4, max_new_tokens=64, batch_size=8))',
+        '# [{"translation_text": "..."}]: one dict per text; generation keywords (num_beams, ...) go to generate()',
+        "```",
+        "",
+        "Loaded as remote code without hf_hardattn, the model decodes with `generate()` as in the first example and "
+        "`pack_linears()` works; `pipeline(\"translation\")` is not available (transformers 5 removed the task), and "
+        "`pipeline(\"text-generation\")` does not translate: it reads the output as a continuation of the prompt.",
     ]
     if auto_map:
         lines += ["", f"Remote code entry points: `{json.dumps(auto_map)}`"]

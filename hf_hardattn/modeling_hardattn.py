@@ -17,16 +17,19 @@ import contextlib
 import copy
 import math
 import os
+import tempfile
 from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
+from huggingface_hub import ModelCard
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import DynamicCache, DynamicLayer, EncoderDecoderCache
 from transformers.modeling_outputs import BaseModelOutput, BaseModelOutputWithPastAndCrossAttentions, Seq2SeqLMOutput
+from transformers.utils.hub import hf_api
 
 from .configuration_hardattn import ROLES, HardAttnConfig
 from .model_card import write_model_card
@@ -856,14 +859,51 @@ class HardAttnPreTrainedModel(PreTrainedModel):
     def unpack_linears(self):
         return unpack_linears(self)
 
-    def save_pretrained(self, save_directory, *args, push_to_hub: bool = False, **kwargs):
-        """``PreTrainedModel.save_pretrained`` (safetensors, config, remote code) plus a model card (README.md)."""
+    # arguments of save_pretrained(push_to_hub=True) that go to the upload (``token`` also goes to transformers)
+    PUSH_ARGUMENTS = ("repo_id", "commit_message", "commit_description", "private", "revision", "create_pr", "tags")
+
+    def save_pretrained(self, save_directory, *args, push_to_hub: bool = False, tokenizer=None, **kwargs):
+        """``PreTrainedModel.save_pretrained`` (safetensors, config, remote code) plus a model card (README.md) and
+        the ``tokenizer`` when given. With ``push_to_hub=True`` the files it writes go to the Hub in one commit, as in
+        transformers, but with this card: ``repo_id`` (default: the folder's name) and ``push_to_hub``'s arguments
+        (``commit_message``, ``commit_description``, ``private``, ``token``, ``revision``, ``create_pr``, ``tags``)."""
+        if tokenizer is not None and not hasattr(tokenizer, "save_pretrained"):
+            raise TypeError(f"`tokenizer` must be a tokenizer with save_pretrained(), got {type(tokenizer).__name__}")
+        hub = {key: kwargs.pop(key) for key in self.PUSH_ARGUMENTS if key in kwargs} if push_to_hub else {}
+        # transformers' rule: push the files this call (re)writes, not older ones in the folder
+        before = self._get_files_timestamps(save_directory) if os.path.isdir(save_directory) else {}
         super().save_pretrained(save_directory, *args, **kwargs)
-        if kwargs.get("is_main_process", True):
-            write_model_card(self, save_directory)
-        if push_to_hub:  # push_to_hub saves into a temporary folder through this method, card included
-            repo_id = kwargs.get("repo_id", os.path.basename(os.path.normpath(str(save_directory))))
-            self.push_to_hub(repo_id, token=kwargs.get("token"), private=kwargs.get("private"))
+        if not kwargs.get("is_main_process", True):
+            return
+        write_model_card(self, save_directory)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(save_directory)
+        if push_to_hub:
+            repo_id = hub.pop("repo_id", os.path.basename(os.path.normpath(str(save_directory))))
+            self._upload_to_hub(save_directory, repo_id, before, token=kwargs.get("token"), **hub)
+
+    def push_to_hub(self, repo_id: str, *, commit_message=None, commit_description=None, private=None, token=None,
+                    revision=None, create_pr: bool = False, max_shard_size="50GB", tags=None, tokenizer=None):
+        """``PreTrainedModel.push_to_hub`` (same arguments) plus ``tokenizer``: weights, config, modeling code, this
+        package's model card (not transformers' generic template) and the tokenizer when given, in one commit.
+        Returns the commit's ``CommitInfo``."""
+        with tempfile.TemporaryDirectory() as folder:
+            self.save_pretrained(folder, max_shard_size=max_shard_size, tokenizer=tokenizer)
+            return self._upload_to_hub(folder, repo_id, {}, private=private, token=token, tags=tags,
+                                       commit_message=commit_message, commit_description=commit_description,
+                                       revision=revision, create_pr=create_pr)
+
+    def _upload_to_hub(self, folder, repo_id, files_timestamps, *, private=None, token=None, tags=None, **commit):
+        """Create the repo if needed, add the model's and the given ``tags`` to the card (as transformers does), and
+        upload the files of ``folder`` written after ``files_timestamps`` in one commit (``_upload_modified_files``)."""
+        repo_id = hf_api().create_repo(repo_id, private=private, token=token, exist_ok=True).repo_id
+        tags = list(self.model_tags or []) + ([tags] if isinstance(tags, str) else list(tags or []))
+        if tags:
+            path = os.path.join(folder, "README.md")
+            card = ModelCard.load(path)
+            card.data.tags = list(dict.fromkeys((card.data.tags or []) + tags))
+            card.save(path)
+        return self._upload_modified_files(folder, repo_id, files_timestamps, token=token, **commit)
 
 
 class HardAttnModel(HardAttnPreTrainedModel):

@@ -1,0 +1,119 @@
+"""The ``translation`` pipeline task for any encoder-decoder model: hf_hardattn's and transformers' own (MarianMTModel).
+
+transformers 5 has no ``translation`` task (5.24 lists it as removed, 5.10 does not know it), yet the model cards
+advertise ``pipeline_tag: translation``. ``import hf_hardattn`` calls :func:`register`, which registers
+:class:`TranslationPipeline`, a thin pipeline over ``generate()``, under that name with
+``transformers.pipelines.PIPELINE_REGISTRY``. Its output is that of transformers 4's translation pipeline:
+``[{"translation_text": ...}]`` per input.
+
+``register`` also makes ``pipeline("text-generation")`` refuse encoder-decoder models: that pipeline reads the
+generated ids as a continuation of the prompt, so on a seq2seq model it returned the prompt with the translation
+glued to it, with only a logged error.
+
+Tooling: a model's save_pretrained does not copy it. A pipeline's own save_pretrained does, as transformers does for
+every registered pipeline (the saved config then names it, and loading that folder as a pipeline takes
+trust_remote_code=True), so it imports transformers only.
+"""
+
+import transformers
+from transformers import AutoModelForSeq2SeqLM, Pipeline
+from transformers.pipelines import PIPELINE_REGISTRY
+
+TASK = "translation"
+
+
+class TranslationPipeline(Pipeline):
+    """Translate texts with an encoder-decoder model: ``tokenizer(text)`` -> ``model.generate`` -> ``decode``.
+
+    Call it with a text or a list of texts; every other keyword goes to ``generate()`` as given (``num_beams``,
+    ``max_new_tokens``, ``num_return_sequences``, ``generation_config``, ...), whether passed when the pipeline is
+    built or when it is called, on every transformers release alike. Pipeline keywords: ``batch_size``,
+    ``truncation`` (tokenizer truncation), ``return_tensors`` (token ids instead of text),
+    ``clean_up_tokenization_spaces`` (decoding).
+
+    Returns, per text, a list with one dict per returned sequence: ``{"translation_text": str}``, or
+    ``{"translation_token_ids": tensor}`` with ``return_tensors=True``. For a list of texts that each get one
+    sequence, the list of those dicts (transformers 4's convention).
+    """
+
+    _load_processor = False
+    _load_image_processor = False
+    _load_video_processor = False
+    _load_feature_extractor = False
+    _load_tokenizer = True
+
+    def __init__(self, model, *args, **kwargs):
+        if not getattr(model.config, "is_encoder_decoder", False):
+            raise ValueError(f"The {TASK!r} pipeline needs an encoder-decoder (seq2seq) model; "
+                             f"model={type(model).__name__} is not one (config.is_encoder_decoder is not True).")
+        super().__init__(model, *args, **kwargs)
+        if self.tokenizer is None:
+            raise ValueError(f"The {TASK!r} pipeline needs a tokenizer: pass tokenizer=..., or save one with the "
+                             f"model (model.save_pretrained(path, tokenizer=tokenizer)).")
+        # batched sources are padded by the tokenizer's side; encoders with absolute positions read them right-padded
+        # (transformers' text-generation pipeline sets the side it needs, "left", the same way)
+        self.tokenizer.padding_side = "right"
+
+    def _sanitize_parameters(self, truncation=None, return_tensors=None, clean_up_tokenization_spaces=None,
+                             **generate_kwargs):
+        # Generation parameters go to generate() untouched: transformers' own set-up of generation parameters for
+        # pipelines (_pipeline_calls_generate) differs between 5.10 and 5.24, so the pipeline stays out of it.
+        preprocess = {} if truncation is None else {"truncation": truncation}
+        postprocess = {}
+        if return_tensors is not None:
+            if not isinstance(return_tensors, bool):
+                raise ValueError(f"`return_tensors` must be True or False, got {return_tensors!r}")
+            postprocess["return_tensors"] = return_tensors
+        if clean_up_tokenization_spaces is not None:
+            postprocess["clean_up_tokenization_spaces"] = clean_up_tokenization_spaces
+        return preprocess, generate_kwargs, postprocess
+
+    def __call__(self, inputs, **kwargs):
+        """Translate ``inputs`` (a text, or a list of texts); see the class docstring for keywords and output."""
+        result = super().__call__(inputs, **kwargs)
+        if isinstance(inputs, list) and all(len(records) == 1 for records in result):
+            return [records[0] for records in result]
+        return result
+
+    def preprocess(self, text, truncation=False):
+        if not isinstance(text, str):
+            raise ValueError(f"The {TASK!r} pipeline translates a str or a list of str; got an input of type "
+                             f"{type(text).__name__}: {text!r}")
+        inputs = self.tokenizer(text, truncation=truncation, return_tensors="pt")
+        inputs.pop("token_type_ids", None)  # tokenizers may add it; generate() would refuse it
+        return inputs
+
+    def _forward(self, model_inputs, **generate_kwargs):
+        sources = model_inputs["input_ids"].shape[0]
+        output_ids = self.model.generate(**model_inputs, **generate_kwargs)
+        # one row per source, holding its returned sequences (num_return_sequences), so batches split per source
+        return {"output_ids": output_ids.reshape(sources, -1, output_ids.shape[-1])}
+
+    def postprocess(self, model_outputs, return_tensors=False, clean_up_tokenization_spaces=False):
+        if return_tensors:
+            return [{f"{TASK}_token_ids": ids} for ids in model_outputs["output_ids"][0]]
+        return [{f"{TASK}_text": self.tokenizer.decode(ids, skip_special_tokens=True,
+                                                       clean_up_tokenization_spaces=clean_up_tokenization_spaces)}
+                for ids in model_outputs["output_ids"][0]]
+
+
+class TextGenerationPipeline(transformers.TextGenerationPipeline):
+    """transformers' text-generation pipeline, refusing encoder-decoder models (whose output it would misread)."""
+
+    def __init__(self, model, *args, **kwargs):
+        if getattr(model.config, "is_encoder_decoder", False):
+            raise ValueError(f"The 'text-generation' pipeline continues a prompt with a decoder-only model; "
+                             f"model={type(model).__name__} is an encoder-decoder (seq2seq) model. Use "
+                             f"pipeline({TASK!r}, ...) (registered by `import hf_hardattn`).")
+        super().__init__(model, *args, **kwargs)
+
+
+def register():
+    """Register the ``translation`` task (idempotent) and the seq2seq check of ``text-generation``."""
+    # transformers >= 5.2x refuses removed task names before it looks at the registry
+    getattr(transformers.pipelines, "REMOVED_TASKS", {}).pop(TASK, None)
+    if PIPELINE_REGISTRY.supported_tasks.get(TASK, {}).get("impl") is not TranslationPipeline:
+        PIPELINE_REGISTRY.register_pipeline(TASK, pipeline_class=TranslationPipeline, pt_model=AutoModelForSeq2SeqLM,
+                                            type="text")
+    # in place, not register_pipeline: that would mark every text-generation pipeline as custom code when saved
+    PIPELINE_REGISTRY.supported_tasks["text-generation"]["impl"] = TextGenerationPipeline
