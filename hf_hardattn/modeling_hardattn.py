@@ -44,7 +44,7 @@ logger = logging.get_logger(__name__)
 
 # transformers changed the meaning of a cache's `crop(n)` within 5.x: it was the length to keep (n >= 0) or minus the
 # positions to remove (n < 0), and is now only the latter (n <= 0; 5.24 passes `crop(0)` as "remove nothing"). The
-# caches here follow the installed release, which assisted decoding (`assistant_model`, `prompt_lookup_num_tokens`) calls.
+# caches here follow the installed release, whose assisted decoding calls it (`assistant_model`, prompt lookup).
 CROP_KEEPS_LENGTH = "tokens_to_remove" not in inspect.signature(DynamicLayer.crop).parameters
 
 
@@ -265,9 +265,10 @@ class HardAttnCache(EncoderDecoderCache):
         """Remove the last positions (assisted decoding: rejected draft tokens); ``n`` as in :func:`cropped_length`."""
         if self.states and (n < 0 or (CROP_KEEPS_LENGTH and n < self.seen_tokens)):
             raise NotImplementedError(
-                f"`crop` (assisted decoding: `assistant_model`, `prompt_lookup_num_tokens`) is not possible for a decoder "
-                f"that carries state from step to step ({', '.join(sorted(self.states))}): it cannot be rolled back. "
-                f"Allowed: models whose decoder keeps only keys/values (e.g. soft, hard_retrieval, beam_joint_transformer)."
+                f"`crop` (assisted decoding: `assistant_model`, `prompt_lookup_num_tokens`) is not possible for a "
+                f"decoder that carries state from step to step ({', '.join(sorted(self.states))}): it cannot be rolled "
+                f"back. Allowed: models whose decoder keeps only keys/values (e.g. soft, hard_retrieval, "
+                f"beam_joint_transformer)."
             )
         super().crop(n)
         self.seen_tokens = cropped_length(self.seen_tokens, n)
@@ -683,7 +684,7 @@ class HardAttnPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     main_input_name = "input_ids"
     # gradient_checkpointing_enable(): every EncoderLayer / DecoderLayer (and the hybrid's GRU step) keeps only its
-    # inputs for backward and is recomputed there; the RNG state is restored for the recomputation (torch.utils.checkpoint),
+    # inputs for backward and is recomputed there; torch.utils.checkpoint restores the RNG state for the recomputation,
     # so dropout masks and hard-retrieval samples are drawn again identically
     supports_gradient_checkpointing = True
     _supports_sdpa = True

@@ -1,6 +1,6 @@
-"""The rest of the HuggingFace model surface, for all seven model types: gradient checkpointing, resize_token_embeddings,
-num_parameters, get_encoder / get_decoder, torch.compile (forward and generate), bfloat16 weights, torch.export and
-dynamo ONNX export (run in ONNX Runtime), assisted decoding.
+"""The rest of the HuggingFace model surface, for all seven model types: gradient checkpointing,
+resize_token_embeddings, num_parameters, get_encoder / get_decoder, torch.compile (forward and generate), bfloat16
+weights, torch.export and dynamo ONNX export (run in ONNX Runtime), assisted decoding.
 
 References: the same model without the feature (float64 where rounding could hide a difference), a model built at the
 new size, a plain count of the parameters, the fp32 model, transformers' own DynamicLayer for the cache's crop.
@@ -137,11 +137,20 @@ def test_gradient_checkpointing_turns_the_cache_off_only_in_training():
 # ----------------------------------------------------------------------------------------------------------------
 # resize_token_embeddings, num_parameters, get_encoder / get_decoder
 # ----------------------------------------------------------------------------------------------------------------
-def logits(model, ids=None, mask=None, dec=DEC):
+def logits(model, ids=None, mask=None, dec=DEC, dec_mask=None):
     if ids is None:
         ids, mask = source_batch()
     with torch.no_grad():
-        return model(input_ids=ids, attention_mask=mask, decoder_input_ids=dec, use_cache=False).logits
+        return model(input_ids=ids, attention_mask=mask, decoder_input_ids=dec, decoder_attention_mask=dec_mask,
+                     use_cache=False).logits
+
+
+def traced_batches():
+    """(source, source mask, decoder inputs, decoder mask): padded as traced, then the same shapes unpadded, where
+    eager decoding takes its no-mask fast paths and a traced graph its general one."""
+    ids, mask = source_batch()
+    return ((ids, mask, DEC, (DEC != 0).long()),
+            (UNPADDED, torch.ones_like(UNPADDED), DEC, torch.ones_like(DEC)))
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -211,28 +220,28 @@ def test_is_tracing_is_true_only_while_a_graph_is_traced():
 
 @pytest.mark.parametrize("name", NAMES)
 def test_torch_compile_forward_and_generate(name):
-    """``model.compile(fullgraph=True)``: forward is one graph (no data-dependent branch breaks it) that serves padded and
-    unpadded batches without recompiling, with the eager logits (float64); generate() (beam search) runs the compiled
-    forward at every step, with the eager tokens and scores. Backend aot_eager: dynamo + AOT autograd, the tracing that
-    inductor also needs, at a fraction of its compile time."""
+    """``model.compile(fullgraph=True)``: forward is one graph (no data-dependent branch breaks it) that serves padded
+    and unpadded batches without recompiling, with the eager logits (float64); generate() (beam search) runs the
+    compiled forward at every step, with the eager tokens and scores. Backend aot_eager: dynamo + AOT autograd, the
+    tracing that inductor also needs, at a fraction of its compile time (inductor: ~20 s for one model here)."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
     torch._dynamo.reset()
     model = randomize(MODELS[name]()).double()
+    eager = copy.deepcopy(model)  # the model is compiled before any eager call (e.g. beam-joint's buffers)
     ids, mask = source_batch()
     kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=4, min_new_tokens=4, num_beams=2,
                   num_return_sequences=2, output_scores=True, return_dict_in_generate=True)
-    batches = ((ids, mask), (UNPADDED, torch.ones_like(UNPADDED)))
-    eager_logits, eager = [logits(model, *batch) for batch in batches], model.generate(**kwargs)
     counter = CompileCounterWithBackend("aot_eager")
     model.compile(backend=counter, fullgraph=True)
-    for batch, expected in zip(batches, eager_logits):
-        torch.testing.assert_close(logits(model, *batch), expected, rtol=0, atol=1e-10)
+    for batch in traced_batches():
+        torch.testing.assert_close(logits(model, *batch), logits(eager, *batch), rtol=0, atol=1e-10)
     assert counter.frame_count == 1
+    reference = eager.generate(**kwargs)
     out = model.generate(**kwargs)
     assert counter.frame_count > 1  # the decoding steps ran compiled graphs
-    assert torch.equal(out.sequences, eager.sequences)
-    for step, expected in zip(out.scores, eager.scores, strict=True):
+    assert torch.equal(out.sequences, reference.sequences)
+    for step, expected in zip(out.scores, reference.scores, strict=True):
         torch.testing.assert_close(step, expected, rtol=0, atol=1e-5)
     torch._dynamo.reset()
 
@@ -272,16 +281,19 @@ def test_bfloat16_weights_forward_and_generate(name):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_torch_export_equals_eager(name):
-    """torch.export of forward(input_ids, attention_mask, decoder_input_ids) without cache, traced on a padded batch,
-    gives the eager logits on it and on an unpadded batch of the same shape (float64)."""
+    """torch.export of forward(input_ids, attention_mask, decoder_input_ids, decoder_attention_mask) without cache,
+    traced on a padded batch, gives the eager logits on it and on an unpadded batch of the same shape (float64); the
+    trace assigns no tensor to the model (e.g. Gaussian attention's weight memo)."""
     model = randomize(MODELS[name]()).double()
-    ids, mask = source_batch()
-    program = torch.export.export(model, (), dict(input_ids=ids, attention_mask=mask, decoder_input_ids=DEC,
-                                                  use_cache=False))
-    for source, source_mask in ((ids, mask), (UNPADDED, torch.ones_like(UNPADDED))):
-        got = program.module()(input_ids=source, attention_mask=source_mask, decoder_input_ids=DEC,
-                               use_cache=False).logits
-        torch.testing.assert_close(got, logits(model, source, source_mask), rtol=0, atol=1e-10)
+    batches = traced_batches()
+    names = ("input_ids", "attention_mask", "decoder_input_ids", "decoder_attention_mask")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        program = torch.export.export(model, (), dict(zip(names, batches[0]), use_cache=False))
+    assert not [w for w in caught if "assigned during export" in str(w.message)]
+    for batch in batches:
+        got = program.module()(**dict(zip(names, batch)), use_cache=False).logits
+        torch.testing.assert_close(got, logits(model, *batch), rtol=0, atol=1e-10)
 
 
 class LogitsOnly(torch.nn.Module):
@@ -386,3 +398,13 @@ def test_cache_crop_follows_transformers_convention(n):
     layer = cache.self_attention_cache.layers[0]
     assert torch.equal(layer.keys, dynamic.keys) and torch.equal(layer.values, dynamic.values)
     assert cache.get_seq_length() == layer.get_seq_length() == dynamic.get_seq_length()
+
+
+def test_a_cache_with_step_state_is_not_croppable():
+    """transformers 5.24's assisted decoding asks ``is_croppable`` after the first forward and refuses up front."""
+    cache = HardAttnCache()
+    keys = torch.zeros(1, 1, 3, 1)
+    cache.self_attention_cache.update(keys, keys, 0)
+    assert cache.is_croppable
+    cache.states["gru.0"] = torch.zeros(1, 4)
+    assert not cache.is_croppable
