@@ -391,8 +391,11 @@ def smoothed_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, label_smo
     if not 0.0 <= label_smoothing < 1.0:
         raise ValueError(f"`label_smoothing` must be in [0, 1), got {label_smoothing!r}.")
     bad = (labels != -100) & ((labels < 0) | (labels >= logits.shape[1]))
-    if bad.any():
-        raise ValueError(f"`labels` must be -100 (ignored) or in [0, {logits.shape[1]}), got {labels[bad][0].item()}.")
+    allowed = f"`labels` must be -100 (ignored) or in [0, {logits.shape[1]})"
+    if is_tracing():  # a graph cannot branch on values: the same check, run by the graph
+        torch._check_tensor_all_with(ValueError, ~bad, lambda: f"{allowed}.")
+    elif bad.any():
+        raise ValueError(f"{allowed}, got {labels[bad][0].item()}.")
     return _SmoothedCrossEntropy.apply(logits, labels, float(label_smoothing), chunk)
 
 
