@@ -295,20 +295,37 @@ def test_bfloat16_weights_forward_and_generate(name):
     assert beams.shape == (4, 9) and int(beams.max()) < model.config.vocab_size
 
 
+TIME_LOOPS = ("hybrid", "recurrent", "beam_joint_rnn")  # a Python loop over target positions: unrolled when traced
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_torch_export_equals_eager(name):
     """torch.export of forward(input_ids, attention_mask, decoder_input_ids, decoder_attention_mask) without cache,
-    traced on a padded batch, gives the eager logits on it and on an unpadded batch of the same shape (float64); the
-    trace assigns no tensor to the model (e.g. Gaussian attention's weight memo)."""
+    traced on a padded batch with a dynamic batch size and source length (and target length, except where a loop over
+    target positions unrolls: GRU decoder, recurrent cross-attention), gives the eager logits (float64) on it, on an
+    unpadded batch of the same shape and on a padded batch of other sizes; the trace assigns no tensor to the model
+    (e.g. Gaussian attention's weight memo)."""
+    from torch.export import Dim
+
     model = randomize(MODELS[name]()).double()
-    batches = traced_batches()
+    batches = list(traced_batches())
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 40, (3, 9), generator=generator)
+    ids[1, 6:] = 0
+    dec = torch.randint(3, 40, (3, 5 if name in TIME_LOOPS else 4), generator=generator)
+    batches.append((ids, (ids != 0).long(), dec, torch.ones_like(dec)))
     names = ("input_ids", "attention_mask", "decoder_input_ids", "decoder_attention_mask")
+    batch, source = Dim("batch", min=1, max=64), Dim("source", min=4, max=64)  # beam-joint: at least joint_k + 1
+    target = {0: batch} if name in TIME_LOOPS else {0: batch, 1: Dim("target", min=2, max=64)}
+    dynamic = dict(input_ids={0: batch, 1: source}, attention_mask={0: batch, 1: source}, decoder_input_ids=target,
+                   decoder_attention_mask=target, use_cache=None)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        program = torch.export.export(model, (), dict(zip(names, batches[0]), use_cache=False))
+        program = torch.export.export(model, (), dict(zip(names, batches[0]), use_cache=False), dynamic_shapes=dynamic)
     assert not [w for w in caught if "assigned during export" in str(w.message)]
+    exported = program.module()
     for batch in batches:
-        got = program.module()(**dict(zip(names, batch)), use_cache=False).logits
+        got = exported(**dict(zip(names, batch)), use_cache=False).logits
         torch.testing.assert_close(got, logits(model, *batch), rtol=0, atol=1e-10)
 
 
