@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from .configuration_hardattn import HardAttnConfig
 from .hybrid import HybridConfig, HybridForConditionalGeneration
 from .modeling_hardattn import (DecoderResult, HardAttnForConditionalGeneration, causal_mask, check_memory_rows,
-                                padding_mask, token_mean)
+                                is_tracing, padding_mask, token_mean)
 
 # Masked attention scores: a large finite negative instead of -inf, so that log-probabilities and their gradients
 # stay finite at padded positions (their probability is exactly 0 after exp).
@@ -245,6 +245,10 @@ def joint_log_probs(hidden, log_weights, weight, chunk_rows=16384, workspace=Non
     """hidden [..., K, d], log_weights [..., K] -> mixture log-probabilities [..., V] in fp32 (fp64 for fp64
     inputs) (Eq. 4-5). ``workspace``: a :class:`JointWorkspace` reused between calls (None = buffers of this call)."""
     lead = hidden.shape[:-2]
+    if is_tracing():  # a traced graph (compile, export): the plain log-space form, no buffers or branch on values
+        acc = torch.promote_types(hidden.dtype, torch.float32)
+        log_softmax = torch.matmul(hidden, weight.t()).to(acc).log_softmax(-1)  # [..., K, V]
+        return torch.logsumexp(log_weights.to(acc)[..., None] + log_softmax, dim=-2)
     out = JointMixture.apply(hidden.reshape(-1, *hidden.shape[-2:]), log_weights.reshape(-1, log_weights.shape[-1]),
                              weight, chunk_rows, workspace)
     return out.view(*lead, weight.shape[0])
@@ -336,10 +340,13 @@ class JointOutputMixin:
         """LOG-probabilities [B, T, V] of the mixture (Eq. 4-5), fp32."""
         if not isinstance(hidden, JointCandidates):
             raise TypeError("beam-joint output_logits expects the JointCandidates returned by `decode`.")
-        if getattr(self, "_joint_workspace", None) is None:  # a plain attribute: not a parameter, never saved
-            self._joint_workspace = JointWorkspace()  # the mixture's buffers, kept between training steps
+        workspace = None  # a traced graph takes joint_log_probs' plain form: no buffers, the model's left alone
+        if not is_tracing():
+            if getattr(self, "_joint_workspace", None) is None:  # a plain attribute: not a parameter, never saved
+                self._joint_workspace = JointWorkspace()  # the mixture's buffers, kept between training steps
+            workspace = self._joint_workspace
         return joint_log_probs(hidden.hidden, hidden.log_weights, self.lm_head.weight, self.config.joint_chunk_size,
-                               self._joint_workspace)
+                               workspace)
 
     def release_joint_workspace(self):
         """Free the mixture's buffers kept between calls (``joint_chunk_size`` x V values, e.g. ~1.3 GB at the

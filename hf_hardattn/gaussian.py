@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .configuration_hardattn import HardAttnConfig
-from .modeling_hardattn import HardAttnForConditionalGeneration
+from .modeling_hardattn import HardAttnForConditionalGeneration, is_tracing
 
 GAUSSIAN_IMPLEMENTATIONS = ("full", "conv", "index")
 PRESETS = ("hc-sa", "hc-all", "sh-x")
@@ -154,7 +154,7 @@ def leading_padding(mask):
     if mask is None:
         return None
     keys = mask[:, 0, 0, :]
-    if not torch.compiler.is_compiling() and bool(keys[:, 0].all()):
+    if not is_tracing() and bool(keys[:, 0].all()):
         return None
     return (~keys).long().cumprod(-1).sum(-1)
 
@@ -224,7 +224,8 @@ class GaussianAttention(nn.Module):
         relative = not self.is_cross  # self-attention weights depend only on key - query positions
         memo_key = ((key_start - query_start) if relative else (query_start, key_start), query_length, key_length,
                     device, dtype)
-        weights = self._weights.get(memo_key)
+        tracing = is_tracing()  # a traced graph computes them (constants) and leaves the memo alone
+        weights = None if tracing else self._weights.get(memo_key)
         if weights is None:
             q_pos = torch.arange(query_start, query_start + query_length, device=device)
             k_pos = torch.arange(key_start, key_start + key_length, device=device)
@@ -233,6 +234,8 @@ class GaussianAttention(nn.Module):
             if causal:
                 weights = weights * (k_pos[None, :] <= q_pos[:, None])
             weights = weights.to(dtype)
+            if tracing:
+                return weights
             if len(self._weights) > 256:
                 self._weights.clear()
             self._weights[memo_key] = weights

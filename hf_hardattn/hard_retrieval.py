@@ -16,7 +16,7 @@ Runtime code shipped with saved models: flat, same-folder relative imports only.
 import torch
 
 from .configuration_hardattn import HardAttnConfig
-from .modeling_hardattn import HardAttnForConditionalGeneration, SoftAttention, full_mask
+from .modeling_hardattn import HardAttnForConditionalGeneration, SoftAttention, full_mask, is_tracing
 
 
 def gather_rows(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -51,7 +51,7 @@ def sample_indices(probs: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
     (zero-probability) position is never drawn."""
     flat = probs.reshape(-1, probs.shape[-1])
     empty = flat.sum(-1) <= 0
-    if bool(empty.any()):
+    if is_tracing() or bool(empty.any()):
         flat = torch.where(empty[:, None], fallback.reshape(-1, fallback.shape[-1]), flat)
     return torch.multinomial(flat.float(), 1).view(probs.shape[:-1])
 

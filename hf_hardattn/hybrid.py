@@ -62,7 +62,7 @@ from transformers.utils import ModelOutput
 
 from .configuration_hardattn import HardAttnConfig
 from .modeling_hardattn import (DecoderResult, HardAttnCache, HardAttnForConditionalGeneration, HardAttnModel,
-                                HardAttnPreTrainedModel, check_memory_rows)
+                                HardAttnPreTrainedModel, check_memory_rows, is_tracing)
 
 RNN_ATTENTIONS = ("additive", "dot", "multihead")
 
@@ -249,6 +249,7 @@ class HybridDecoderOutput(ModelOutput):
 
 class HybridDecoder(nn.Module):
     reads_memory_grouped = True  # every attention function reads a grouped memory (see AdditiveAttention.attend)
+    gradient_checkpointing = False  # set by model.gradient_checkpointing_enable(): see checkpointed_step
 
     def __init__(self, config: HybridConfig, embed_tokens: nn.Embedding):
         super().__init__()
@@ -329,6 +330,19 @@ class HybridDecoder(nn.Module):
             new_states.append(gru_update(x, gh, states[l]))
         return new_states, context, probs
 
+    def checkpointed_step(self, word_input, states, keys, values, mask=None):
+        """:meth:`step` under gradient checkpointing (``model.gradient_checkpointing_enable()``, training): a target
+        position keeps only its inputs for backward and is recomputed there, as a Transformer layer is; the
+        checkpoint restores the RNG state, so the recomputed dropout masks are the same. Every tensor is passed
+        positionally and returned flat, so that reentrant checkpointing (``use_reentrant=True``) sees them too."""
+        def flat_step(word_input, keys, values, mask, *states):
+            new_states, context, probs = self.step(word_input, list(states), keys, values, mask)
+            return (*new_states, context, probs)
+
+        *new_states, context, probs = self._gradient_checkpointing_func(flat_step, word_input, keys, values, mask,
+                                                                        *states)
+        return new_states, context, probs
+
     # -- whole call -------------------------------------------------------------------------------------------
     def forward(self, input_ids=None, encoder_hidden_states=None, encoder_attention_mask=None, inputs_embeds=None,
                 cache: HardAttnCache | None = None, output_hidden_states=False) -> HybridDecoderOutput:
@@ -338,7 +352,7 @@ class HybridDecoder(nn.Module):
         rows = word_inputs.shape[0]  # grouped memory: rows // sources consecutive rows per encoder row (beams)
         check_memory_rows(rows, encoder_hidden_states, encoder_attention_mask, self.reads_memory_grouped)
         mask = None
-        if encoder_attention_mask is not None and not bool(encoder_attention_mask.all()):
+        if encoder_attention_mask is not None and (is_tracing() or not bool(encoder_attention_mask.all())):
             mask = encoder_attention_mask.bool()
         keys, values = self.source(encoder_hidden_states, cache)
         if cache is not None and "gru.0" in cache.states:
@@ -348,8 +362,10 @@ class HybridDecoder(nn.Module):
             states = [s.repeat_interleave(groups, dim=0) if groups > 1 else s
                       for s in self.initial_states(encoder_hidden_states, encoder_attention_mask)]
         tops, contexts, attentions, all_states = [], [], [], []
+        checkpointed = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
+        step = self.checkpointed_step if checkpointed else self.step
         for t in range(word_inputs.shape[1]):
-            states, context, probs = self.step(word_inputs[:, t], states, keys, values, mask)
+            states, context, probs = step(word_inputs[:, t], states, keys, values, mask)
             tops.append(states[-1])
             contexts.append(context)
             attentions.append(probs)

@@ -15,6 +15,7 @@ Runtime code shipped with saved models (``trust_remote_code``): keep it flat, sa
 
 import contextlib
 import copy
+import inspect
 import math
 import os
 import tempfile
@@ -28,7 +29,10 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import DynamicCache, DynamicLayer, EncoderDecoderCache
+from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutput, BaseModelOutputWithPastAndCrossAttentions, Seq2SeqLMOutput
+from transformers.utils import is_tracing as hf_is_tracing
+from transformers.utils import logging
 from transformers.utils.hub import hf_api
 
 from .configuration_hardattn import ROLES, HardAttnConfig
@@ -39,6 +43,24 @@ from .packed_linear import DEFAULT_MAX_ROWS, pack_linears, unpack_linears
 # outputs carry `.cache`; earlier 5.x releases use `past_key_values` for both. forward() accepts either name, and
 # outputs use the installed release's field (read a cache from an output as `getattr(output, CACHE_FIELD)`).
 CACHE_FIELD = "cache" if "cache" in Seq2SeqLMOutput.__dataclass_fields__ else "past_key_values"
+
+logger = logging.get_logger(__name__)
+
+# transformers changed the meaning of a cache's `crop(n)` within 5.x: it was the length to keep (n >= 0) or minus the
+# positions to remove (n < 0), and is now only the latter (n <= 0; 5.24 passes `crop(0)` as "remove nothing"). The
+# caches here follow the installed release, whose assisted decoding calls it (`assistant_model`, prompt lookup).
+CROP_KEEPS_LENGTH = "tokens_to_remove" not in inspect.signature(DynamicLayer.crop).parameters
+
+
+def cropped_length(length: int, n: int) -> int:
+    """The length of a cache of ``length`` positions after ``crop(n)`` in the installed transformers' convention."""
+    if n < 0:
+        return max(0, length + n)
+    if CROP_KEEPS_LENGTH:
+        return min(length, n)
+    if n > 0:
+        raise ValueError(f"`crop` takes minus the number of positions to remove (<= 0), got {n}.")
+    return length
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -130,11 +152,11 @@ class BufferedLayer(DynamicLayer):
         if self.get_seq_length():
             self._rebuild(self.keys[indices], self.values[indices])
 
-    def crop(self, tokens_to_remove: int):
-        if tokens_to_remove > 0:
-            raise ValueError(f"`tokens_to_remove` must be <= 0 (tokens removed from the end), got {tokens_to_remove}.")
-        if tokens_to_remove and self.get_seq_length():
-            self.length = max(0, self.length + tokens_to_remove)
+    def crop(self, n: int):
+        """Keep the first positions: see :func:`cropped_length` for ``n``."""
+        length = cropped_length(self.get_seq_length(), n)
+        if length < self.get_seq_length():
+            self.length = length
             self._views()
 
     def reset(self):
@@ -245,11 +267,22 @@ class HardAttnCache(EncoderDecoderCache):
         self.sentence_states.clear()
         self.seen_tokens = 0
 
-    def crop(self, tokens_to_remove: int) -> None:
-        if self.states:
-            raise NotImplementedError("`crop` is not possible for a decoder with recurrent state (it cannot be undone).")
-        super().crop(tokens_to_remove)
-        self.seen_tokens -= abs(tokens_to_remove)
+    @property
+    def is_croppable(self) -> bool:
+        """Read by transformers' assisted decoding (5.24: refused when False, after the first forward)."""
+        return not self.states and getattr(self.self_attention_cache, "is_croppable", True)
+
+    def crop(self, n: int) -> None:
+        """Remove the last positions (assisted decoding: rejected draft tokens); ``n`` as in :func:`cropped_length`."""
+        if self.states and (n < 0 or (CROP_KEEPS_LENGTH and n < self.seen_tokens)):
+            raise NotImplementedError(
+                f"`crop` (assisted decoding: `assistant_model`, `prompt_lookup_num_tokens`) is not possible for a "
+                f"decoder that carries state from step to step ({', '.join(sorted(self.states))}): it cannot be rolled "
+                f"back. Allowed: models whose decoder keeps only keys/values (e.g. soft, hard_retrieval, "
+                f"beam_joint_transformer)."
+            )
+        super().crop(n)
+        self.seen_tokens = cropped_length(self.seen_tokens, n)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -306,11 +339,12 @@ class PositionEmbedding(nn.Module):
 
 def token_positions(attention_mask):
     """Per-token positions [B, S] counted from each row's first real token (0 on the padding before it), or None when
-    every row starts with a real token (right padding or none), where positions are simply 0, 1, ... (a
-    data-dependent check, so while tracing (torch.compile / export) the positions are always computed)."""
-    if attention_mask is None or (not torch.compiler.is_compiling() and bool(attention_mask[:, 0].all())):
+    every row starts with a real token (right padding or none): positions 0, 1, ..., which the computed ones equal
+    then (a data-dependent check, so while tracing, torch.compile / export, they are always computed)."""
+    if attention_mask is None or (not is_tracing() and bool(attention_mask[:, 0].all())):
         return None
-    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    leading = (attention_mask.cumsum(-1) == 0).sum(-1, keepdim=True)  # padding before the first real token
+    return (torch.arange(attention_mask.shape[-1], device=attention_mask.device) - leading).clamp(min=0)
 
 
 class FeedForward(nn.Module):
@@ -344,6 +378,13 @@ def ungroup_weights(weights: torch.Tensor, rows: int) -> torch.Tensor:
         return weights
     groups = rows // sources
     return weights.view(sources, heads, groups, queries // groups, keys).transpose(1, 2).reshape(rows, heads, -1, keys)
+
+
+def is_tracing() -> bool:
+    """Whether a graph is being traced (torch.compile / dynamo, torch.export, torch.jit.trace, CUDA graph capture),
+    where a branch on a tensor's value (``bool(tensor...)``) cannot be taken: callers then take their general path
+    (e.g. an explicit padding mask even when nothing is padded), which gives the same outputs."""
+    return hf_is_tracing()
 
 
 class _SmoothedCrossEntropy(torch.autograd.Function):
@@ -402,8 +443,11 @@ def smoothed_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, label_smo
     if not 0.0 <= label_smoothing < 1.0:
         raise ValueError(f"`label_smoothing` must be in [0, 1), got {label_smoothing!r}.")
     bad = (labels != -100) & ((labels < 0) | (labels >= logits.shape[1]))
-    if bad.any():
-        raise ValueError(f"`labels` must be -100 (ignored) or in [0, {logits.shape[1]}), got {labels[bad][0].item()}.")
+    allowed = f"`labels` must be -100 (ignored) or in [0, {logits.shape[1]})"
+    if is_tracing():  # a graph cannot branch on values: the same check, run by the graph
+        torch._check_tensor_all_with(ValueError, ~bad, lambda: f"{allowed}.")
+    elif bad.any():
+        raise ValueError(f"{allowed}, got {labels[bad][0].item()}.")
     return _SmoothedCrossEntropy.apply(logits, labels, float(label_smoothing), chunk)
 
 
@@ -565,7 +609,7 @@ class SubLayer(nn.Module):
         return (x, weights) if output_attentions else x
 
 
-class EncoderLayer(nn.Module):
+class EncoderLayer(GradientCheckpointingLayer):  # recomputed in backward under gradient_checkpointing_enable()
     def __init__(self, config: HardAttnConfig, layer_idx: int, kind: str):
         super().__init__()
         attention = build_attention(kind, config, "encoder", layer_idx)
@@ -583,7 +627,7 @@ class EncoderLayer(nn.Module):
         return (x, weights) if output_attentions else x
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(GradientCheckpointingLayer):
     def __init__(self, config: HardAttnConfig, layer_idx: int, self_kind: str, cross_kind: str):
         super().__init__()
         attention = build_attention(self_kind, config, "decoder", layer_idx)
@@ -609,7 +653,7 @@ class DecoderLayer(nn.Module):
 
 def padding_mask(attention_mask):
     """[B, S] 0/1 mask -> bool [B, 1, 1, S] key mask, or None when nothing is padded (enables fast kernels)."""
-    if attention_mask is None or bool(attention_mask.all()):
+    if attention_mask is None or (not is_tracing() and bool(attention_mask.all())):
         return None
     return attention_mask[:, None, None, :].bool()
 
@@ -703,7 +747,7 @@ class HardAttnDecoder(nn.Module):
         """(mask, causal) for decoder self-attention: no mask at all for one cached step, SDPA's causal flag for a
         whole unpadded sequence, an explicit bool mask otherwise."""
         key_length = past_length + query_length
-        if decoder_attention_mask is not None and not bool(decoder_attention_mask.all()):
+        if decoder_attention_mask is not None and (is_tracing() or not bool(decoder_attention_mask.all())):
             pad = decoder_attention_mask[:, None, None, -key_length:].bool()
             return causal_mask(query_length, key_length, device) & pad, False
         if query_length == 1:
@@ -770,7 +814,7 @@ def check_labels(labels: torch.Tensor, vocab_size: int):
     if labels.dim() != 2 or labels.dtype.is_floating_point or labels.dtype == torch.bool:
         raise ValueError(f"`labels` must be an integer tensor [batch, target length], got {labels.dtype} of shape "
                          f"{tuple(labels.shape)}.")
-    if torch.compiler.is_compiling():
+    if is_tracing():  # (the loss checks its labels inside the graph)
         return
     bad = (labels != -100) & ((labels < 0) | (labels >= vocab_size))
     if bool(bad.any()):
@@ -798,7 +842,10 @@ class HardAttnPreTrainedModel(PreTrainedModel):
     config_class = HardAttnConfig
     base_model_prefix = "model"
     main_input_name = "input_ids"
-    supports_gradient_checkpointing = False
+    # gradient_checkpointing_enable(): every EncoderLayer / DecoderLayer (and the hybrid's GRU step) keeps only its
+    # inputs for backward and is recomputed there; torch.utils.checkpoint restores the RNG state for the recomputation,
+    # so dropout masks and hard-retrieval samples are drawn again identically
+    supports_gradient_checkpointing = True
     _supports_sdpa = True
     _no_split_modules = ["EncoderLayer", "DecoderLayer"]
 
@@ -1022,6 +1069,11 @@ class HardAttnForConditionalGeneration(HardAttnPreTrainedModel, GenerationMixin)
             use_cache = False
             if decoder_input_ids is None and decoder_inputs_embeds is None:
                 decoder_input_ids = self.prepare_decoder_input_ids_from_labels(labels)
+        if use_cache and self.training and torch.is_grad_enabled() and self._decoder_checkpointing():
+            # a checkpointed layer runs again in backward: it would write its keys/values into the cache twice
+            logger.warning_once("`use_cache=True` is incompatible with gradient checkpointing in training. Setting "
+                                "`use_cache=False`.")
+            use_cache = False
         if encoder_outputs is None:
             encoder_outputs = self.model.encoder(input_ids, attention_mask, inputs_embeds, return_dict=True,
                                                  output_attentions=output_attentions,
@@ -1044,6 +1096,10 @@ class HardAttnForConditionalGeneration(HardAttnPreTrainedModel, GenerationMixin)
             **{CACHE_FIELD: cache},
         )
         return output if return_dict else output.to_tuple()
+
+    def _decoder_checkpointing(self) -> bool:
+        """Whether gradient checkpointing is on for any part of the decoder (``gradient_checkpointing_enable()``)."""
+        return any(getattr(module, "gradient_checkpointing", False) for module in self.model.decoder.modules())
 
     def _expand_inputs_for_generation(self, expand_size=1, is_encoder_decoder=False, input_ids=None, **model_kwargs):
         """``generate()`` repeats every sentence ``expand_size`` times (beams, ``num_return_sequences``). When the
