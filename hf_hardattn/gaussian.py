@@ -156,7 +156,7 @@ def leading_padding(mask):
     keys = mask[:, 0, 0, :]
     if not is_tracing() and bool(keys[:, 0].all()):
         return None
-    return (~keys).long().cumprod(-1).sum(-1)
+    return (keys.long().cumsum(-1) == 0).sum(-1)
 
 
 # ----------------------------------------------------------------------------------------------------------------
