@@ -6,11 +6,13 @@ receive, ``transformers.masking_utils.AttentionMaskInterface``)::
     model = MarianMTModel.from_pretrained(path, attn_implementation="hard_retrieval")   # or
     model.set_attn_implementation("hard_retrieval")
 
-| name | hard retrieval in | the paper's Table 3 row |
-| --- | --- | --- |
-| ``"hard_retrieval"`` | decoder self- and cross-attention (encoder soft) | "Dec Cross- and Self-Attn" (the main setting) |
-| ``"hard_retrieval_cross"`` | cross-attention only | "Dec Cross-Attn" |
-| ``"hard_retrieval_all"`` | encoder self-, decoder self- and cross-attention | "Enc Self- and Dec Cross- and Self-Attn" |
+======================== ================================================ =========================================
+name                     hard retrieval in                                the paper's Table 3 row
+======================== ================================================ =========================================
+``hard_retrieval``       decoder self- and cross-attention (encoder soft) Dec Cross- and Self-Attn (main setting)
+``hard_retrieval_cross`` cross-attention only                             Dec Cross-Attn
+``hard_retrieval_all``   encoder self-, decoder self- and cross-attention Enc Self- and Dec Cross- and Self-Attn
+======================== ================================================ =========================================
 
 They correspond to a ``hard_retrieval_transformer`` with ``decoder_attention`` / ``cross_attention`` /
 ``encoder_attention`` set to ``"hard_retrieval"`` for the same roles. :func:`register` adds another combination.
@@ -63,8 +65,8 @@ def attention_role(module) -> str:
     """"encoder" (encoder self-attention), "decoder" (decoder self-attention) or "cross", from the module's flags."""
     is_causal, is_decoder = getattr(module, "is_causal", None), getattr(module, "is_decoder", None)
     if is_causal is None and is_decoder is None:
-        raise ValueError(f"{type(module).__name__} has neither `is_causal` nor `is_decoder`: hard retrieval cannot tell "
-                         "whether it is encoder self-, decoder self- or cross-attention.")
+        raise ValueError(f"{type(module).__name__} has neither `is_causal` nor `is_decoder`: hard retrieval cannot "
+                         "tell whether it is encoder self-, decoder self- or cross-attention.")
     if is_causal:
         return "decoder"
     return "cross" if is_decoder else "encoder"
@@ -129,7 +131,8 @@ def soft_attention(module, query, key, value, mask, scaling, dropout, **kwargs):
     ``output_attentions`` asks for the softmax weights. ``mask``: bool or None."""
     if kwargs.get("output_attentions", False):
         if mask is not None:
-            mask = torch.where(mask, torch.zeros((), dtype=query.dtype, device=mask.device), torch.finfo(query.dtype).min)
+            hidden = torch.finfo(query.dtype).min
+            mask = torch.zeros(mask.shape, dtype=query.dtype, device=mask.device).masked_fill(~mask, hidden)
         return _eager_function(module)(module, query, key, value, mask, scaling=scaling, dropout=dropout, **kwargs)
     return sdpa_attention_forward(module, query, key, value, mask, scaling=scaling, dropout=dropout, **kwargs)
 
