@@ -7,6 +7,7 @@ not installed. It also registers the ``translation`` pipeline task (``hf_hardatt
 
 from transformers import AutoConfig, AutoModelForSeq2SeqLM
 
+from .attention_interface import register as _register_attention_interface
 from .beam_joint import (BeamJointRNNConfig, BeamJointRNNForConditionalGeneration, BeamJointTransformerConfig,
                          BeamJointTransformerForConditionalGeneration)
 from .configuration_hardattn import ATTENTION_KINDS, HardAttnConfig
@@ -42,6 +43,7 @@ def _register():
 
 _register()
 _register_pipelines()
+_register_attention_interface()  # "hard_retrieval" etc. for stock models (attention_interface.py)
 
 __all__ = [
     "ATTENTION_KINDS",
