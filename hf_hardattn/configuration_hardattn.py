@@ -9,6 +9,10 @@ This file is part of the runtime code shipped with saved models (``trust_remote_
 with same-folder relative imports only.
 """
 
+import difflib
+import math
+import warnings
+
 from transformers import PreTrainedConfig
 from transformers.activations import ACT2FN
 
@@ -97,9 +101,40 @@ class HardAttnConfig(PreTrainedConfig):
     eos_token_id: int | list[int] | None = 2
     decoder_start_token_id: int | None = 1
 
+    # keys transformers itself passes on besides the fields (loading, saving, its own options)
+    KNOWN_EXTRA_KEYS = {"auto_map", "model_type", "name_or_path", "_name_or_path", "_commit_hash", "transformers_version",
+                        "architectures", "attn_implementation", "experts_implementation", "output_attentions", "dtype",
+                        "torch_dtype"}
+
     def __post_init__(self, **kwargs):
+        self.check_unknown_keys(kwargs)
         super().__post_init__(**kwargs)
         self.check()
+
+    def check_unknown_keys(self, kwargs):
+        """A key that is no field of this config is kept by transformers as an attribute nothing reads: one that is
+        close to a field (a misspelling, ``cross_atention``) is an error naming both, any other a warning."""
+        fields = set(self.__dataclass_fields__)
+        for key in kwargs:
+            if key in fields or key in self.KNOWN_EXTRA_KEYS:
+                continue
+            close = difflib.get_close_matches(key, fields, n=1, cutoff=0.85)
+            if close:
+                raise ValueError(f"`{key}` is not a field of {type(self).__name__}; did you mean `{close[0]}`?")
+            warnings.warn(f"`{key}` is not a field of {type(self).__name__} (model_type {self.model_type!r}); it is "
+                          f"kept but nothing in the model reads it.", stacklevel=3)
+
+    @classmethod
+    def from_dict(cls, config_dict, **kwargs):
+        """Refuses a config of another model type (``HardRetrievalForConditionalGeneration.from_pretrained`` of a soft
+        model's folder would otherwise build the class's model with that config, with only a logged warning)."""
+        model_type = config_dict.get("model_type")
+        if model_type and cls.model_type != HardAttnConfig.model_type and model_type != cls.model_type:
+            raise ValueError(
+                f"This config is of model_type {model_type!r}, not {cls.model_type!r} ({cls.__name__}). Load it with "
+                f"AutoModelForSeq2SeqLM / AutoConfig (which pick the class of its type); to decode a model with other "
+                f"attention kinds, pass them as overrides, e.g. from_pretrained(path, cross_attention='hard_retrieval').")
+        return super().from_dict(config_dict, **kwargs)
 
     # Every attention kind returns its weights on request whatever the implementation ("sdpa" switches to the written-out
     # softmax for the call that asks), so, unlike transformers' models, `output_attentions` needs no "eager".
@@ -120,8 +155,23 @@ class HardAttnConfig(PreTrainedConfig):
         for name in ("vocab_size", "d_model", "encoder_layers", "decoder_layers", "encoder_attention_heads",
                      "decoder_attention_heads", "encoder_ffn_dim", "decoder_ffn_dim", "max_position_embeddings"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
+        eps = self.layer_norm_eps
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (eps > 0 and math.isfinite(eps)):
+            raise ValueError(f"`layer_norm_eps` must be a positive finite number (default 1e-5), got {eps!r}.")
+        for name in ("pad_token_id", "bos_token_id", "decoder_start_token_id"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or not 0 <= value < self.vocab_size):
+                raise ValueError(f"`{name}` must be None or a token id in [0, vocab_size={self.vocab_size}), got "
+                                 f"{value!r}.")
+        eos = self.eos_token_id
+        for value in (eos if isinstance(eos, (list, tuple)) else [eos]):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or not 0 <= value < self.vocab_size):
+                raise ValueError(f"`eos_token_id` must be None, a token id in [0, vocab_size={self.vocab_size}) or a "
+                                 f"list of them, got {eos!r}.")
         for name in ("encoder_attention_heads", "decoder_attention_heads"):
             heads = getattr(self, name)
             if self.d_model % heads:

@@ -70,11 +70,12 @@ class HardRetrievalAttention(SoftAttention):
     can be decoded with the other kind than it was trained with; hard-retrieval paper, Table 4)."""
 
     def training_probabilities(self, q, k, mask, causal):
-        """P = softmax(QK^T / sqrt(d_k)) (Eq. 1-2) over the visible keys, before attention dropout."""
+        """P = softmax(QK^T / sqrt(d_k)) (Eq. 1-2) over the visible keys, before attention dropout (a query row with no
+        visible key, e.g. a direct call with a fully padded row, over all keys rather than NaN probabilities)."""
         scores = (q @ k.transpose(-1, -2)) * self.head_dim**-0.5
         mask = full_mask(mask, causal, q.shape[-2], k.shape[-2], q.device)
         if mask is not None:
-            scores = scores.masked_fill(~mask, float("-inf"))
+            scores = scores.masked_fill(~(mask | ~mask.any(-1, keepdim=True)), float("-inf"))
         return torch.softmax(scores, dim=-1)
 
     def retrieve(self, q, k, v, mask, causal):

@@ -692,10 +692,15 @@ class HardAttnEncoder(nn.Module):
         config = self.config
         output_attentions = config.output_attentions if output_attentions is None else output_attentions
         output_hidden_states = config.output_hidden_states if output_hidden_states is None else output_hidden_states
+        check_one_of("input_ids", input_ids, "inputs_embeds", inputs_embeds)
         if inputs_embeds is None:
-            if input_ids is None:
-                raise ValueError("The encoder needs `input_ids` or `inputs_embeds`.")
+            check_ids("input_ids", input_ids, config.vocab_size)
             inputs_embeds = self.embed_tokens(input_ids) * self.embed_scale
+        elif inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != config.d_model or 0 in inputs_embeds.shape:
+            raise ValueError(f"`inputs_embeds` must be [batch, length, d_model={config.d_model}] (not empty), got "
+                             f"{tuple(inputs_embeds.shape)}.")
+        if attention_mask is not None:
+            check_mask("attention_mask", attention_mask, [inputs_embeds.shape[:2]])
         positions = token_positions(attention_mask)
         x = inputs_embeds + (self.embed_positions(0, inputs_embeds.shape[1]) if positions is None
                              else self.embed_positions.at(positions))
@@ -805,6 +810,52 @@ class DecoderResult(NamedTuple):
     hidden_states: tuple | None = None
     attentions: tuple | None = None
     cross_attentions: tuple | None = None
+
+
+def check_ids(name: str, ids: torch.Tensor, vocab_size: int):
+    """Token ids [batch, length]: integers in [0, vocab_size), at least one sentence of at least one token."""
+    if ids.dim() != 2 or ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        raise ValueError(f"`{name}` must be an integer tensor [batch, length], got {ids.dtype} of shape "
+                         f"{tuple(ids.shape)}.")
+    if 0 in ids.shape:
+        raise ValueError(f"`{name}` is empty (shape {tuple(ids.shape)}); allowed: at least one sentence of at least "
+                         f"one token.")
+    if is_tracing():
+        return
+    bad = (ids < 0) | (ids >= vocab_size)
+    if bool(bad.any()):
+        raise ValueError(f"`{name}` holds {ids[bad][0].item()}, outside the vocabulary; allowed: ids in [0, {vocab_size}).")
+
+
+def check_mask(name: str, mask: torch.Tensor, shapes: list, right_padded: bool = False):
+    """A 0/1 padding mask whose shape is one of ``shapes``, with a token in every row (and, ``right_padded``, its
+    padding after its tokens)."""
+    if tuple(mask.shape) not in [tuple(shape) for shape in shapes]:
+        allowed = " or ".join(str(tuple(shape)) for shape in shapes)
+        raise ValueError(f"`{name}` has shape {tuple(mask.shape)}; allowed: {allowed} (one 0/1 entry per token).")
+    if is_tracing():
+        return
+    if mask.dtype != torch.bool:
+        bad = (mask != 0) & (mask != 1)
+        if bool(bad.any()):
+            raise ValueError(f"`{name}` must hold 0 (padding) and 1 (token) only, got {mask[bad][0].item()}.")
+    present = mask.bool()
+    empty = ~present.any(-1)
+    if bool(empty.any()):
+        raise ValueError(f"`{name}` row {int(empty.nonzero()[0])} is all padding; allowed: at least one token (1) per "
+                         f"row.")
+    if right_padded:
+        left = present[:, 1:] & ~present[:, :-1]  # a token after padding
+        if bool(left.any()):
+            raise ValueError(f"`{name}` row {int(left.nonzero()[0, 0])} has padding before a token: "
+                             f"{mask[int(left.nonzero()[0, 0])].tolist()}; decoder inputs must be padded on the right.")
+
+
+def check_one_of(first: str, a, second: str, b, allow_neither: bool = False):
+    if a is not None and b is not None:
+        raise ValueError(f"Pass `{first}` or `{second}`, not both.")
+    if a is None and b is None and not allow_neither:
+        raise ValueError(f"Pass `{first}` or `{second}` (or `labels`, from which the decoder inputs are made).")
 
 
 def check_labels(labels: torch.Tensor, vocab_size: int):
@@ -1074,6 +1125,7 @@ class HardAttnForConditionalGeneration(HardAttnPreTrainedModel, GenerationMixin)
             logger.warning_once("`use_cache=True` is incompatible with gradient checkpointing in training. Setting "
                                 "`use_cache=False`.")
             use_cache = False
+        source_given = encoder_outputs is not None  # (else the encoder checks the source as it reads it)
         if encoder_outputs is None:
             encoder_outputs = self.model.encoder(input_ids, attention_mask, inputs_embeds, return_dict=True,
                                                  output_attentions=output_attentions,
@@ -1081,6 +1133,8 @@ class HardAttnForConditionalGeneration(HardAttnPreTrainedModel, GenerationMixin)
         elif isinstance(encoder_outputs, (tuple, list)):  # as transformers' models read a tuple
             encoder_outputs = BaseModelOutput(*encoder_outputs[:3])
         cache = HardAttnCache.from_cache(past_key_values if cache is None else cache) if use_cache else None
+        self.check_decoder_inputs(decoder_input_ids, decoder_attention_mask, decoder_inputs_embeds,
+                                  encoder_outputs.last_hidden_state, attention_mask if source_given else None, cache)
         decoded = self.decode(
             decoder_input_ids, encoder_outputs.last_hidden_state, attention_mask, decoder_attention_mask,
             decoder_inputs_embeds, cache, output_attentions=output_attentions, output_hidden_states=output_hidden_states,
@@ -1096,6 +1150,28 @@ class HardAttnForConditionalGeneration(HardAttnPreTrainedModel, GenerationMixin)
             **{CACHE_FIELD: cache},
         )
         return output if return_dict else output.to_tuple()
+
+    def check_decoder_inputs(self, decoder_input_ids, decoder_attention_mask, decoder_inputs_embeds, memory,
+                             attention_mask, cache):
+        """Clear errors where the decoder's inputs enter: ids in the vocabulary or embeddings of d_model (one of the
+        two), a right-padded 0/1 ``decoder_attention_mask`` of [B, T] or [B, cached + T] (continuing from a cache),
+        and a given encoder output's ``attention_mask`` of its [B, S]."""
+        check_one_of("decoder_input_ids", decoder_input_ids, "decoder_inputs_embeds", decoder_inputs_embeds)
+        if decoder_inputs_embeds is None:
+            check_ids("decoder_input_ids", decoder_input_ids, self.config.vocab_size)
+            rows, length = decoder_input_ids.shape
+        else:
+            if decoder_inputs_embeds.dim() != 3 or decoder_inputs_embeds.shape[-1] != self.config.d_model \
+                    or 0 in decoder_inputs_embeds.shape:
+                raise ValueError(f"`decoder_inputs_embeds` must be [batch, length, d_model={self.config.d_model}] (not "
+                                 f"empty), got {tuple(decoder_inputs_embeds.shape)}.")
+            rows, length = decoder_inputs_embeds.shape[:2]
+        if decoder_attention_mask is not None:
+            past = cache.get_seq_length() if cache is not None else 0
+            check_mask("decoder_attention_mask", decoder_attention_mask, [(rows, length), (rows, past + length)],
+                       right_padded=True)
+        if attention_mask is not None:
+            check_mask("attention_mask", attention_mask, [memory.shape[:2]])
 
     def _decoder_checkpointing(self) -> bool:
         """Whether gradient checkpointing is on for any part of the decoder (``gradient_checkpointing_enable()``)."""
