@@ -137,3 +137,13 @@ def test_hard_retrieval_training_on_a_row_without_visible_keys_is_finite():
     hidden, memory = torch.randn(2, 3, 32), torch.randn(2, 5, 32)
     key_mask = torch.tensor([[True] * 5, [False] * 5])[:, None, None, :]
     assert torch.isfinite(attention(hidden, memory=memory, mask=key_mask)).all()
+
+
+def test_translate_of_no_sources_is_empty_and_of_non_strings_an_error():
+    from hf_hardattn.training import translate
+    from common import toy_tokenizer
+
+    model, tokenizer = contract_model("soft", fit=False), toy_tokenizer()
+    assert translate(model, tokenizer, []) == []
+    with pytest.raises(ValueError, match=r"`sources` must be strings, got int"):
+        translate(model, tokenizer, ["t5 t6", 7])
