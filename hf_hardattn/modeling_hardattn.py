@@ -486,7 +486,8 @@ class SoftAttention(nn.Module):
 
     def __init__(self, config: HardAttnConfig, role: str, layer_idx: int):
         super().__init__()
-        self.config = config  # its `_attn_implementation` ("sdpa" or "eager") is read at every call
+        # "eager" (attn_implementation) writes Eq. 1 out; kept in step by HardAttnPreTrainedModel.set_attn_implementation
+        self.eager = config._attn_implementation == "eager"
         self.role, self.layer_idx, self.is_cross = role, layer_idx, role == "cross"
         d_model = config.d_model
         self.num_heads = config.encoder_attention_heads if role == "encoder" else config.decoder_attention_heads
@@ -527,7 +528,7 @@ class SoftAttention(nn.Module):
         default) or written out (``"eager"``). Under CPU autocast (bf16 training on CPU) the fused kernel runs in fp32:
         the CPU flash kernel's bf16 backward is several times slower than its fp32 one (measured: 21 ms vs 4 ms per
         call at d 256, 128 x 30 tokens), and attention is a small share of the GEMM work bf16 speeds up."""
-        if self.config._attn_implementation == "eager":
+        if self.eager:
             return self.attend_with_weights(q, k, v, mask, causal)[0]
         fp32 = q.requires_grad and q.device.type == "cpu" and torch.is_autocast_enabled("cpu")  # (never when decoding)
         with torch.autocast("cpu", enabled=False) if fp32 else contextlib.nullcontext():
@@ -772,6 +773,17 @@ class HardAttnDecoder(nn.Module):
         config = self.config
         output_attentions = config.output_attentions if output_attentions is None else output_attentions
         output_hidden_states = config.output_hidden_states if output_hidden_states is None else output_hidden_states
+        out = self.run(input_ids, encoder_hidden_states, encoder_attention_mask, attention_mask, inputs_embeds, cache,
+                       output_attentions, output_hidden_states)
+        output = BaseModelOutputWithPastAndCrossAttentions(
+            last_hidden_state=out.last_hidden_state, hidden_states=out.hidden_states, attentions=out.attentions,
+            cross_attentions=out.cross_attentions, **{CACHE_FIELD: cache})
+        return output if (config.return_dict if return_dict is None else return_dict) else output.to_tuple()
+
+    def run(self, input_ids, encoder_hidden_states, encoder_attention_mask, attention_mask, inputs_embeds, cache,
+            output_attentions=False, output_hidden_states=False) -> "DecoderResult":
+        """``forward`` as a :class:`DecoderResult` (a plain tuple: what the model's ``decode`` reads at every step,
+        without building a ModelOutput)."""
         past_length = cache.get_seq_length() if cache is not None else 0
         x = self.embed(input_ids, inputs_embeds, past_length)
         self_mask, causal = self.self_attention_mask(attention_mask, x.shape[1], past_length, x.device)
@@ -795,11 +807,8 @@ class HardAttnDecoder(nn.Module):
             x = self.final_norm(x)
         if output_hidden_states:
             hidden_states[-1] = x
-        output = BaseModelOutputWithPastAndCrossAttentions(
-            last_hidden_state=x, hidden_states=hidden_states and tuple(hidden_states),
-            attentions=attentions and tuple(attentions), cross_attentions=cross_attentions and tuple(cross_attentions),
-            **{CACHE_FIELD: cache})
-        return output if (config.return_dict if return_dict is None else return_dict) else output.to_tuple()
+        return DecoderResult(x, hidden_states and tuple(hidden_states), attentions and tuple(attentions),
+                             cross_attentions and tuple(cross_attentions))
 
 
 class DecoderResult(NamedTuple):
@@ -827,13 +836,13 @@ def check_ids(name: str, ids: torch.Tensor, vocab_size: int):
         raise ValueError(f"`{name}` holds {ids[bad][0].item()}, outside the vocabulary; allowed: ids in [0, {vocab_size}).")
 
 
-def check_mask(name: str, mask: torch.Tensor, shapes: list, right_padded: bool = False):
+def check_mask(name: str, mask: torch.Tensor, shapes: list, right_padded: bool = False, values: bool = True):
     """A 0/1 padding mask whose shape is one of ``shapes``, with a token in every row (and, ``right_padded``, its
-    padding after its tokens)."""
+    padding after its tokens); ``values=False`` checks the shape only."""
     if tuple(mask.shape) not in [tuple(shape) for shape in shapes]:
         allowed = " or ".join(str(tuple(shape)) for shape in shapes)
         raise ValueError(f"`{name}` has shape {tuple(mask.shape)}; allowed: {allowed} (one 0/1 entry per token).")
-    if is_tracing():
+    if is_tracing() or not values:
         return
     if mask.dtype != torch.bool:
         bad = (mask != 0) & (mask != 1)
@@ -918,6 +927,14 @@ class HardAttnPreTrainedModel(PreTrainedModel):
             raise ValueError(f"`attn_implementation`={attn_implementation!r} is not supported by {type(self).__name__}; "
                              f"allowed: {list(self.ATTN_IMPLEMENTATIONS)} (or None for 'sdpa').")
         return requested
+
+    def set_attn_implementation(self, attn_implementation, *args, **kwargs):
+        """transformers' method (checked by :meth:`_check_and_adjust_attn_implementation`); the soft attention modules
+        then follow the new implementation."""
+        super().set_attn_implementation(attn_implementation, *args, **kwargs)
+        for module in self.modules():
+            if isinstance(module, SoftAttention):
+                module.eager = self.config._attn_implementation == "eager"
 
     def mark_tied_weights_as_initialized(self, loading_info):
         """transformers flags every tied target as initialised before loading the missing keys; our targets are the very
@@ -1064,10 +1081,8 @@ class HardAttnForConditionalGeneration(HardAttnPreTrainedModel, GenerationMixin)
                decoder_inputs_embeds, cache, output_attentions=False, output_hidden_states=False) -> DecoderResult:
         """The decoder's :class:`DecoderResult` (hidden states [B, T, d] for the output layer; per-layer weights and
         states when asked). Variants whose decoder is not the skeleton's override this."""
-        out = self.model.decoder(
-            decoder_input_ids, encoder_hidden_states, attention_mask, decoder_attention_mask, decoder_inputs_embeds,
-            cache, output_attentions=output_attentions, output_hidden_states=output_hidden_states, return_dict=True)
-        return DecoderResult(out.last_hidden_state, out.hidden_states, out.attentions, out.cross_attentions)
+        return self.model.decoder.run(decoder_input_ids, encoder_hidden_states, attention_mask, decoder_attention_mask,
+                                      decoder_inputs_embeds, cache, output_attentions, output_hidden_states)
 
     def output_logits(self, hidden, **kwargs):
         """Vocabulary scores [B, T, V] from decoder states (the beam-joint variant overrides this)."""
@@ -1170,8 +1185,9 @@ class HardAttnForConditionalGeneration(HardAttnPreTrainedModel, GenerationMixin)
             past = cache.get_seq_length() if cache is not None else 0
             check_mask("decoder_attention_mask", decoder_attention_mask, [(rows, length), (rows, past + length)],
                        right_padded=True)
-        if attention_mask is not None:
-            check_mask("attention_mask", attention_mask, [memory.shape[:2]])
+        if attention_mask is not None:  # (its values once per sentence: generate() passes the same mask at every step)
+            check_mask("attention_mask", attention_mask, [memory.shape[:2]],
+                       values=cache is None or cache.get_seq_length() == 0)
 
     def _decoder_checkpointing(self) -> bool:
         """Whether gradient checkpointing is on for any part of the decoder (``gradient_checkpointing_enable()``)."""
