@@ -335,8 +335,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                     "modeling code (trust_remote_code), model card, tokenizer")
     types = sorted(config_class.model_type for config_class in MODEL_CLASSES)
     convert.add_argument("--model-type", required=True, metavar="T",
-                         help=f"the hf_hardattn model type to convert to: one of {', '.join(types)} (beam_joint_rnn and "
-                              f"hybrid_transformer, with a GRU decoder, are refused with the distillation route)")
+                         help=f"the hf_hardattn model type to convert to: one of {', '.join(types)} "
+                              f"(beam_joint_rnn and hybrid_transformer, with a GRU decoder, are refused with the "
+                              f"distillation route)")
     convert.add_argument("--set", action="append", metavar="KEY=VALUE",
                          help="override a field of the target config that the source does not fix (repeatable), "
                               "e.g. --set dropout=0.1 --set recurrent_variant=coverage --set "

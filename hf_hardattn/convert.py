@@ -18,8 +18,8 @@ mbart         learned, table rows 2..                      yes               pre
 m2m_100       sinusoidal, layout "fairseq", from pad + 1   no                pre + final no
 ============  ===========================================  ================  ==========  ================
 
-q/k/v are concatenated into our fused ``qkv_proj`` (self-attention) and ``kv_proj`` (cross-attention); a bias that
-is all zeros is not kept (``final_logits_bias=False``), which changes nothing. The source's generation config
+q/k/v are concatenated into our fused ``qkv_proj`` (self-attention) and ``kv_proj`` (cross-attention); a
+``final_logits_bias`` that is all zeros is not kept (``final_logits_bias=False``), which changes nothing. The source's generation config
 (``num_beams``, ``max_length``, ``bad_words_ids``, ``forced_bos_token_id``/``forced_eos_token_id``, ...) is copied, so
 that ``generate()`` without arguments decodes as the source does.
 
@@ -151,11 +151,12 @@ def convert(source, model_type: str, *, return_report: bool = False, **config_ov
 def _target_classes(model_type):
     from . import MODEL_CLASSES
 
-    types = {config_class.model_type: (model_class, config_class) for config_class, model_class in MODEL_CLASSES.items()}
+    types = {config_class.model_type: (model_class, config_class)
+             for config_class, model_class in MODEL_CLASSES.items()}
     if model_type in GRU_DECODER_TYPES:
         raise ValueError(
-            f"`model_type`={model_type!r} cannot be converted to: its decoder is a GRU, which no weight of a Transformer "
-            f"decoder maps to (only the encoder would be kept). Distil it instead, with the converted soft model as "
+            f"`model_type`={model_type!r} cannot be converted to: its decoder is a GRU, which no weight of a "
+            f"Transformer decoder maps to (only the encoder would be kept). Distil it instead, with the converted soft model as "
             f"teacher: `hf-hardattn convert SRC TEACHER --model-type soft_transformer`, then `hf-hardattn distill "
             f"--teacher TEACHER --data DATA --out KD` and train the {model_type} model on KD's targets "
             f"(examples/distill_hybrid.py; word-level KD: hf_hardattn.distill.DistillationTrainer). Allowed "
@@ -207,8 +208,8 @@ def _load_source(source):
 
 def _unsupported(what: str) -> str:
     return (f"{what}; supported sources: {', '.join(SUPPORTED_SOURCES.values())} (model types "
-            f"{list(SUPPORTED_SOURCES)}; NLLB checkpoints are m2m_100). An hf_hardattn model changes attention kinds with "
-            f"model.with_attention(...) instead.")
+            f"{list(SUPPORTED_SOURCES)}; NLLB checkpoints are m2m_100). An hf_hardattn model changes attention kinds "
+            f"with model.with_attention(...) instead.")
 
 
 def _family(source) -> str:
@@ -415,8 +416,8 @@ def _describe_target(model, source, report):
         report.notes.append(f"output: the beam-joint mixture over the top-{config.joint_k} source positions of decoder "
                             f"layer {config.joint_layer_index()}'s cross-attention (no parameters added)")
     if config.model_type == "recurrent_transformer":
-        report.notes.append(f"recurrent cross-attention variant {config.recurrent_variant!r}: the layers' previous step "
-                            f"now feeds their attention; extra parameters, if any, are listed as initialised")
+        report.notes.append(f"recurrent cross-attention variant {config.recurrent_variant!r}: the layers' previous "
+                            f"step now feeds their attention; extra parameters, if any, are listed as initialised")
 
 
 __all__ = ["ConversionReport", "SUPPORTED_SOURCES", "convert"]

@@ -291,7 +291,8 @@ class HardAttnCache(EncoderDecoderCache):
 def sinusoidal_table(num_positions: int, dim: int, offset: int = 0, layout: str = "interleaved") -> torch.Tensor:
     """Rows ``offset`` ... ``offset + num_positions - 1`` of a sinusoidal position table [num_positions, dim], fp32.
 
-    * ``"interleaved"``, Vaswani et al. (2017), Sec. 3.5: PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(...);
+    * ``"interleaved"``, Vaswani et al. (2017), Sec. 3.5: PE(pos, 2i) = sin(pos / 10000^(2i/d)),
+      PE(pos, 2i+1) = cos(...);
     * ``"marian"``: the same frequencies, the sines in the first half of the features and the cosines in the second
       (transformers' ``MarianSinusoidalPositionalEmbedding``, computed as it does: float64 numpy, rounded to fp32);
     * ``"fairseq"``: sines then cosines with frequencies exp(-i log(10000) / (d/2 - 1)) (fairseq / tensor2tensor,

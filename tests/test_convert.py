@@ -95,6 +95,22 @@ def test_soft_is_exact(family):
         assert torch.equal(run_generate(model, mode, True), expected), mode
 
 
+def test_m2m100_left_padding_is_exact():
+    """fairseq positions count from each row's first real token, as ours do for a left-padded source: M2M100's logits
+    are reproduced on a left-padded batch too (Marian and BART shift such a row's positions; ours do not)."""
+    source = source_model("m2m_100")
+    model = hf_hardattn.convert(source, "soft_transformer")
+    ids, mask = source_batch()
+    left = torch.stack([torch.cat([row[m.bool()], row[~m.bool()]]).roll(int((~m.bool()).sum())) for row, m
+                        in zip(ids, mask)])
+    assert left[1, 0] == PAD and left[1, -1] == EOS
+    kwargs = dict(input_ids=left, attention_mask=(left != PAD).long(), decoder_input_ids=decoder_inputs(source))
+    with torch.no_grad():
+        assert (source(**kwargs).logits - model(**kwargs).logits).abs().max().item() <= 1e-4
+    generate = dict(input_ids=left, attention_mask=(left != PAD).long(), max_new_tokens=8, num_beams=4)
+    assert torch.equal(model.generate(**generate), source.generate(**generate))
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_soft_config_fields(family):
     """The source's architecture lands in the documented config fields."""
@@ -191,9 +207,10 @@ def train_step(model):
 
 
 @pytest.mark.parametrize("target", OTHER_TYPES)
-def test_other_types(target):
+def test_other_types(target, tmp_path):
     """Each Transformer type gets the source's shared weights, reports what it initialised or dropped, trains one
-    step and generates (greedy and beam 4)."""
+    step and generates (greedy and beam 4); the hard-retrieval one (Marian's positions and logits bias in another
+    type) also saves and reloads."""
     source = source_model("marian")
     overrides, initialised = OTHER_TYPES[target]
     model_type = target if target.endswith("transformer") else "recurrent_transformer"
@@ -226,6 +243,7 @@ def test_other_types(target):
     if target == "hard_retrieval_transformer":
         assert any("Table 4" in note for note in report.notes)
         assert report.exact
+        check_save_load(model, tmp_path)
     train_step(model)
     for mode in ("greedy", "beam"):
         out = run_generate(model, mode, True)
