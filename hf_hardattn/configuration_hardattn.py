@@ -32,6 +32,9 @@ ROLES = {  # role -> (config field, field holding the number of layers of that r
     "cross": ("cross_attention", "decoder_layers"),
 }
 POSITION_EMBEDDINGS = ("sinusoidal", "learned")
+# Feature layouts of the sinusoidal table (see modeling_hardattn.sinusoidal_table): ours (Vaswani et al.), Marian's
+# (transformers' MarianMTModel) and fairseq's / tensor2tensor's (M2M100, NLLB).
+SINUSOIDAL_LAYOUTS = ("interleaved", "marian", "fairseq")
 
 
 def _check_range(name, value, low, high, high_inclusive=False):
@@ -57,8 +60,24 @@ class HardAttnConfig(PreTrainedConfig):
         max_position_embeddings: size of the position table.  Learned positions cannot go beyond it;
             sinusoidal positions are computed on the fly beyond it.
         position_embedding: ``"sinusoidal"`` or ``"learned"``.
-        normalize_before: pre-norm (True) instead of the original post-norm (False).
+        sinusoidal_layout: the features of a sinusoidal position (``position_embedding="sinusoidal"`` only), with
+            w_i = 10000^(-2i/d), i < d/2:
+            ``"interleaved"`` (default; Vaswani et al. Sec. 3.5): sin(p w_i) at feature 2i, cos(p w_i) at 2i + 1;
+            ``"marian"`` (transformers' MarianMTModel): the d/2 sines first, then the d/2 cosines, same frequencies;
+            ``"fairseq"`` (fairseq / tensor2tensor, M2M100, NLLB): sines first, then cosines, with frequencies
+            10000^(-i/(d/2 - 1)) (d_model >= 4).
+        position_offset: position p gets the sinusoidal table's row p + position_offset (default 0; fairseq counts
+            from pad_token_id + 1: M2M100 uses 2). Sinusoidal only: learned tables are sliced on conversion instead.
+        layernorm_embedding: a LayerNorm over token + position embeddings, before the embedding dropout, in the
+            encoder and the Transformer decoder (BART, mBART; default False). The hybrid models' GRU decoder embeds
+            tokens without positions and has none.
+        final_logits_bias: add a fixed (not trained) bias [1, vocab_size] to the output logits, a buffer named
+            ``final_logits_bias`` as in BART and Marian (default False: no bias). The beam-joint models' mixture
+            output layer has no bias and refuses it.
+        normalize_before: pre-norm (True) instead of the original post-norm (False); pre-norm adds a final layer
+            norm after the last encoder layer and the last decoder layer (mBART, M2M100).
         scale_embedding: multiply token embeddings by sqrt(d_model).
+        layer_norm_eps: epsilon of every layer norm.
         encoder_attention / decoder_attention / cross_attention: the attention kind of each role, one of
             ``ATTENTION_KINDS``, either a single kind for every layer or a list with one kind per layer.
     """
@@ -86,6 +105,10 @@ class HardAttnConfig(PreTrainedConfig):
     label_smoothing: float | int = 0.1
     max_position_embeddings: int = 1024
     position_embedding: str = "sinusoidal"
+    sinusoidal_layout: str = "interleaved"
+    position_offset: int = 0
+    layernorm_embedding: bool = False
+    final_logits_bias: bool = False
     normalize_before: bool = False
     scale_embedding: bool = True
     layer_norm_eps: float = 1e-5
@@ -186,6 +209,26 @@ class HardAttnConfig(PreTrainedConfig):
             raise ValueError(
                 f"`position_embedding` must be one of {POSITION_EMBEDDINGS}, got {self.position_embedding!r}."
             )
+        if self.sinusoidal_layout not in SINUSOIDAL_LAYOUTS:
+            raise ValueError(
+                f"`sinusoidal_layout` must be one of {SINUSOIDAL_LAYOUTS}, got {self.sinusoidal_layout!r}."
+            )
+        offset = self.position_offset
+        if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+            raise ValueError(f"`position_offset` must be an integer >= 0, got {offset!r}.")
+        if self.position_embedding != "sinusoidal":
+            for name, default in (("sinusoidal_layout", "interleaved"), ("position_offset", 0)):
+                if getattr(self, name) != default:
+                    raise ValueError(
+                        f"`{name}`={getattr(self, name)!r} applies to position_embedding='sinusoidal' only; with "
+                        f"position_embedding={self.position_embedding!r} allowed: {default!r}."
+                    )
+        if self.sinusoidal_layout == "fairseq" and self.d_model < 4:
+            raise ValueError(f"`sinusoidal_layout`='fairseq' divides by d_model / 2 - 1: `d_model` must be >= 4, got "
+                             f"{self.d_model}.")
+        for name in ("layernorm_embedding", "final_logits_bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"`{name}` must be True or False, got {getattr(self, name)!r}.")
         if self.activation_function not in ACT2FN:
             raise ValueError(
                 f"`activation_function` must be one of {sorted(ACT2FN)}, got {self.activation_function!r}."
@@ -212,4 +255,4 @@ class HardAttnConfig(PreTrainedConfig):
         return kinds
 
 
-__all__ = ["HardAttnConfig", "ATTENTION_KINDS", "ROLES"]
+__all__ = ["HardAttnConfig", "ATTENTION_KINDS", "ROLES", "SINUSOIDAL_LAYOUTS"]

@@ -288,13 +288,43 @@ class HardAttnCache(EncoderDecoderCache):
 # ----------------------------------------------------------------------------------------------------------------
 # Building blocks
 # ----------------------------------------------------------------------------------------------------------------
-def sinusoidal_table(num_positions: int, dim: int, offset: int = 0) -> torch.Tensor:
-    """Vaswani et al. (2017), Sec. 3.5: PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(...)."""
+def sinusoidal_table(num_positions: int, dim: int, offset: int = 0, layout: str = "interleaved") -> torch.Tensor:
+    """Rows ``offset`` ... ``offset + num_positions - 1`` of a sinusoidal position table [num_positions, dim], fp32.
+
+    * ``"interleaved"``, Vaswani et al. (2017), Sec. 3.5: PE(pos, 2i) = sin(pos / 10000^(2i/d)),
+      PE(pos, 2i+1) = cos(...);
+    * ``"marian"``: the same frequencies, the sines in the first half of the features and the cosines in the second
+      (transformers' ``MarianSinusoidalPositionalEmbedding``, computed as it does: float64 numpy, rounded to fp32);
+    * ``"fairseq"``: sines then cosines with frequencies exp(-i log(10000) / (d/2 - 1)) (fairseq / tensor2tensor,
+      transformers' ``M2M100SinusoidalPositionalEmbedding``, computed as it does in fp32), a zero feature for odd d.
+    Each row depends only on its position, so any range equals the same rows of a table started at 0."""
+    if layout == "marian":
+        return _marian_table(num_positions, dim, offset)
+    if layout == "fairseq":
+        half = dim // 2
+        freq = torch.exp(torch.arange(half, dtype=torch.int64).float() * -(math.log(10000) / (half - 1)))
+        angle = torch.arange(offset, offset + num_positions, dtype=torch.int64).float()[:, None] * freq[None]
+        table = torch.cat([torch.sin(angle), torch.cos(angle)], dim=1)
+        return torch.cat([table, torch.zeros(num_positions, 1)], dim=1) if dim % 2 else table
     position = torch.arange(offset, offset + num_positions, dtype=torch.float32)[:, None]
     inv_freq = torch.exp(torch.arange(0, dim, 2, dtype=torch.float32) * (-math.log(10000.0) / dim))
     table = torch.zeros(num_positions, dim)
     table[:, 0::2] = torch.sin(position * inv_freq)
     table[:, 1::2] = torch.cos(position * inv_freq[: dim // 2])
+    return table
+
+
+def _marian_table(num_positions: int, dim: int, offset: int) -> torch.Tensor:
+    """The "marian" layout, by the operations of transformers' ``MarianSinusoidalPositionalEmbedding.create_weight``
+    (float64 numpy; the frequencies by the same scalar ``np.power`` calls) so that its fp32 table is bit-identical."""
+    import numpy as np
+
+    inv = np.array([np.power(10000, 2 * (j // 2) / dim) for j in range(dim)])
+    angle = np.arange(offset, offset + num_positions, dtype=np.float64)[:, None] / inv[None, :]
+    table = torch.empty(num_positions, dim, dtype=torch.float32)
+    sentinel = dim // 2 if dim % 2 == 0 else dim // 2 + 1
+    table[:, :sentinel] = torch.from_numpy(np.sin(angle[:, 0::2])).float()
+    table[:, sentinel:] = torch.from_numpy(np.cos(angle[:, 1::2])).float()
     return table
 
 
@@ -305,10 +335,15 @@ class PositionEmbedding(nn.Module):
     def __init__(self, config: HardAttnConfig):
         super().__init__()
         self.kind, self.limit, self.dim = config.position_embedding, config.max_position_embeddings, config.d_model
+        self.layout, self.offset = config.sinusoidal_layout, config.position_offset  # (sinusoidal only)
         if self.kind == "learned":
             self.embed = nn.Embedding(self.limit, self.dim)
         else:
-            self.register_buffer("table", sinusoidal_table(self.limit, self.dim), persistent=False)
+            self.register_buffer("table", self.sinusoids(self.limit), persistent=False)
+
+    def sinusoids(self, length: int, start: int = 0) -> torch.Tensor:
+        """[length, d] fp32: the sinusoidal embeddings of positions start, ..., start + length - 1."""
+        return sinusoidal_table(length, self.dim, offset=start + self.offset, layout=self.layout)
 
     def check_length(self, end: int):
         if self.kind == "learned" and end > self.limit:
@@ -325,7 +360,7 @@ class PositionEmbedding(nn.Module):
         if self.kind == "learned":
             return self.embed.weight[start:end]
         if end > self.limit:  # sinusoidal positions extend beyond the table
-            return sinusoidal_table(length, self.dim, offset=start).to(self.table)
+            return self.sinusoids(length, start).to(self.table)
         return self.table[start:end]
 
     def at(self, positions: torch.Tensor) -> torch.Tensor:
@@ -334,7 +369,7 @@ class PositionEmbedding(nn.Module):
         self.check_length(length)
         if self.kind == "learned":
             return self.embed(positions)
-        return (self.table if length <= self.limit else sinusoidal_table(length, self.dim).to(self.table))[positions]
+        return (self.table if length <= self.limit else self.sinusoids(length).to(self.table))[positions]
 
 
 def token_positions(attention_mask):
@@ -673,12 +708,18 @@ def check_memory_rows(rows, encoder_hidden_states, encoder_attention_mask, group
                          f"{sources} rows; allowed: {sources}.")
 
 
+def embedding_norm(config: HardAttnConfig):
+    """The LayerNorm over token + position embeddings of ``config.layernorm_embedding`` (BART, mBART), or None."""
+    return nn.LayerNorm(config.d_model, eps=config.layer_norm_eps) if config.layernorm_embedding else None
+
+
 class HardAttnEncoder(nn.Module):
     def __init__(self, config: HardAttnConfig, embed_tokens: nn.Embedding):
         super().__init__()
         self.config = config
         self.embed_tokens, self.embed_positions = embed_tokens, PositionEmbedding(config)
         self.embed_scale = math.sqrt(config.d_model) if config.scale_embedding else 1.0
+        self.layernorm_embedding = embedding_norm(config)
         kinds = config.attention_kinds("encoder")
         self.layers = nn.ModuleList(EncoderLayer(config, i, kind) for i, kind in enumerate(kinds))
         self.final_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps) if config.normalize_before else None
@@ -705,6 +746,8 @@ class HardAttnEncoder(nn.Module):
         positions = token_positions(attention_mask)
         x = inputs_embeds + (self.embed_positions(0, inputs_embeds.shape[1]) if positions is None
                              else self.embed_positions.at(positions))
+        if self.layernorm_embedding is not None:
+            x = self.layernorm_embedding(x)
         x = F.dropout(x, config.dropout, self.training)
         mask = padding_mask(attention_mask)
         hidden_states, attentions = [x] if output_hidden_states else None, [] if output_attentions else None
@@ -731,6 +774,7 @@ class HardAttnDecoder(nn.Module):
         self.config = config
         self.embed_tokens, self.embed_positions = embed_tokens, PositionEmbedding(config)
         self.embed_scale = math.sqrt(config.d_model) if config.scale_embedding else 1.0
+        self.layernorm_embedding = embedding_norm(config)
         self_kinds, cross_kinds = config.attention_kinds("decoder"), config.attention_kinds("cross")
         self.layers = nn.ModuleList(
             DecoderLayer(config, i, s, c) for i, (s, c) in enumerate(zip(self_kinds, cross_kinds))
@@ -746,6 +790,8 @@ class HardAttnDecoder(nn.Module):
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids) * self.embed_scale
         x = inputs_embeds + self.embed_positions(past_length, inputs_embeds.shape[1])
+        if self.layernorm_embedding is not None:
+            x = self.layernorm_embedding(x)
         return F.dropout(x, self.config.dropout, self.training)
 
     @staticmethod
@@ -963,7 +1009,9 @@ class HardAttnPreTrainedModel(PreTrainedModel):
             init.ones_(module.weight)
             init.zeros_(module.bias)
         elif isinstance(module, PositionEmbedding) and module.kind == "sinusoidal":
-            init.copy_(module.table, sinusoidal_table(module.limit, module.dim))
+            init.copy_(module.table, module.sinusoids(module.limit))
+        elif isinstance(module, HardAttnForConditionalGeneration) and module.final_logits_bias is not None:
+            init.zeros_(module.final_logits_bias)
 
     def pack_linears(self, max_rows: int = DEFAULT_MAX_ROWS):
         """Faster CPU decoding: linear layers multiply inputs of at most ``max_rows`` rows (batch x beams per step)
@@ -1060,6 +1108,9 @@ class HardAttnForConditionalGeneration(HardAttnPreTrainedModel, GenerationMixin)
         super().__init__(config)
         self.model = self.model_class(config)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        # `config.final_logits_bias`: a fixed bias added to the logits (a buffer, as in BART / Marian), else None
+        self.register_buffer("final_logits_bias", torch.zeros(1, config.vocab_size) if config.final_logits_bias
+                             else None)
         self.post_init()
 
     def get_encoder(self, *args, **kwargs):
@@ -1086,7 +1137,20 @@ class HardAttnForConditionalGeneration(HardAttnPreTrainedModel, GenerationMixin)
 
     def output_logits(self, hidden, **kwargs):
         """Vocabulary scores [B, T, V] from decoder states (the beam-joint variant overrides this)."""
-        return self.lm_head(hidden)
+        logits = self.lm_head(hidden)
+        return logits if self.final_logits_bias is None else logits + self.final_logits_bias
+
+    def resize_token_embeddings(self, *args, **kwargs):
+        """``PreTrainedModel.resize_token_embeddings``; the ``final_logits_bias`` buffer, when there is one, follows
+        the new vocabulary size (kept rows unchanged, new ones 0), as in BART."""
+        embeddings = super().resize_token_embeddings(*args, **kwargs)
+        bias = self.final_logits_bias
+        if bias is not None and bias.shape[-1] != embeddings.weight.shape[0]:
+            size = embeddings.weight.shape[0]
+            new = bias.new_zeros(1, size)
+            new[:, : min(size, bias.shape[-1])] = bias[:, :size]
+            self.final_logits_bias = new
+        return embeddings
 
     def compute_loss(self, logits, labels, num_items_in_batch=None):
         """Label-smoothed cross-entropy over the non-ignored (-100) target tokens (:func:`smoothed_cross_entropy`, equal
