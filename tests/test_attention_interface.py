@@ -369,3 +369,44 @@ def test_generate_output_attentions_under_the_cache_equal_one_full_forward():
     for step, layers in enumerate(out.decoder_attentions):
         for layer, weights in enumerate(layers):
             assert torch.equal(weights[:, :, -1], full.decoder_attentions[layer][:, :, step, :weights.shape[-1]])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The registered implementation == the same checkpoint converted to hard_retrieval_transformer
+# ----------------------------------------------------------------------------------------------------------------
+CONVERTED_TYPES = {"hard_retrieval": {}, "hard_retrieval_cross": {"decoder_attention": "soft"},
+                   "hard_retrieval_all": {"encoder_attention": "hard_retrieval"}}
+
+
+@pytest.mark.parametrize("variant", list(CONVERTED_TYPES))
+@pytest.mark.parametrize("name", MODELS)
+def test_registered_implementation_equals_the_converted_model(name, variant):
+    """The same checkpoint run by transformers' model with the registered implementation and converted to
+    hard_retrieval_transformer (hf_hardattn.convert, hard in the same roles): the same logits at inference (float64),
+    the same greedy and beam-4 tokens, and in training the same sampled indices, hence the same loss and gradients
+    of the shared parameters (seeded; dropout off so that only the samples draw random numbers)."""
+    stock = tiny(name)
+    stock.set_attn_implementation(variant)
+    converted = hf_hardattn.convert(stock, "hard_retrieval_transformer", **CONVERTED_TYPES[variant]).eval()
+    inputs = batch()
+    with torch.no_grad():
+        torch.testing.assert_close(converted(**inputs).logits, stock(**inputs).logits, rtol=0, atol=1e-10)
+    src = dict(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], max_new_tokens=8,
+               min_new_tokens=8)
+    for beams in (1, 4):
+        assert torch.equal(converted.generate(**src, num_beams=beams), stock.generate(**src, num_beams=beams))
+
+    labels = torch.tensor([[6, 10, 14, 18, EOS], [8, 12, EOS, -100, -100]])
+    losses, grads = {}, {}
+    for key, model in (("stock", stock), ("converted", converted)):
+        model.train()
+        torch.manual_seed(11)
+        out = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], labels=labels)
+        loss = torch.nn.functional.cross_entropy(out.logits.reshape(-1, 40), labels.reshape(-1))  # same loss for both
+        loss.backward()
+        losses[key] = loss.detach()
+        grads[key] = model.get_input_embeddings().weight.grad.clone()
+        model.zero_grad()
+        model.eval()
+    torch.testing.assert_close(losses["converted"], losses["stock"], rtol=0, atol=1e-10)
+    torch.testing.assert_close(grads["converted"], grads["stock"], rtol=0, atol=1e-10)
