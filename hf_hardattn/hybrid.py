@@ -1,43 +1,77 @@
 """Hybrid of a self-attention encoder and an RNN decoder (Wang, Wu & Liu, "Accelerating Transformer Decoding via a
-Hybrid of Self-attention and Recurrent Neural Network", Sec. 2.1).
+Hybrid of Self-attention and Recurrent Neural Network", Sec. 2.1), and the attentional RNN decoder of the beam-joint
+paper (Shankar, Garg & Sarawagi 2018, Sec. 2.1; Luong et al. 2015 with input feeding).
 
-The encoder is the skeleton's Transformer encoder (N layers). The decoder is a GRU (Cho et al., 2014; one layer by
-default, paper: 512 embedding, 1024 hidden) whose step depends on the previous state s_{t-1}, the previous target
-word y_{t-1} and a source context c_t from an attention over the encoder output (Bahdanau et al., 2014):
+The encoder is the skeleton's Transformer encoder (N layers). The decoder is an RNN (``rnn_cell``: ``"gru"``, Cho et
+al. 2014, or ``"lstm"``; ``decoder_layers`` stacked layers, layer l>0 reading layer l-1's output) with an attention
+over the encoder output h_1..h_S. ``rnn_decoder_style`` decides WHEN the attention is read and what feeds the cell:
+
+``"bahdanau"`` (default; the hybrid paper's RNMT decoder, Bahdanau et al. 2014): the attention is queried with the
+previous state, and its soft context enters the cell and the readout:
 
     c_t, a_t = attention(query = s_{t-1}, source = h_1..h_S)          a_t: distribution over source positions
-    s_t      = GRU([E y_{t-1}; c_t], s_{t-1})                           (stacked layers: layer l>0 reads layer l-1)
+    s_t      = RNN([E y_{t-1}; c_t], s_{t-1})
     o_t      = readout(s_t, c_t) = tanh(W_o [s_t; c_t] + b_o)           [.., d_model]
     P(y_t)   = softmax(lm_head(o_t))                                    lm_head tied to the shared embedding
-    s_0      = tanh(W_init mean_j h_j)                                  (masked mean over source positions)
 
-Three attention functions (``HybridConfig.rnn_attention``, paper Sec. 2.1 "Attention mechanism"):
+``"luong"`` (the beam-joint paper's setting, Luong et al. 2015 Sec. 3.1 + 3.3 "input feeding"; the authors' code is
+tensorflow/nmt's AttentionWrapper): the cell reads the previous word and the previous attentional state, and the
+attention is queried with the CURRENT state, so P_t(a) (beam-joint Eq. 1) sees y_{t-1}:
 
-* ``"additive"`` (Bahdanau): e_j = v^T tanh(W_a s_{t-1} + U_a h_j + b), c_t = sum_j a_j h_j;
-* ``"dot"``: e_j = s_{t-1} . (W_k h_j) / sqrt(H), c_t = sum_j a_j h_j (Luong's "general" score, scaled);
+    s_t      = RNN([E y_{t-1}; h~_{t-1}], s_{t-1})                      h~_0 = 0
+    c_t, a_t = attention(query = s_t, source = h_1..h_S)
+    h~_t     = tanh(W_c [s_t; c_t] + b_c)                               (Luong Eq. 5; the same ``readout_proj``)
+    P(y_t)   = softmax(lm_head(h~_t))
+
+    Beam-joint's candidate for source position a (``beam_joint.py``) is then pure hard attention: h~_{t,a} =
+    tanh(W_c [s_t; x_a] + b_c), where s_t has seen y_{<t} and the fed soft h~_{<t}, but no soft context of step t.
+
+Both styles: s_0 = tanh(W_init mean_j h_j) (masked mean over source positions; an LSTM's memory cell starts at 0).
+The paper's encoder is a bidirectional LSTM whose final state starts the decoder; a Transformer encoder has no final
+state, hence the mean.
+
+``rnn_cell``: the beam-joint paper's decoder is an LSTM (Sec. 4.1: 2 layers of 512, tensorflow/nmt ``unit_type
+lstm``); the hybrid paper's is a GRU. Both are here so that each paper's setting can be built; the cell does not change
+Eq. 4-5. GRU: torch.nn.GRUCell's gates [r, z, n]; LSTM: torch.nn.LSTMCell's gates [i, f, g, o], its state kept as
+one tensor [h; c] per layer (so the cache, beam reordering and checkpointing treat both cells alike), the forget
+gate's bias initialised to 1 (tensorflow/nmt's ``forget_bias=1.0``).
+
+Three attention functions (``HybridConfig.rnn_attention``, hybrid paper Sec. 2.1 "Attention mechanism"); q is
+s_{t-1} (bahdanau) or s_t (luong), the top layer's output:
+
+* ``"additive"`` (Bahdanau): e_j = v^T tanh(W_a q + U_a h_j + b), c_t = sum_j a_j h_j;
+* ``"dot"``: e_j = q . (W_k h_j) / sqrt(H), c_t = sum_j a_j h_j (Luong's "general" score, scaled by a constant;
+  tensorflow/nmt's "scaled_luong", the beam-joint authors' choice, scales by a learned scalar g initialised to 1);
 * ``"multihead"``: the encoder's multi-head attention without FFN (no residual/norm: query and output sizes
-  differ): q = W_q s_{t-1}, per head softmax(q k^T / sqrt(d_k)) v, c_t = W_out [head_1; ...; head_h].
+  differ): q' = W_q q, per head softmax(q' k^T / sqrt(d_k)) v, c_t = W_out [head_1; ...; head_h].
 
-Speed-ups of the paper's Sec. 3.1:
+Speed-ups of the hybrid paper's Sec. 3.1:
 
 * pre-computed attention (Devlin, 2017): everything that depends only on the source (U_a h_j, W_k h_j, the
   multi-head keys/values) is computed once per sentence and kept in ``cache.cross_attention_cache`` (layer 0), which
   beam search never needs to reorder (all beams of a sentence share it; under ``generate()`` it holds one row per
   sentence, which the g consecutive beam rows of that sentence read: grouped memory, see SoftAttention);
-* weight combination: the GRU's hidden-side gate projections and the attention's query projection read the same
-  s_{t-1}, so they are ONE matrix (``hidden_projs[-1]``, rows [W_hr; W_hz; W_hn; W_query]); the word-side gate
-  projections of all T target words given in one call are one matmul before the time loop.
+* weight combination: the top layer's hidden-side gate projections and the attention's query projection read the same
+  vector, so they are ONE matrix (``hidden_projs[-1]``, rows [W_h (gates); W_query]). Bahdanau: both read s_{t-1}.
+  Luong: the query of step t and the gates of step t+1 both read s_t, so the gate part of that product is carried to
+  the next step (``cache.states["luong.gates"]``). The word-side gate projections of all T target words given in one
+  call are one matmul before the time loop.
 
-The GRU states (``cache.states["gru.{l}"]``, [B, H]) are the only per-step state; :class:`HardAttnCache` reorders them
-for beam search.
+The per-step state lives in ``cache.states`` (first dimension = rows, reordered by :class:`HardAttnCache` for beam
+search): ``"{rnn_cell}.{l}"`` per layer ([B, H] GRU, [B, 2H] LSTM [h; c]), and for luong ``"luong.feed"`` (h~_{t-1},
+[B, d_model]) and ``"luong.gates"`` (the top layer's hidden-side gate pre-activations of s_{t-1}).
+
+Dropout (``config.dropout``): bahdanau: on the word embeddings, between stacked layers, on s_t before the readout and
+on the readout. Luong (as tensorflow/nmt's DropoutWrapper on the cell input): on the word embeddings, on the fed
+h~_{t-1} and between stacked layers; h~_t itself, the output layer's input, is not dropped.
 
 Interface for other decoders built on this one (e.g. beam-joint attention):
 
-* :meth:`HybridDecoder.readout` ``(state [.., H], context [.., C]) -> [.., d_model]``: the vector that the tied
-  ``lm_head`` projects to vocabulary scores;
+* :meth:`HybridDecoder.readout` ``(state [.., H], context [.., C]) -> [.., d_model]``: o_t (bahdanau) or h~_t
+  (luong), the vector that the tied ``lm_head`` projects to vocabulary scores;
 * :meth:`HybridDecoder.forward` returns a :class:`HybridDecoderOutput` with ``readout`` [B, T, d_model], ``states``
-  (top-layer s_t) [B, T, H], ``contexts`` c_t [B, T, C] and ``attentions`` a_t [B, heads, T, S] (every head of the
-  multi-head attention, one for additive and dot; padded source positions have weight 0);
+  (top-layer output s_t) [B, T, H], ``contexts`` c_t [B, T, C] and ``attentions`` a_t [B, heads, T, S] (every head of
+  the multi-head attention, one for additive and dot; padded source positions have weight 0);
 * :meth:`HybridDecoder.hard_contexts` ``(encoder_hidden_states) -> [B, S, C]``: for each source position j the
   context the attention returns when it puts all of its weight on j (additive/dot: h_j; multi-head: the output
   projection of the per-head value rows at j). C == d_model for all three attentions.
@@ -45,7 +79,7 @@ Interface for other decoders built on this one (e.g. beam-joint attention):
 Embedding sizes: the decoder's word embedding is the shared (encoder/decoder/output) table of size d_model. When
 ``rnn_embedding_size`` differs from d_model the decoder maps the shared embedding through a learned linear
 ``embed_in`` (d_model -> rnn_embedding_size, no bias) instead of keeping an untied table, so the three embeddings
-stay tied and the readout (and ``lm_head``) stay at d_model. (Note that ``embed_in`` is followed by the linear GRU input
+stay tied and the readout (and ``lm_head``) stay at d_model. (Note that ``embed_in`` is followed by the linear RNN input
 projection, so a size above d_model adds parameters but no expressiveness.)
 
 Runtime code shipped with saved models: flat, same-folder relative imports only.
@@ -65,21 +99,29 @@ from .modeling_hardattn import (DecoderResult, HardAttnCache, HardAttnForConditi
                                 HardAttnPreTrainedModel, check_memory_rows, is_tracing)
 
 RNN_ATTENTIONS = ("additive", "dot", "multihead")
+RNN_DECODER_STYLES = ("bahdanau", "luong")
+RNN_CELLS = ("gru", "lstm")
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Config
 # ----------------------------------------------------------------------------------------------------------------
 class HybridConfig(HardAttnConfig):
-    r"""Transformer encoder + GRU decoder with attention (the paper's hybrid; defaults: 6-1, additive attention).
+    r"""Transformer encoder + RNN decoder with attention (the hybrid paper's; defaults: 6-1, GRU, Bahdanau-style,
+    additive attention).
 
     Args (besides :class:`HardAttnConfig`'s encoder fields):
-        decoder_layers: number of stacked GRU layers (paper: 1).
-        rnn_hidden_size: GRU state size H (paper: 1024).
-        rnn_embedding_size: GRU word-input size (paper: 512); None = d_model. See the module docstring for the
+        decoder_layers: number of stacked RNN layers (hybrid paper: 1).
+        rnn_hidden_size: RNN state size H (hybrid paper: 1024).
+        rnn_embedding_size: RNN word-input size (hybrid paper: 512); None = d_model. See the module docstring for the
             choice made when it differs from d_model.
         rnn_attention: ``"additive"``, ``"dot"`` or ``"multihead"`` (heads: ``decoder_attention_heads``).
         additive_attention_size: size of the additive attention's hidden layer; None = d_model.
+        rnn_decoder_style: ``"bahdanau"`` (default; attention queried with s_{t-1}, its context fed into s_t and the
+            readout: the hybrid paper's decoder) or ``"luong"`` (input feeding: s_t reads y_{t-1} and the previous
+            attentional state h~_{t-1}, the attention is queried with s_t, h~_t = tanh(W_c [s_t; c_t] + b): the
+            beam-joint paper's decoder). See the module docstring.
+        rnn_cell: ``"gru"`` (default; the hybrid paper's) or ``"lstm"`` (the beam-joint paper's).
         decoder_attention / cross_attention: must stay ``"none"`` (there are no Transformer decoder layers).
     """
 
@@ -92,11 +134,15 @@ class HybridConfig(HardAttnConfig):
     rnn_hidden_size: int = 1024
     rnn_embedding_size: int | None = None
     additive_attention_size: int | None = None
+    rnn_decoder_style: str = "bahdanau"
+    rnn_cell: str = "gru"
 
     def check(self):
         super().check()
-        if self.rnn_attention not in RNN_ATTENTIONS:
-            raise ValueError(f"`rnn_attention` must be one of {RNN_ATTENTIONS}, got {self.rnn_attention!r}.")
+        for name, allowed in (("rnn_attention", RNN_ATTENTIONS), ("rnn_decoder_style", RNN_DECODER_STYLES),
+                              ("rnn_cell", RNN_CELLS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"`{name}` must be one of {allowed}, got {getattr(self, name)!r}.")
         for name in ("rnn_hidden_size", "rnn_embedding_size", "additive_attention_size"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
@@ -104,7 +150,7 @@ class HybridConfig(HardAttnConfig):
         for name in ("decoder_attention", "cross_attention"):
             if set(self.attention_kinds("decoder" if name == "decoder_attention" else "cross")) != {"none"}:
                 raise ValueError(
-                    f"`{name}` must be 'none' for the hybrid model (its decoder is a GRU; choose its attention with "
+                    f"`{name}` must be 'none' for the hybrid model (its decoder is an RNN; choose its attention with "
                     f"`rnn_attention` in {RNN_ATTENTIONS}), got {getattr(self, name)!r}."
                 )
 
@@ -212,7 +258,7 @@ ATTENTION_FUNCTIONS = {"additive": AdditiveAttention, "dot": DotAttention, "mult
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# GRU decoder
+# RNN decoder
 # ----------------------------------------------------------------------------------------------------------------
 def gru_update(gx, gh, state):
     """GRU (Cho et al., 2014; torch.nn.GRUCell's gate layout [r, z, n]) from the pre-computed input-side gx and
@@ -225,20 +271,37 @@ def gru_update(gx, gh, state):
     return torch.lerp(n, state, z)  # n + z * (s - n)
 
 
-class GRUHiddenProjection(nn.Linear):
-    """s_{t-1} -> [W_hr; W_hz; W_hn (; W_query)] s_{t-1} + b: the GRU's hidden-side gate rows, on the top layer fused
-    with the attention's query rows ("weight combination")."""
+def lstm_update(gx, gh, state):
+    """LSTM (Hochreiter & Schmidhuber, 1997; torch.nn.LSTMCell's gate layout [i, f, g, o]) on the state [h; c]:
+    i, f, o = sig(x + h) of their rows, g = tanh(x_g + h_g), c' = f * c + i * g, h' = o * tanh(c') -> [h'; c']."""
+    size = state.shape[-1] // 2
+    gates = gx + gh
+    i, f, g, o = gates.chunk(4, dim=-1)
+    cell = torch.sigmoid(f) * state[..., size:] + torch.sigmoid(i) * torch.tanh(g)
+    return torch.cat([torch.sigmoid(o) * torch.tanh(cell), cell], dim=-1)
 
-    def __init__(self, hidden_size: int, query_size: int = 0):
-        super().__init__(hidden_size, 3 * hidden_size + query_size)
-        self.hidden_size = hidden_size
+
+CELLS = {"gru": (3, gru_update), "lstm": (4, lstm_update)}  # rnn_cell -> (gates, update)
+
+
+class RNNHiddenProjection(nn.Linear):
+    """h -> [W_h (one block per gate) (; W_query)] h + b: the RNN's hidden-side gate rows, on the top layer fused with
+    the attention's query rows ("weight combination")."""
+
+    def __init__(self, hidden_size: int, query_size: int = 0, gates: int = 3):
+        super().__init__(hidden_size, gates * hidden_size + query_size)
+        self.hidden_size, self.gates = hidden_size, gates
+
+
+GRUHiddenProjection = RNNHiddenProjection  # the name before LSTM cells (gates=3: the GRU's)
 
 
 @dataclass
 class HybridDecoderOutput(ModelOutput):
-    """readout [B, T, d_model], states (top GRU layer) [B, T, H], contexts [B, T, C], attentions a_t of every head
-    [B, heads, T, S] (one head for additive and dot attention); with ``output_hidden_states``, ``hidden_states`` =
-    (the word embeddings [B, T, d_model], the states of every GRU layer [B, T, H], ..., the readout)."""
+    """readout [B, T, d_model] (o_t, or luong's h~_t), states (top layer's output s_t) [B, T, H], contexts [B, T, C],
+    attentions a_t of every head [B, heads, T, S] (one head for additive and dot attention); with
+    ``output_hidden_states``, ``hidden_states`` = (the word embeddings [B, T, d_model], the output of every RNN layer
+    [B, T, H], ..., the readout)."""
 
     readout: torch.Tensor | None = None
     states: torch.Tensor | None = None
@@ -256,41 +319,62 @@ class HybridDecoder(nn.Module):
         self.config = config
         d, hidden, layers = config.d_model, config.rnn_hidden_size, config.decoder_layers
         self.hidden_size, self.num_layers = hidden, layers
+        self.luong = config.rnn_decoder_style == "luong"
+        self.cell = config.rnn_cell
+        self.gates, self.cell_update = CELLS[config.rnn_cell]
+        gate_rows = self.gates * hidden
         self.embed_tokens = embed_tokens
         self.embed_scale = math.sqrt(d) if config.scale_embedding else 1.0
         self.embed_in = nn.Linear(d, config.embedding_size, bias=False) if config.embedding_size != d else None
         self.attention = ATTENTION_FUNCTIONS[config.rnn_attention](config)
         self.context_size = d
-        # GRU input side: layer 0 reads [E y; c] (word part W_e with the input bias, context part W_c), layer l>0 reads
-        # layer l-1's state. Hidden side: [W_hr; W_hz; W_hn] (+ the attention's query rows on the top layer).
-        self.context_proj = nn.Linear(self.context_size, 3 * hidden, bias=False)
+        # Input side: layer 0 reads [E y; v] (word part W_e with the input bias; v = c_t (bahdanau) or the fed h~_{t-1}
+        # (luong), both of size d_model, through `context_proj`), layer l>0 reads layer l-1's output. Hidden side:
+        # one block per gate (+ the attention's query rows on the top layer).
+        self.context_proj = nn.Linear(self.context_size, gate_rows, bias=False)
         self.input_projs = nn.ModuleList(
-            nn.Linear(config.embedding_size if l == 0 else hidden, 3 * hidden) for l in range(layers)
+            nn.Linear(config.embedding_size if l == 0 else hidden, gate_rows) for l in range(layers)
         )
         query_size = self.attention.query_size
         self.hidden_projs = nn.ModuleList(
-            GRUHiddenProjection(hidden, query_size if l == layers - 1 else 0) for l in range(layers)
+            RNNHiddenProjection(hidden, query_size if l == layers - 1 else 0, self.gates) for l in range(layers)
         )
         self.init_proj = nn.Linear(d, layers * hidden)  # s_0 = tanh(W_init mean_j h_j)
-        self.readout_proj = nn.Linear(hidden + self.context_size, d)
+        self.readout_proj = nn.Linear(hidden + self.context_size, d)  # W_o (bahdanau) / W_c (luong)
+        # cache.states names, in the order of the state list that `step` takes and returns
+        self.state_names = [f"{self.cell}.{l}" for l in range(layers)] + (["luong.feed", "luong.gates"]
+                                                                          if self.luong else [])
 
     # -- pieces -----------------------------------------------------------------------------------------------
     def readout(self, state, context):
-        """o_t = tanh(W_o [s_t; c_t] + b_o): [.., d_model], the input of the tied lm_head."""
+        """tanh(W [s_t; c_t] + b): o_t (bahdanau) or h~_t (luong, Eq. 5 of Luong et al.), [.., d_model], the input of
+        the tied lm_head."""
         return torch.tanh(self.readout_proj(torch.cat([state, context], dim=-1)))
+
+    def output(self, state):
+        """A layer's output h from its state: the state itself (GRU), its first half (LSTM: [h; c])."""
+        return state[..., : self.hidden_size] if self.cell == "lstm" else state
 
     def hard_contexts(self, encoder_hidden_states):
         """[B, S, C]: the context when the attention puts all weight on source position j (see module docstring)."""
         return self.attention.hard_contexts(encoder_hidden_states)
 
     def initial_states(self, encoder_hidden_states, encoder_attention_mask=None):
-        """s_0 for every layer (list of [B, H]) from the masked mean of the encoder output."""
+        """The state list before the first word (as :meth:`step` takes it): s_0 = tanh(W_init mean_j h_j) of every
+        layer ([B, H]; LSTM [s_0; c_0 = 0]) from the masked mean of the encoder output; luong adds h~_0 = 0 [B, d_model]
+        and the top layer's hidden-side gate pre-activations of s_0."""
         if encoder_attention_mask is None:
             mean = encoder_hidden_states.mean(1)
         else:
             weights = encoder_attention_mask.to(encoder_hidden_states.dtype).unsqueeze(-1)
             mean = (encoder_hidden_states * weights).sum(1) / weights.sum(1).clamp(min=1.0)
-        return list(torch.tanh(self.init_proj(mean)).split(self.hidden_size, dim=-1))
+        states = list(torch.tanh(self.init_proj(mean)).split(self.hidden_size, dim=-1))
+        if self.cell == "lstm":
+            states = [torch.cat([s, torch.zeros_like(s)], dim=-1) for s in states]
+        if self.luong:
+            gates = self.hidden_projs[-1](self.output(states[-1]))[:, : self.gates * self.hidden_size]
+            states += [mean.new_zeros(mean.shape[0], self.context_size), gates]
+        return states
 
     def source(self, encoder_hidden_states, cache=None):
         """The attention's pre-computed source keys/values, once per sentence (kept in the cross-attention cache)."""
@@ -304,31 +388,56 @@ class HybridDecoder(nn.Module):
         return keys, values
 
     def word_inputs(self, input_ids=None, inputs_embeds=None):
-        """(word embeddings [B, T, d_model] after dropout, the word-side gate inputs W_e E y + b [B, T, 3H] of layer 0
-        for all given positions in one matmul)."""
+        """(word embeddings [B, T, d_model] after dropout, the word-side gate inputs W_e E y + b [B, T, gates x H] of
+        layer 0 for all given positions in one matmul)."""
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids) * self.embed_scale
         embeddings = F.dropout(inputs_embeds, self.config.dropout, self.training)
         x = self.embed_in(embeddings) if self.embed_in is not None else embeddings
         return embeddings, self.input_projs[0](x)
 
-    def step(self, word_input, states, keys, values, mask=None):
-        """One decoder step. word_input [B, 3H] (from :meth:`word_inputs`), states: list of [B, H] (s_{t-1} per
-        layer), keys/values from :meth:`source`, mask bool [B, S] or None -> (new states, c_t [B, C], a_t of every head
-        [B, heads, S])."""
-        top, hidden = self.num_layers - 1, self.hidden_size
-        fused = self.hidden_projs[top](states[top])  # weight combination: [W_h; W_query] s_{t-1}
-        top_gh = fused[:, : 3 * hidden]
-        query = fused[:, 3 * hidden :] if self.attention.query_size else states[top]
-        context, probs = self.attention.attend(query, keys, values, mask)
-        x = word_input + self.context_proj(context)
+    def layer_updates(self, x, top_gh, states):
+        """Every layer's new state: layer 0 from its input-side gates ``x``, layer l>0 from layer l-1's new output (with
+        dropout); the hidden-side gates of the top layer are given (``top_gh``, from the fused projection)."""
+        top = self.num_layers - 1
         new_states = []
         for l in range(self.num_layers):
             if l > 0:
-                x = self.input_projs[l](F.dropout(new_states[-1], self.config.dropout, self.training))
-            gh = top_gh if l == top else self.hidden_projs[l](states[l])
-            new_states.append(gru_update(x, gh, states[l]))
-        return new_states, context, probs
+                x = self.input_projs[l](F.dropout(self.output(new_states[-1]), self.config.dropout, self.training))
+            gh = top_gh if l == top else self.hidden_projs[l](self.output(states[l]))
+            new_states.append(self.cell_update(x, gh, states[l]))
+        return new_states
+
+    def step(self, word_input, states, keys, values, mask=None):
+        """One decoder step. word_input [B, gates x H] (from :meth:`word_inputs`), states: the list of
+        :meth:`initial_states` (one per layer; luong: + h~_{t-1}, + the top layer's hidden-side gates), keys/values
+        from :meth:`source`, mask bool [B, S] or None -> (new states, c_t [B, C], a_t of every head [B, heads, S]).
+        Luong's h~_t is ``new_states[-2]``."""
+        return (self.luong_step if self.luong else self.bahdanau_step)(word_input, states, keys, values, mask)
+
+    def bahdanau_step(self, word_input, states, keys, values, mask=None):
+        """c_t, a_t = attention(s_{t-1}); s_t = RNN([E y_{t-1}; c_t], s_{t-1})."""
+        top, gate_rows = self.num_layers - 1, self.gates * self.hidden_size
+        previous = self.output(states[top])
+        fused = self.hidden_projs[top](previous)  # weight combination: [W_h; W_query] s_{t-1}
+        query = fused[:, gate_rows:] if self.attention.query_size else previous
+        context, probs = self.attention.attend(query, keys, values, mask)
+        x = word_input + self.context_proj(context)
+        return self.layer_updates(x, fused[:, :gate_rows], states), context, probs
+
+    def luong_step(self, word_input, states, keys, values, mask=None):
+        """s_t = RNN([E y_{t-1}; h~_{t-1}], s_{t-1}) (input feeding); c_t, a_t = attention(s_t) (beam-joint Eq. 1 with
+        the current state); h~_t = tanh(W_c [s_t; c_t] + b_c)."""
+        layers, feed, top_gh = states[: self.num_layers], states[-2], states[-1]
+        gate_rows = self.gates * self.hidden_size
+        x = word_input + self.context_proj(F.dropout(feed, self.config.dropout, self.training))
+        new_layers = self.layer_updates(x, top_gh, layers)
+        current = self.output(new_layers[-1])  # s_t
+        fused = self.hidden_projs[-1](current)  # weight combination: the query of step t, the gates of step t + 1
+        query = fused[:, gate_rows:] if self.attention.query_size else current
+        context, probs = self.attention.attend(query, keys, values, mask)
+        attentional = self.readout(current, context)  # h~_t: the output layer's input, fed to step t + 1
+        return [*new_layers, attentional, fused[:, :gate_rows]], context, probs
 
     def checkpointed_step(self, word_input, states, keys, values, mask=None):
         """:meth:`step` under gradient checkpointing (``model.gradient_checkpointing_enable()``, training): a target
@@ -355,29 +464,34 @@ class HybridDecoder(nn.Module):
         if encoder_attention_mask is not None and (is_tracing() or not bool(encoder_attention_mask.all())):
             mask = encoder_attention_mask.bool()
         keys, values = self.source(encoder_hidden_states, cache)
-        if cache is not None and "gru.0" in cache.states:
-            states = [cache.states[f"gru.{l}"] for l in range(self.num_layers)]
+        if cache is not None and self.state_names[0] in cache.states:
+            states = [cache.states[name] for name in self.state_names]
         else:
             groups = rows // encoder_hidden_states.shape[0]
             states = [s.repeat_interleave(groups, dim=0) if groups > 1 else s
                       for s in self.initial_states(encoder_hidden_states, encoder_attention_mask)]
-        tops, contexts, attentions, all_states = [], [], [], []
+        tops, contexts, attentions, readouts, all_states = [], [], [], [], []
         checkpointed = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         step = self.checkpointed_step if checkpointed else self.step
         for t in range(word_inputs.shape[1]):
             states, context, probs = step(word_inputs[:, t], states, keys, values, mask)
-            tops.append(states[-1])
+            tops.append(self.output(states[self.num_layers - 1]))
             contexts.append(context)
             attentions.append(probs)
+            if self.luong:
+                readouts.append(states[-2])
             if output_hidden_states:
-                all_states.append(states)
+                all_states.append([self.output(s) for s in states[: self.num_layers]])
         if cache is not None:
-            for l, state in enumerate(states):
-                cache.states[f"gru.{l}"] = state
+            for name, state in zip(self.state_names, states):
+                cache.states[name] = state
             cache.seen_tokens += word_inputs.shape[1]
         tops, contexts = torch.stack(tops, 1), torch.stack(contexts, 1)
-        readout = self.readout(F.dropout(tops, self.config.dropout, self.training), contexts)
-        readout = F.dropout(readout, self.config.dropout, self.training)
+        if self.luong:
+            readout = torch.stack(readouts, 1)  # h~_t (not dropped: see the module docstring)
+        else:
+            readout = self.readout(F.dropout(tops, self.config.dropout, self.training), contexts)
+            readout = F.dropout(readout, self.config.dropout, self.training)
         hidden_states = None
         if output_hidden_states:
             layers = [torch.stack([step[l] for step in all_states], 1) for l in range(self.num_layers)]
@@ -395,18 +509,23 @@ class HybridPreTrainedModel(HardAttnPreTrainedModel):
 
     @torch.no_grad()
     def _init_weights(self, module):
-        """The skeleton's init (Xavier linears: every GRU/attention matrix here is an nn.Linear) plus orthogonal
-        recurrent blocks W_hr, W_hz, W_hn (the usual RNN init; keeps the recurrence well conditioned). Loaded weights
-        (flagged ``_is_hf_initialized``) are left alone, also for the row blocks, which are views without the flag."""
+        """The skeleton's init (Xavier linears: every RNN/attention matrix here is an nn.Linear) plus orthogonal
+        recurrent blocks (W_hr, W_hz, W_hn; LSTM: W_hi, W_hf, W_hg, W_ho: the usual RNN init, keeps the recurrence well
+        conditioned) and, for an LSTM, a forget-gate bias of 1 (tensorflow/nmt's forget_bias, Jozefowicz et al. 2015).
+        Loaded weights (flagged ``_is_hf_initialized``) are left alone, also for the row blocks, which are views without
+        the flag."""
         super()._init_weights(module)
-        if isinstance(module, GRUHiddenProjection) and not getattr(module.weight, "_is_hf_initialized", False):
+        if isinstance(module, RNNHiddenProjection):
             hidden = module.hidden_size
-            for gate in range(3):
-                init.orthogonal_(module.weight[gate * hidden : (gate + 1) * hidden])
+            if not getattr(module.weight, "_is_hf_initialized", False):
+                for gate in range(module.gates):
+                    init.orthogonal_(module.weight[gate * hidden : (gate + 1) * hidden])
+            if module.gates == 4 and not getattr(module.bias, "_is_hf_initialized", False):
+                init.ones_(module.bias[hidden : 2 * hidden])  # [i, f, g, o]: f
 
 
 class HybridModel(HybridPreTrainedModel, HardAttnModel):
-    """Shared token embeddings + Transformer encoder + GRU decoder (no output layer)."""
+    """Shared token embeddings + Transformer encoder + RNN decoder (no output layer)."""
 
     decoder_class = HybridDecoder
 
@@ -414,14 +533,18 @@ class HybridModel(HybridPreTrainedModel, HardAttnModel):
 class HybridForConditionalGeneration(HybridPreTrainedModel, HardAttnForConditionalGeneration):
     config_class = HybridConfig
     model_class = HybridModel
-    card_title = "Hybrid: self-attention encoder + GRU decoder"
+    card_title = "Hybrid: self-attention encoder + RNN decoder"
     card_description = (
-        "A Transformer encoder with a single-layer GRU decoder (Bahdanau-style: the step reads the previous state, "
-        "the previous word and an attention context over the encoder output). The attention is additive, dot-product "
-        "or multi-head (`rnn_attention`); source keys/values are pre-computed once per sentence and the GRU's hidden "
-        "projection is fused with the attention query projection. The GRU state lives in the cache and is reordered "
-        "for beam search. Trained with MLE, then fine-tuned with knowledge distillation from a Transformer teacher "
-        "(Eq. 1: NLL + lambda * KL(teacher || student), `hf_hardattn.distill`)."
+        "A Transformer encoder with a recurrent decoder (GRU by default, `rnn_cell`; one layer by default). "
+        "`rnn_decoder_style=\"bahdanau\"` (default, the hybrid paper's RNMT decoder): the step reads the previous "
+        "state, the previous word and an attention context over the encoder output queried with the previous state. "
+        "`rnn_decoder_style=\"luong\"` (input feeding, Luong et al. 2015): the step reads the previous word and the "
+        "previous attentional state, the attention is queried with the new state and the output layer reads "
+        "tanh(W_c [s_t; c_t] + b). The attention is additive, dot-product or multi-head (`rnn_attention`); source "
+        "keys/values are pre-computed once per sentence and the RNN's hidden projection is fused with the attention "
+        "query projection. The RNN state lives in the cache and is reordered for beam search. Trained with MLE, then "
+        "fine-tuned with knowledge distillation from a Transformer teacher (Eq. 1: NLL + lambda * KL(teacher || "
+        "student), `hf_hardattn.distill`)."
     )
     card_citation = (
         "Chengyi Wang, Shuangzhi Wu, Shujie Liu. Accelerating Transformer Decoding via a Hybrid of Self-attention and "
@@ -430,16 +553,20 @@ class HybridForConditionalGeneration(HybridPreTrainedModel, HardAttnForCondition
 
     # the card lists the sizes this model has (no Transformer decoder layers: no decoder FFN, heads only for multihead)
     card_size_fields = ("d_model", "encoder_layers", "encoder_attention_heads", "encoder_ffn_dim", "decoder_layers",
-                        "rnn_hidden_size", "rnn_attention", "vocab_size", "position_embedding", "normalize_before")
+                        "rnn_cell", "rnn_hidden_size", "rnn_decoder_style", "rnn_attention", "vocab_size",
+                        "position_embedding", "normalize_before")
 
     def card_roles_table(self) -> str:
         config = self.config
         heads = f", {config.decoder_attention_heads} heads" if config.rnn_attention == "multihead" else ""
+        query = "the previous state s_{t-1}" if config.rnn_decoder_style == "bahdanau" else "the current state s_t"
         return "\n".join([
             "| role | kind |", "| --- | --- |",
             f"| encoder self-attention | {config.encoder_attention} |",
-            f"| decoder | GRU ({config.decoder_layers} layer(s), state {config.rnn_hidden_size}), no self-attention |",
-            f"| decoder attention over the encoder output | {config.rnn_attention}{heads} (one per step) |"])
+            f"| decoder | {config.rnn_cell.upper()} ({config.decoder_layers} layer(s), state {config.rnn_hidden_size}), "
+            f"{config.rnn_decoder_style}-style, no self-attention |",
+            f"| decoder attention over the encoder output | {config.rnn_attention}{heads} (one per step, queried with "
+            f"{query}) |"])
 
     def decoder_outputs(self, decoder_input_ids, encoder_hidden_states, attention_mask, decoder_inputs_embeds=None,
                         cache=None, output_hidden_states=False) -> HybridDecoderOutput:
@@ -453,9 +580,9 @@ class HybridForConditionalGeneration(HybridPreTrainedModel, HardAttnForCondition
                decoder_inputs_embeds, cache, output_attentions=False, output_hidden_states=False) -> DecoderResult:
         """Readout vectors [B, T, d_model]. Decoder inputs are right-padded (padding comes after the tokens that
         matter), so ``decoder_attention_mask`` is not needed by a left-to-right RNN. With ``output_attentions`` the
-        GRU decoder's attention over the source is its one ``cross_attentions`` layer [B, heads, T, S] (one head for
-        additive and dot attention) and ``decoder_attentions`` holds None for each GRU layer (no self-attention);
-        ``output_hidden_states`` gives (embeddings, every GRU layer's states [B, T, rnn_hidden_size], the readout)."""
+        RNN decoder's attention over the source is its one ``cross_attentions`` layer [B, heads, T, S] (one head for
+        additive and dot attention) and ``decoder_attentions`` holds None for each RNN layer (no self-attention);
+        ``output_hidden_states`` gives (embeddings, every RNN layer's output [B, T, rnn_hidden_size], the readout)."""
         out = self.decoder_outputs(decoder_input_ids, encoder_hidden_states, attention_mask, decoder_inputs_embeds,
                                    cache, output_hidden_states)
         attentions = (None,) * self.config.decoder_layers if output_attentions else None
@@ -473,5 +600,7 @@ __all__ = [
     "HybridModel",
     "HybridForConditionalGeneration",
     "GRUHiddenProjection",
+    "RNNHiddenProjection",
     "gru_update",
+    "lstm_update",
 ]
