@@ -21,9 +21,17 @@ Two settings:
   designated decoder cross-attention layer (default the last) the joint is taken over source positions with the
   head-averaged attention distribution; per selected position every head attends only to it, and the rest of that
   layer (output projection, residual, norms, FFN), any later layers and the vocabulary projection run per candidate.
-* :class:`BeamJointRNNForConditionalGeneration` (the paper's own setting): on the hybrid model's GRU decoder
-  (``hybrid.py``). The soft context c_t still drives the GRU recurrence; only the output distribution is the
-  mixture over the top-K hard contexts.
+* :class:`BeamJointRNNForConditionalGeneration` (the paper's own setting, Sec. 2.1): an attentional RNN decoder
+  (``hybrid.py``) over the Transformer encoder. Default ``rnn_decoder_style="luong"`` with ``rnn_cell="lstm"`` and
+  ``rnn_attention="dot"`` (the authors' code: tensorflow/nmt, LSTM decoder, scaled Luong attention, input feeding):
+  P_t(a) is queried with the CURRENT state s_t (after reading y_{t-1}); candidate a's output-layer input is
+  h~_{t,a} = tanh(W_c [s_t; x_a] + b_c), built from s_t and the single encoder state x_a only (pure hard attention);
+  the soft attentional output h~_t = tanh(W_c [s_t; c_t] + b_c) is fed to the NEXT step (input feeding), as the paper's
+  c_t "is fed to the decoder RNN along with y_t for computing the next state s_{t+1}".
+  ``rnn_decoder_style="bahdanau"`` (the hybrid paper's decoder, and what every beam_joint_rnn model saved before the
+  field existed uses: a saved config without ``rnn_decoder_style`` / ``rnn_cell`` loads as bahdanau / gru) is a
+  departure from the paper: the attention is queried with s_{t-1}, the soft context c_t enters s_t, and every
+  candidate's readout tanh(W_o [s_t; x_a] + b_o) still contains that soft context through s_t.
 
 Runtime code shipped with saved models: flat, same-folder relative imports only.
 """
@@ -277,6 +285,8 @@ class JointCandidates(NamedTuple):
 
 
 JOINT_DOC = """
+        label_smoothing: default 0.0 for the beam-joint types (:class:`HardAttnConfig`: 0.1): the paper trains the
+            mixture with plain likelihood.
         joint_k: K of the attention beam (Eq. 5) during training (default 6, the paper's default).
         joint_inference_k: K in eval mode (generation); None = ``joint_k``. The paper's Table 2 trains with K=6
             and decodes with K=1.
@@ -285,7 +295,7 @@ JOINT_DOC = """
         full_joint_max_source_length: full-joint refuses (ValueError) batches whose padded source length exceeds
             this, since its cost is source length x vocabulary per target token.
         renormalize_joint: divide the top-K weights by their sum so that the mixture is a distribution (default
-            True; the reference implementation's softmax cross-entropy over the mixture effectively does the same).
+            True, so that the mixture is a distribution; the paper's Eq. 5 writes the plain top-K sum).
             With False, the log-probabilities of the un-renormalised Eq. 5 sum to sum_k P(a_k) <= 1 and the loss
             trains that bound directly; generate() still works (beam search renormalises with log_softmax).
         joint_chunk_size: candidate rows (tokens x K) whose vocabulary logits are materialised at once; bounds the
@@ -358,7 +368,8 @@ class JointOutputMixin:
             self._joint_workspace.release()
 
     def compute_loss(self, logits, labels, num_items_in_batch=None):
-        """Label-smoothed negative log-likelihood of the mixture log-probabilities, used as they are (no extra
+        """Negative log-likelihood (label-smoothed when ``label_smoothing`` > 0; the beam-joint configs default to 0,
+        the paper's plain likelihood) of the mixture log-probabilities, used as they are (no extra
         log_softmax), so that ``renormalize_joint=False`` really trains the un-renormalised Eq. 5. With renormalised
         weights it equals the skeleton's cross-entropy exactly (log_softmax of log-probabilities is the identity)."""
         log_probs = logits.reshape(-1, logits.shape[-1]).float()
@@ -383,6 +394,7 @@ class JointFields:
     full_joint_max_source_length: int = 64
     renormalize_joint: bool = True
     joint_chunk_size: int = 16384
+    label_smoothing: float | int = 0.0  # the paper trains the mixture with plain likelihood
 
     def check(self):
         super().check()
@@ -459,7 +471,7 @@ class BeamJointTransformerForConditionalGeneration(JointOutputMixin, HardAttnFor
     out_proj(concat_h v_h[a]) = x_a; the residual, norms and FFN of layer L, every later layer and the vocabulary
     projection run once per candidate, and the K output distributions are mixed (Eq. 5). Decoder positions
     are causal: the state of position t that later positions (and later layers' self-attention) see is the soft
-    one (the soft context feeds the next step, as in the reference implementation); a candidate at t attends to
+    one (as in the paper's RNN, where the soft context feeds the next step, Sec. 2.1); a candidate at t attends to
     that soft history plus its own state. Attention dropout is not applied to the mixture weights P_t(a) (it still
     applies to the soft stream that later layers see).
 
@@ -595,19 +607,47 @@ class BeamJointTransformerForConditionalGeneration(JointOutputMixin, HardAttnFor
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Setting 1: the paper's RNN decoder (the hybrid model's GRU decoder)
+# Setting 1: the paper's RNN decoder (hybrid.py's RNN decoder, Luong-style with input feeding by default)
 # ----------------------------------------------------------------------------------------------------------------
 class BeamJointRNNConfig(JointFields, HybridConfig):
     __doc__ = (
-        """Transformer encoder + GRU decoder (:class:`HybridConfig`) whose output is the beam-joint (Eq. 5) or
-    full-joint (Eq. 4) mixture over the GRU attention's distribution a_t (head-averaged for ``rnn_attention=
+        """Transformer encoder + attentional RNN decoder (:class:`HybridConfig`) whose output is the beam-joint (Eq. 5)
+    or full-joint (Eq. 4) mixture over the RNN attention's distribution P_t(a) (head-averaged for ``rnn_attention=
     "multihead"``).
+
+    Defaults that differ from :class:`HybridConfig` (the beam-joint paper's setting, Sec. 2.1 and 4.1; the authors'
+    code is tensorflow/nmt with an LSTM decoder, scaled Luong attention and input feeding):
+        rnn_decoder_style: ``"luong"`` (P_t(a) queried with the current state s_t; each candidate from s_t and x_a
+            alone; the soft attentional output fed to the next step). ``"bahdanau"`` is the hybrid paper's decoder,
+            a departure here (P_t(a) from s_{t-1}, every candidate carries the soft context through s_t).
+        rnn_cell: ``"lstm"`` (the paper's cell; ``"gru"`` also works).
+        rnn_attention: ``"dot"`` (Luong's "general" score scaled by 1/sqrt(H); tensorflow/nmt's "scaled_luong"
+            scales by a learned scalar instead).
+    A saved config without ``rnn_decoder_style`` / ``rnn_cell`` (written before these fields existed) loads with
+    the behaviour it was trained with: ``"bahdanau"`` / ``"gru"`` (see :meth:`from_dict`); ``rnn_attention`` and
+    ``label_smoothing`` were always saved.
 
     Args (besides :class:`HybridConfig`'s):"""
         + JOINT_DOC
     )
 
     model_type = "beam_joint_rnn"
+    rnn_decoder_style: str = "luong"
+    rnn_cell: str = "lstm"
+    rnn_attention: str = "dot"
+
+    # what a config saved before the field existed was trained with
+    LEGACY_DEFAULTS = {"rnn_decoder_style": "bahdanau", "rnn_cell": "gru"}
+
+    @classmethod
+    def from_dict(cls, config_dict, **kwargs):
+        """A dict without ``rnn_decoder_style`` / ``rnn_cell`` is a config saved before they existed (every config
+        written since has them: ``to_dict`` and ``save_pretrained`` write every field): it gets the GRU
+        Bahdanau-style decoder it was trained with, not today's defaults. Explicit keyword overrides still win."""
+        missing = {k: v for k, v in cls.LEGACY_DEFAULTS.items() if k not in config_dict and k not in kwargs}
+        if missing:
+            config_dict = {**config_dict, **missing}
+        return super().from_dict(config_dict, **kwargs)
 
 
 def _log_probs(probs):
@@ -618,26 +658,37 @@ def _log_probs(probs):
 
 
 class BeamJointRNNForConditionalGeneration(JointOutputMixin, HybridForConditionalGeneration):
-    """Beam-joint attention in the paper's own setting: at step t the GRU decoder's attention gives P_t(a) and the
-    soft context c_t (which feeds the recurrence as usual, as in the reference implementation). For each of the
-    top-K positions a the output layer is evaluated with the context replaced by the hard context of a
-    (:meth:`HybridDecoder.hard_contexts`): o_{t,a} = readout(s_t, x_a), P_t(y | x_a) = softmax(lm_head(o_{t,a})), and
-    the K distributions are mixed (Eq. 5)."""
+    """Beam-joint attention in the paper's own setting, an attentional RNN decoder (``hybrid.py``).
+
+    ``rnn_decoder_style="luong"`` (default, the paper's): at step t the RNN reads y_{t-1} and the previous soft
+    attentional output h~_{t-1} (input feeding) into s_t; the attention queried with s_t gives P_t(a) (Eq. 1). For
+    each of the top-K positions a the output layer reads h~_{t,a} = tanh(W_c [s_t; x_a] + b_c) (x_a: the hard context
+    of a, :meth:`HybridDecoder.hard_contexts`), P_t(y | x_a) = softmax(lm_head(h~_{t,a})), and the K distributions
+    are mixed (Eq. 5). The soft h~_t = tanh(W_c [s_t; c_t] + b_c) is what the next step reads: the candidates never
+    contain the soft context of their own step.
+
+    ``rnn_decoder_style="bahdanau"`` (earlier saved models; not the paper's): P_t(a) is queried with s_{t-1}, the soft
+    context c_t enters s_t = RNN([E y_{t-1}; c_t], s_{t-1}), and the candidates are readout(s_t, x_a), each still
+    carrying c_t through s_t."""
 
     config_class = BeamJointRNNConfig
-    card_title = "Hybrid (Transformer encoder + GRU decoder) with beam-joint attention"
+    card_title = "Transformer encoder + attentional RNN decoder with beam-joint attention"
     card_description = (
         "Output mechanism of Shankar, Garg & Sarawagi (2018) in the paper's own setting, an attentional RNN decoder "
-        "(here the hybrid model's GRU decoder over a Transformer encoder). At each step the attention distribution "
-        "P_t(a) is computed as usual and its soft context feeds the GRU recurrence; for each of the top-K source "
-        "positions (`joint_k`, default 6) the output layer (readout + tied vocabulary projection) is evaluated with "
-        "the context replaced by that single position's hard context, and the K distributions are mixed: "
+        "over a Transformer encoder. Default (`rnn_decoder_style=\"luong\"`, `rnn_cell=\"lstm\"`, `rnn_attention="
+        "\"dot\"`, as the paper's LSTM decoder with Luong attention and input feeding): the LSTM reads the previous "
+        "word and the previous soft attentional output; the attention queried with the new state s_t gives P_t(a); "
+        "for each of the top-K source positions (`joint_k`, default 6) the output layer reads tanh(W_c [s_t; x_a] + b) "
+        "from s_t and that single encoder state x_a (pure hard attention) and the K distributions are mixed: "
         "log sum_k P_t(a_k) P_t(y | x_{a_k}) (Eq. 5; the top-K weights are renormalised to sum to one by default, "
-        "`renormalize_joint`). For multi-head RNN attention P_t(a) is the head average and the hard context has every "
-        "head attend to a. `full_joint=True` mixes over every source position (Eq. 4, e.g. character-level "
-        "inflection). `joint_inference_k` sets another K for decoding (Table 2: train K=6, decode K=1). The model "
-        "returns LOG-PROBABILITIES as `logits` (mixture in log space, fp32), so generate() and the Trainer work "
-        "unchanged; K x vocabulary logits are computed in chunks (`joint_chunk_size`)."
+        "`renormalize_joint`). Trained with plain likelihood (`label_smoothing` 0, as the paper). "
+        "`rnn_decoder_style=\"bahdanau\"` (the hybrid paper's GRU decoder, the setting of models saved before the "
+        "field existed) queries the attention with the previous state and feeds its soft context into the state that "
+        "every candidate reads: not the paper's. For multi-head RNN attention P_t(a) is the head average and the hard "
+        "context has every head attend to a. `full_joint=True` mixes over every source position (Eq. 4, e.g. "
+        "character-level inflection). `joint_inference_k` sets another K for decoding (Table 2: train K=6, decode "
+        "K=1). The model returns LOG-PROBABILITIES as `logits` (mixture in log space, fp32), so generate() and the "
+        "Trainer work unchanged; K x vocabulary logits are computed in chunks (`joint_chunk_size`)."
     )
     card_citation = BeamJointTransformerForConditionalGeneration.card_citation
 
@@ -652,10 +703,10 @@ class BeamJointRNNForConditionalGeneration(JointOutputMixin, HybridForConditiona
         return hard
 
     def candidate_readouts(self, states, hard, index):
-        """readout(s_t, x_a) for every selected a: states [B, T, H], hard [B, S, C], index [B, T, K] -> [B, T, K, d].
-        The readout is tanh(W_o [s; c] + b) (HybridDecoder.readout), so W_o = [W_s | W_c] splits: W_s s_t once per
-        step, W_c x_a once per source position, and each candidate costs one gather + add + tanh (tested against
-        ``decoder.readout`` on explicitly built candidates)."""
+        """readout(s_t, x_a) for every selected a (luong: h~_{t,a}; bahdanau: o_{t,a}): states [B, T, H], hard
+        [B, S, C], index [B, T, K] -> [B, T, K, d]. The readout is tanh(W [s; c] + b) (HybridDecoder.readout), so
+        W = [W_s | W_c] splits: W_s s_t once per step, W_c x_a once per source position, and each candidate costs
+        one gather + add + tanh (tested against ``decoder.readout`` on explicitly built candidates)."""
         proj = self.model.decoder.readout_proj
         hidden = states.shape[-1]
         from_state = F.linear(states, proj.weight[:, :hidden], proj.bias)  # [B, T, d]
@@ -679,9 +730,12 @@ class BeamJointRNNForConditionalGeneration(JointOutputMixin, HybridForConditiona
         log_w, index = select_candidates(_log_probs(_at_least_fp32(p)), k_active, self.config.full_joint,
                                          self.config.renormalize_joint)
         hard = self.hard_contexts(encoder_hidden_states, cache)
-        dropout, training = self.config.dropout, self.training
-        states = F.dropout(out.states, dropout, training)  # as HybridDecoder.forward does before its readout
-        readouts = F.dropout(self.candidate_readouts(states, hard, index), dropout, training)
+        if self.config.rnn_decoder_style == "luong":  # h~_{t,a} = tanh(W_c [s_t; x_a] + b), not dropped (as h~_t)
+            readouts = self.candidate_readouts(out.states, hard, index)
+        else:  # dropout as HybridDecoder.forward's bahdanau readout: on s_t and on the readout
+            dropout, training = self.config.dropout, self.training
+            states = F.dropout(out.states, dropout, training)
+            readouts = F.dropout(self.candidate_readouts(states, hard, index), dropout, training)
         hidden_states = out.hidden_states[:-1] + (readouts,) if output_hidden_states else None
         return DecoderResult(JointCandidates(readouts, log_w), hidden_states,
                              (None,) * self.config.decoder_layers if output_attentions else None,
