@@ -1,5 +1,7 @@
-"""Hybrid model (self-attention encoder + GRU decoder): attention functions against naive references, the GRU
-against torch.nn.GRUCell, step loop == teacher forcing, and the HF-integration contract of tests/common.py."""
+"""Hybrid model (self-attention encoder + RNN decoder): attention functions against naive references, the GRU
+against torch.nn.GRUCell, both decoder styles (bahdanau / luong with input feeding) and both cells (GRU / LSTM) against
+the independent decoder of tests/rnn_reference.py (float64), step loop == teacher forcing, the cache's per-step
+states, and the HF-integration contract of tests/common.py."""
 
 import math
 
@@ -10,8 +12,10 @@ from safetensors.torch import load_file, save_file
 from common import (GROUPED_MODES, beam_result, check_cache_equivalence, check_grouped_memory, check_padded_batch,
                     check_remote_code, check_save_load, check_trainer, fitted, source_batch, tiny_kwargs)
 from hf_hardattn import HardAttnCache, HybridConfig, HybridForConditionalGeneration
+from rnn_reference import naive_rnn_decoder
 
 KINDS = ("additive", "dot", "multihead")
+LUONG = dict(rnn_decoder_style="luong", rnn_cell="lstm")  # the beam-joint paper's decoder
 
 
 def make(**kw):
@@ -32,10 +36,11 @@ _FITTED = {}
 
 def fitted_model(kind):
     """Fitted once per kind and shared by the tests (a 1-layer encoder and 100 steps keep the file fast; every check
-    still asserts non-degenerate outputs)."""
+    still asserts non-degenerate outputs). ``"luong"``: the Luong-style 2-layer LSTM decoder with dot attention."""
     if kind not in _FITTED:
         torch.manual_seed(0)  # the same initial weights whichever test asks first
-        _FITTED[kind] = fitted(make(rnn_attention=kind, encoder_layers=1), steps=100)
+        kw = dict(rnn_attention="dot", decoder_layers=2, **LUONG) if kind == "luong" else dict(rnn_attention=kind)
+        _FITTED[kind] = fitted(make(encoder_layers=1, **kw), steps=100)
     return _FITTED[kind]
 
 
@@ -128,9 +133,14 @@ def test_gru_equals_torch_gru_cell():
         assert not torch.allclose(new, state, atol=1e-2)
 
 
-@pytest.mark.parametrize("kind,layers", [("additive", 1), ("dot", 2), ("multihead", 3)])
-def test_step_loop_equals_teacher_forcing(kind, layers):
-    model = randomized(make(rnn_attention=kind, decoder_layers=layers))
+STEP_CASES = [("additive", 1, "bahdanau", "gru"), ("dot", 2, "bahdanau", "gru"), ("multihead", 3, "bahdanau", "gru"),
+              ("dot", 2, "luong", "lstm"), ("multihead", 2, "luong", "gru"), ("additive", 1, "luong", "lstm"),
+              ("additive", 2, "bahdanau", "lstm")]
+
+
+@pytest.mark.parametrize("kind,layers,style,cell", STEP_CASES)
+def test_step_loop_equals_teacher_forcing(kind, layers, style, cell):
+    model = randomized(make(rnn_attention=kind, decoder_layers=layers, rnn_decoder_style=style, rnn_cell=cell))
     ids, mask = source_batch()
     targets = torch.tensor([[1, 5, 9, 4, 7, 30, 2], [1, 8, 6, 12, 2, 0, 0]])
     with torch.no_grad():
@@ -139,7 +149,12 @@ def test_step_loop_equals_teacher_forcing(kind, layers):
         cache, steps = HardAttnCache(), []
         for t in range(targets.shape[1]):
             steps.append(model.decoder_outputs(targets[:, t : t + 1], memory, mask, cache=cache))
-    assert cache.get_seq_length() == targets.shape[1] and set(cache.states) == {f"gru.{l}" for l in range(layers)}
+    gates = (4 if cell == "lstm" else 3) * 48
+    expected = {f"{cell}.{l}": (2, 96 if cell == "lstm" else 48) for l in range(layers)}  # LSTM: [h; c]
+    if style == "luong":
+        expected.update({"luong.feed": (2, 32), "luong.gates": (2, gates)})  # h~_{t-1}, W_h s_{t-1} + b of the top
+    assert cache.get_seq_length() == targets.shape[1]
+    assert {name: tuple(state.shape) for name, state in cache.states.items()} == expected
     for field in ("readout", "states", "contexts", "attentions"):
         stepped = torch.cat([getattr(s, field) for s in steps], 2 if field == "attentions" else 1)
         torch.testing.assert_close(stepped, getattr(full, field), rtol=1e-5, atol=1e-5)
@@ -150,19 +165,64 @@ def test_step_loop_equals_teacher_forcing(kind, layers):
     assert full.readout.std(1).mean() > 0.05
 
 
+REFERENCE_CASES = [("luong", "lstm", "dot", 2), ("luong", "gru", "additive", 1), ("bahdanau", "lstm", "dot", 2),
+                   ("bahdanau", "gru", "additive", 1)]
+
+
+@pytest.mark.parametrize("style,cell,kind,layers", REFERENCE_CASES)
+def test_decoder_equals_independent_reference(style, cell, kind, layers):
+    """Every output of the decoder (readout, top states, contexts, attention, log-probabilities) and the per-step
+    states kept in the cache equal tests/rnn_reference.py's decoder (torch's own cells, the attention per equation,
+    no fused or carried projections), float64. Luong: the attention is queried with s_t and h~_t is fed to the next
+    step; bahdanau: queried with s_{t-1}, c_t fed into s_t."""
+    model = randomized(make(rnn_attention=kind, decoder_layers=layers, rnn_decoder_style=style, rnn_cell=cell,
+                            rnn_hidden_size=24)).double()
+    ids, mask = source_batch()
+    targets = torch.tensor([[1, 5, 9, 4, 7], [1, 8, 6, 2, 0]])
+    with torch.no_grad():
+        ref = naive_rnn_decoder(model, ids, mask, targets)
+        memory = model.model.encoder(ids, mask).last_hidden_state
+        cache = HardAttnCache()
+        out = model.decoder_outputs(targets, memory, mask, cache=cache)
+        logits = model(input_ids=ids, attention_mask=mask, decoder_input_ids=targets).logits
+    for field in ("readout", "states", "contexts"):
+        torch.testing.assert_close(getattr(out, field), ref[field], rtol=1e-10, atol=1e-12, msg=field)
+    torch.testing.assert_close(out.attentions[:, 0], ref["probs"], rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(logits.log_softmax(-1), ref["log_probs"], rtol=1e-10, atol=1e-12)
+    for l in range(layers):  # the last step's state of every layer; an LSTM keeps [h; c]
+        state = cache.states[f"{cell}.{l}"]
+        if l == layers - 1:
+            torch.testing.assert_close(state[:, :24], ref["states"][:, -1], rtol=1e-10, atol=1e-12)
+        if cell == "lstm":
+            torch.testing.assert_close(state[:, 24:], ref["cells"][:, -1, l], rtol=1e-10, atol=1e-12)
+            assert ref["cells"][:, -1, l].abs().max() > 0.05
+    if style == "luong":
+        torch.testing.assert_close(cache.states["luong.feed"], ref["readout"][:, -1], rtol=1e-10, atol=1e-12)
+    assert ref["probs"].std() > 0.05 and out.readout.std(1).mean() > 0.05  # the comparison could fail
+
+
+def test_luong_and_bahdanau_differ_on_the_same_weights():
+    """The style is not a no-op: the same parameters give other attention weights (queried with s_t vs s_{t-1})."""
+    ids, mask = source_batch()
+    models = [randomized(make(rnn_attention="dot", rnn_decoder_style=style)) for style in ("luong", "bahdanau")]
+    weights = [m(input_ids=ids, attention_mask=mask, decoder_input_ids=ids, output_attentions=True).cross_attentions[0]
+               for m in models]
+    assert not torch.allclose(weights[0], weights[1], atol=1e-3)
+
+
 # ---- HF integration (tests/common.py) -------------------------------------------------------------------------------
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", KINDS + ("luong",))
 def test_cache_equals_no_cache(kind):
     check_cache_equivalence(fitted_model(kind))
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", KINDS + ("luong",))
 def test_padded_batch_equals_single(kind):
     check_padded_batch(fitted_model(kind))
 
 
 @pytest.mark.parametrize("mode", sorted(GROUPED_MODES))
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", KINDS + ("luong",))
 def test_grouped_memory_equals_the_expanded_memory(kind, mode):
     """Beams of a sentence read its one row of source keys/values and initial state (HybridDecoder.forward)."""
     check_grouped_memory(fitted_model(kind), mode)
@@ -181,9 +241,47 @@ def test_beam_search_needs_state_reordering(monkeypatch):
     assert not torch.allclose(scores, broken_scores, atol=1e-4), (scores, broken_scores)
 
 
+@pytest.mark.parametrize("skipped", ["lstm.0", "lstm.1", "luong.feed", "luong.gates"])
+def test_luong_beam_search_reorders_every_state(monkeypatch, skipped):
+    """Negative control per state of the Luong LSTM decoder: beam search reorders both layers' [h; c], the fed h~_{t-1}
+    and the carried gate projections; leaving any one of them unreordered changes the beam scores."""
+    model = fitted_model("luong")
+    _, scores = beam_result(model)
+    original = HardAttnCache.reorder_cache
+
+    def reorder_all_but_one(self, beam_idx):
+        kept = self.states.pop(skipped)
+        original(self, beam_idx)
+        self.states[skipped] = kept
+
+    monkeypatch.setattr(HardAttnCache, "reorder_cache", reorder_all_but_one)
+    _, broken_scores = beam_result(model)
+    assert not torch.allclose(scores, broken_scores, atol=1e-4), (skipped, scores, broken_scores)
+
+
 def test_save_load(tmp_path):
     reloaded = check_save_load(fitted_model("multihead"), tmp_path)
     assert reloaded.lm_head.weight.data_ptr() == reloaded.model.shared.weight.data_ptr()
+
+
+def test_save_load_luong_and_a_config_from_before_the_fields(tmp_path):
+    """The Luong LSTM model reloads with its style and cell; a saved config without `rnn_decoder_style` / `rnn_cell`
+    (written before they existed) loads as the GRU Bahdanau-style decoder it was trained with."""
+    import json
+
+    reloaded = check_save_load(fitted_model("luong"), tmp_path / "luong")
+    assert (reloaded.config.rnn_decoder_style, reloaded.config.rnn_cell) == ("luong", "lstm")
+    old = fitted_model("additive")
+    old.save_pretrained(tmp_path / "old")
+    path = tmp_path / "old" / "config.json"
+    config = json.loads(path.read_text())
+    del config["rnn_decoder_style"], config["rnn_cell"]
+    path.write_text(json.dumps(config))
+    loaded = HybridForConditionalGeneration.from_pretrained(tmp_path / "old").eval()
+    assert (loaded.config.rnn_decoder_style, loaded.config.rnn_cell) == ("bahdanau", "gru")
+    ids, mask = source_batch()
+    torch.testing.assert_close(loaded(input_ids=ids, attention_mask=mask, decoder_input_ids=ids).logits,
+                               old(input_ids=ids, attention_mask=mask, decoder_input_ids=ids).logits)
 
 
 def test_remote_code_fresh_process(tmp_path):
@@ -194,10 +292,12 @@ def test_trainer(tmp_path):
     check_trainer(make(rnn_attention="dot", encoder_layers=1), tmp_path)
 
 
-def test_init_weights_covers_gru_on_meta_device(tmp_path):
+@pytest.mark.parametrize("cell", ["gru", "lstm"])
+def test_init_weights_covers_the_rnn_on_meta_device(tmp_path, cell):
     """from_pretrained builds on the meta device; weights missing from the checkpoint are made by _init_weights: the
-    GRU's recurrent gate blocks must come out orthogonal, the other matrices finite and non-zero."""
-    model = make(rnn_attention="multihead")
+    RNN's recurrent gate blocks must come out orthogonal (3 GRU, 4 LSTM), an LSTM's forget-gate bias 1 (the others
+    0), the other matrices finite and non-zero."""
+    model = make(rnn_attention="multihead", rnn_cell=cell)
     model.save_pretrained(tmp_path)
     state = load_file(tmp_path / "model.safetensors")
     dropped = [k for k in state if "model.decoder." in k and "embed_tokens" not in k]
@@ -210,9 +310,15 @@ def test_init_weights_covers_gru_on_meta_device(tmp_path):
         if params[name].dim() == 2:  # biases start at zero
             assert params[name].abs().sum() > 0, name
     weight = reloaded.model.decoder.hidden_projs[0].weight
-    for gate in range(3):
+    gates = 4 if cell == "lstm" else 3
+    for gate in range(gates):
         block = weight[gate * 48 : (gate + 1) * 48]
         torch.testing.assert_close(block @ block.T, torch.eye(48), atol=1e-4, rtol=0)
+    bias = reloaded.model.decoder.hidden_projs[0].bias[: gates * 48].view(gates, 48)
+    expected = torch.zeros(gates, 48)
+    if cell == "lstm":
+        expected[1] = 1.0  # [i, f, g, o]: forget_bias 1
+    torch.testing.assert_close(bias, expected, rtol=0, atol=0)
 
 
 def test_embedding_size_other_than_d_model_stays_tied():
@@ -225,7 +331,8 @@ def test_embedding_size_other_than_d_model_stays_tied():
 
 
 @pytest.mark.parametrize("bad", [dict(rnn_attention="bilinear"), dict(cross_attention="soft"),
-                                 dict(rnn_hidden_size=0), dict(decoder_attention=["soft"])])
+                                 dict(rnn_hidden_size=0), dict(decoder_attention=["soft"]),
+                                 dict(rnn_decoder_style="luong_feed"), dict(rnn_cell="rnn")])
 def test_bad_config_raises(bad):
     name = next(iter(bad))
     with pytest.raises(ValueError, match=name):
