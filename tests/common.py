@@ -350,13 +350,17 @@ def _contract_builders():
         "hybrid_additive": lambda: h.HybridForConditionalGeneration(h.HybridConfig(**kw(**rnn))),
         "hybrid_multihead": lambda: h.HybridForConditionalGeneration(
             h.HybridConfig(**kw(**dict(rnn, decoder_layers=2), rnn_attention="multihead"))),
+        "hybrid_luong_lstm": lambda: h.HybridForConditionalGeneration(h.HybridConfig(**kw(
+            **dict(rnn, decoder_layers=2), rnn_attention="dot", rnn_decoder_style="luong", rnn_cell="lstm"))),
         "recurrent_expand_1": lambda: h.RecurrentForConditionalGeneration(h.RecurrentConfig(**kw())),
         "recurrent_coverage": lambda: h.RecurrentForConditionalGeneration(
             h.RecurrentConfig(**kw(recurrent_variant="coverage", cross_attention=["soft", "recurrent"]))),
         "beam_joint_transformer": lambda: h.BeamJointTransformerForConditionalGeneration(
             h.BeamJointTransformerConfig(**kw(joint_k=3, joint_layer=0))),
-        "beam_joint_rnn": lambda: h.BeamJointRNNForConditionalGeneration(
+        "beam_joint_rnn": lambda: h.BeamJointRNNForConditionalGeneration(  # the paper's Luong-style LSTM decoder
             h.BeamJointRNNConfig(**kw(**rnn, joint_k=3, rnn_attention="multihead"))),
+        "beam_joint_rnn_bahdanau": lambda: h.BeamJointRNNForConditionalGeneration(h.BeamJointRNNConfig(**kw(
+            **rnn, joint_k=3, rnn_attention="additive", rnn_decoder_style="bahdanau", rnn_cell="gru"))),
     }
 
 

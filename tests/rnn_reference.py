@@ -78,7 +78,9 @@ def naive_rnn_decoder(model, ids, mask, dec):
     h = [init[:, layer * hidden : (layer + 1) * hidden] for layer in range(layers)]
     c = [torch.zeros_like(state) for state in h]
     feed = torch.zeros(batch, d, dtype=dtype)
-    embeddings = model.model.shared.weight[dec] * (math.sqrt(d) if config.scale_embedding else 1.0)
+    shared = model.model.shared  # its padding row gets no gradient (nn.Embedding's padding_idx)
+    embeddings = torch.nn.functional.embedding(dec, shared.weight, shared.padding_idx)
+    embeddings = embeddings * (math.sqrt(d) if config.scale_embedding else 1.0)
     lm_head = model.lm_head.weight
     out = {key: [] for key in ("states", "cells", "probs", "contexts", "readout", "candidates")}
     for t in range(dec.shape[1]):

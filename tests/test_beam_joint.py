@@ -1,9 +1,12 @@
 """Beam-joint / full-joint attention (Shankar et al., 2018, Eq. 4-5) in both settings: the Transformer decoder
-(setting 2) and the hybrid model's GRU decoder (setting 1).
+(setting 2) and the attentional RNN decoder (setting 1: the paper's Luong-style LSTM decoder with input feeding, the
+default, and the earlier Bahdanau-style GRU decoder).
 
 References are independent code paths: a naive loop that runs the SOFT model once per (target position, source
-position) with that layer's cross-attention of that position masked to the one source position (Transformer), or the
-hybrid decoder's own soft outputs + ``decoder.readout`` on explicitly built hard contexts (RNN), summed as
+position) with that layer's cross-attention of that position masked to the one source position (Transformer); for the
+Luong RNN setting the decoder of tests/rnn_reference.py, written independently of HybridDecoder (torch's cells, the
+attention per equation, each candidate tanh(W_c [s_t; x_a] + b) from its definition); for the Bahdanau RNN setting the
+hybrid decoder's own soft outputs + ``decoder.readout`` on explicitly built hard contexts; all summed as
 log sum_a P(a) P(y | x_a) in float64.
 """
 
@@ -18,9 +21,11 @@ from hf_hardattn import (BeamJointRNNConfig, BeamJointRNNForConditionalGeneratio
                          HybridConfig, HybridForConditionalGeneration, SoftTransformerConfig,
                          SoftTransformerForConditionalGeneration)
 from hf_hardattn.beam_joint import JointMixture, JointWorkspace
+from rnn_reference import naive_rnn_decoder
 
 DEC = torch.tensor([[1, 6, 9, 12, 15], [1, 8, 10, 2, 0]])  # decoder inputs (second row ends early)
 RNN_KW = dict(decoder_layers=1, rnn_hidden_size=32)
+BAHDANAU = dict(rnn_decoder_style="bahdanau", rnn_cell="gru")  # the earlier (not the paper's) RNN setting
 
 
 def transformer(**kw):
@@ -88,8 +93,16 @@ def transformer_reference(model, ids, mask, dec, layer):
 
 
 def rnn_reference(model, ids, mask, dec):
-    """(log P(a) [B, T, S], log P(y | x_a) [B, T, S, V]) from the hybrid decoder's soft outputs and readout(s_t, x_a)."""
-    hybrid = HybridForConditionalGeneration(HybridConfig(**tiny_kwargs(**RNN_KW, rnn_attention=model.config.rnn_attention)))
+    """(log P(a) [B, T, S], log P(y | x_a) [B, T, S, V], parameters). Luong: tests/rnn_reference.py's independent
+    decoder on the model's own parameters. Bahdanau: the hybrid decoder's soft outputs and readout(s_t, x_a)."""
+    config = model.config
+    if config.rnn_decoder_style == "luong":
+        ref = naive_rnn_decoder(model, ids, mask, dec)
+        log_p = ref["probs"].clamp_min(1e-300).log()  # padding: ~-690 with a zero gradient
+        return log_p, ref["candidate_log_probs"], dict(model.named_parameters())
+    hybrid = HybridForConditionalGeneration(HybridConfig(**tiny_kwargs(
+        **RNN_KW, rnn_attention=config.rnn_attention, rnn_decoder_style=config.rnn_decoder_style,
+        rnn_cell=config.rnn_cell)))
     hybrid = hybrid.double()
     hybrid.load_state_dict(model.state_dict())
     hybrid.train(model.training)
@@ -130,8 +143,10 @@ def reference(model, ids, mask, dec, with_params=False):
 SETTINGS = {
     "transformer_last": lambda **kw: transformer(**kw),
     "transformer_layer0": lambda **kw: transformer(joint_layer=0, **kw),
-    "rnn_additive": lambda **kw: rnn(**kw),
-    "rnn_multihead": lambda **kw: rnn(rnn_attention="multihead", **kw),
+    "rnn_luong": lambda **kw: rnn(**kw),  # the defaults: Luong-style LSTM decoder, dot attention (the paper's)
+    "rnn_luong_gru_additive": lambda **kw: rnn(rnn_cell="gru", rnn_attention="additive", **kw),
+    "rnn_bahdanau_additive": lambda **kw: rnn(rnn_attention="additive", **BAHDANAU, **kw),
+    "rnn_bahdanau_multihead": lambda **kw: rnn(rnn_attention="multihead", **BAHDANAU, **kw),
 }
 
 
@@ -205,7 +220,7 @@ def test_gradient_through_mixture_weights_not_selection(name):
     assert query and all(ours[n].abs().max() > 0 for n in query), "no gradient reached the attention scores"
 
 
-@pytest.mark.parametrize("name", ["transformer_last", "rnn_additive"])
+@pytest.mark.parametrize("name", ["transformer_last", "rnn_luong", "rnn_bahdanau_additive"])
 def test_k_larger_than_sentence_uses_all_its_positions(name):
     """Row 2 has 5 real source positions in a batch padded to 7: K=6 mixes exactly its 5 unpadded positions (the
     padded one picked to fill K gets weight 0), i.e. its full-joint, in the batch and alone."""
@@ -219,7 +234,7 @@ def test_k_larger_than_sentence_uses_all_its_positions(name):
     torch.testing.assert_close(alone.double(), mix(log_p, log_py)[0], rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("name", ["transformer_last", "rnn_additive"])
+@pytest.mark.parametrize("name", ["transformer_last", "rnn_luong", "rnn_bahdanau_additive"])
 def test_log_probabilities_and_loss(name):
     """logits are log-probabilities (log_softmax is the identity); the loss equals the skeleton's cross-entropy;
     joint_inference_k applies in eval mode only."""
@@ -354,6 +369,44 @@ def test_rnn_hard_contexts_and_fast_readout(attention):
     torch.testing.assert_close(model.candidate_readouts(states, hard, index), explicit)
 
 
+def test_defaults_are_the_papers_and_a_config_from_before_the_fields_loads_as_trained(tmp_path):
+    """beam_joint_rnn defaults to the paper's decoder (Luong-style LSTM, dot attention) and both beam-joint types to
+    plain likelihood (label_smoothing 0: the loss is the mixture's NLL); a saved beam_joint_rnn config without
+    `rnn_decoder_style` / `rnn_cell` (written before they existed) loads as the Bahdanau-style GRU it was trained
+    with, through AutoConfig, AutoModelForSeq2SeqLM and the class, giving the same log-probabilities."""
+    import json
+
+    from transformers import AutoConfig, AutoModelForSeq2SeqLM
+
+    config = BeamJointRNNConfig(**tiny_kwargs(**RNN_KW))
+    assert (config.rnn_decoder_style, config.rnn_cell, config.rnn_attention) == ("luong", "lstm", "dot")
+    assert config.label_smoothing == 0 and BeamJointTransformerConfig(**tiny_kwargs()).label_smoothing == 0
+    hybrid = HybridConfig(**tiny_kwargs(**RNN_KW))
+    assert (hybrid.rnn_decoder_style, hybrid.rnn_cell, hybrid.label_smoothing) == ("bahdanau", "gru", 0.1)
+    ids, mask = source_batch()
+    model = randomize(rnn(), std=0.3).double()
+    logits = forward_log_probs(model, ids, mask)
+    labels = torch.tensor([[6, 9, 12, 15, 2], [8, 10, 2, -100, -100]])
+    nll = -logits.gather(-1, labels.clamp(min=0)[..., None]).squeeze(-1)[labels != -100].mean()
+    torch.testing.assert_close(model.compute_loss(logits, labels).double(), nll, rtol=1e-6, atol=1e-7)  # fp32 loss
+
+    old = randomize(rnn(rnn_attention="additive", **BAHDANAU), std=0.3)
+    old.save_pretrained(tmp_path)
+    path = tmp_path / "config.json"
+    saved = json.loads(path.read_text())
+    assert saved["rnn_decoder_style"] == "bahdanau"  # written since the field exists
+    del saved["rnn_decoder_style"], saved["rnn_cell"]
+    path.write_text(json.dumps(saved))
+    assert (AutoConfig.from_pretrained(tmp_path).rnn_decoder_style, AutoConfig.from_pretrained(tmp_path).rnn_cell) \
+        == ("bahdanau", "gru")
+    expected = forward_log_probs(old, ids, mask)
+    for loaded in (AutoModelForSeq2SeqLM.from_pretrained(tmp_path), BeamJointRNNForConditionalGeneration
+                   .from_pretrained(tmp_path)):
+        assert (loaded.config.rnn_decoder_style, loaded.config.rnn_cell) == ("bahdanau", "gru")
+        torch.testing.assert_close(forward_log_probs(loaded.eval(), ids, mask), expected, rtol=0, atol=0)
+    assert BeamJointRNNConfig.from_dict({**saved, "rnn_cell": "lstm"}).rnn_cell == "lstm"  # a present key wins
+
+
 def test_bad_input():
     for kw, field in [(dict(joint_k=0), "joint_k"), (dict(joint_inference_k=0), "joint_inference_k"),
                       (dict(joint_layer=2), "joint_layer"), (dict(joint_layer=-3), "joint_layer"),
@@ -378,7 +431,8 @@ def test_bad_input():
 # ------------------------------------------------------------------------------------------------------------
 # HF integration
 # ------------------------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module", params=["transformer_last", "transformer_layer0", "rnn_multihead"])
+@pytest.fixture(scope="module", params=["transformer_last", "transformer_layer0", "rnn_luong",
+                                                "rnn_bahdanau_multihead"])
 def trained(request):
     torch.manual_seed(0)  # module-scoped: built before the per-test seed (conftest), so seeded here
     return request.param, fitted(SETTINGS[request.param](joint_k=3))
@@ -399,12 +453,12 @@ def test_save_load_and_card(trained, tmp_path):
     assert reloaded.config.joint_k == 3
 
 
-@pytest.mark.parametrize("name", ["transformer_last", "rnn_additive"])
+@pytest.mark.parametrize("name", ["transformer_last", "rnn_luong"])
 def test_remote_code_fresh_process(name, tmp_path):
     check_remote_code(fitted(SETTINGS[name](joint_k=3), steps=100), tmp_path)
 
 
-@pytest.mark.parametrize("name", ["transformer_last", "rnn_additive"])
+@pytest.mark.parametrize("name", ["transformer_last", "rnn_luong"])
 def test_trainer(name, tmp_path):
     check_trainer(SETTINGS[name](joint_k=3), tmp_path)
 

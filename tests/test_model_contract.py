@@ -301,8 +301,10 @@ def test_model_outputs_attentions_and_hidden_states(name):
         torch.testing.assert_close(mixture_of(model, out), out.logits, rtol=0, atol=1e-10)
     else:  # the last decoder hidden state is the output layer's input
         torch.testing.assert_close(model.lm_head(out.decoder_hidden_states[-1]), out.logits, rtol=0, atol=1e-10)
-    if name.startswith("hybrid") or name == "beam_joint_rnn":  # embeddings, each GRU layer, the readout
+    if name.startswith(("hybrid", "beam_joint_rnn")):  # embeddings, each RNN layer's output, the readout
         assert len(out.decoder_hidden_states) == model.config.decoder_layers + 2
+        hidden = model.config.rnn_hidden_size  # an LSTM layer's output h, not its [h; c] state
+        assert [tuple(h.shape) for h in out.decoder_hidden_states[1:-1]] == [(2, 6, hidden)] * model.config.decoder_layers
     else:
         assert len(out.decoder_hidden_states) == model.config.decoder_layers + 1
 
@@ -323,7 +325,7 @@ def test_model_outputs_attentions_and_hidden_states(name):
 
 def test_hybrid_and_beam_joint_weights_are_their_attention_distribution():
     """The GRU decoder's one cross layer is a_t per head (sums to 1, 0 on padding); beam-joint's P_t(a) is its mean."""
-    for name in ("hybrid_multihead", "beam_joint_rnn", "beam_joint_transformer"):
+    for name in ("hybrid_multihead", "beam_joint_rnn", "beam_joint_transformer"):  # beam_joint_rnn: Luong-style
         model = contract_model(name, fit=False).double()
         ids, mask = source_batch()
         out = model(input_ids=ids, attention_mask=mask, decoder_input_ids=DEC, output_attentions=True)
