@@ -21,7 +21,9 @@ Presets
     * ``base``: the papers' Transformer-base sizes (d_model 512, 6+6, 8 heads, FFN 2048) for a GPU, by steps.
     * ``tiny``: d_model 32, a few steps, a few test sentences: checks the pipeline in seconds, learns nothing.
 
-Rows (``--rows``, default all): see :data:`ROWS`. A row that decodes another row's model differently (e.g.
+Rows (``--rows``, default all): see :data:`ROWS`. The beam-joint rows and ``rnn_luong_soft`` (their soft baseline on
+the same Luong-style LSTM decoder) train with label smoothing 0, the beam-joint paper's plain likelihood (since
+issue #42; the ``*_bahdanau`` rows keep the earlier recipe: the hybrid's GRU decoder, label smoothing 0.1). A row that decodes another row's model differently (e.g.
 ``soft_decoded_hard``) or learns from its translations (``hybrid_*_kd``) runs that row first. Finished rows are
 stored in ``reproduce_TASK_PRESET.json`` in the output folder and skipped on a rerun (``--force`` redoes them), so a
 run can be interrupted and resumed, and two processes may run disjoint sets of rows into the same folder (e.g. one
@@ -128,9 +130,12 @@ def _special(tokenizer):
 
 
 def _common(ctx, **extra):
+    """The recipe's model fields (sizes, special tokens, label smoothing, positions); ``extra`` adds or overrides."""
     recipe = ctx["recipe"]
-    return dict(**recipe.dims, **_special(ctx["tokenizer"]), label_smoothing=recipe.label_smoothing,
-                max_position_embeddings=max(256, recipe.max_length), **extra)
+    common = dict(**recipe.dims, **_special(ctx["tokenizer"]), label_smoothing=recipe.label_smoothing,
+                  max_position_embeddings=max(256, recipe.max_length))
+    common.update(extra)
+    return common
 
 
 def _soft(**kinds):
@@ -169,12 +174,19 @@ def _rnn_common(ctx, **extra):
     return common
 
 
-def _hybrid(attention):
+def _hybrid(attention, **extra):
     def build(ctx):
         from .hybrid import HybridConfig, HybridForConditionalGeneration
 
-        return HybridForConditionalGeneration(HybridConfig(**_rnn_common(ctx, rnn_attention=attention)))
+        return HybridForConditionalGeneration(HybridConfig(**_rnn_common(ctx, rnn_attention=attention, **extra)))
     return build
+
+
+# The beam-joint paper's RNN decoder (beam_joint_rnn's defaults): Luong-style LSTM with input feeding, dot attention.
+# Its rows and their soft baseline train with plain likelihood, as the paper (tensorflow/nmt has no label smoothing).
+PAPER_RNN = dict(rnn_decoder_style="luong", rnn_cell="lstm", rnn_attention="dot")
+# The beam-joint RNN rows before issue #42: the hybrid's Bahdanau-style GRU decoder, label smoothing 0.1.
+EARLIER_RNN = dict(rnn_decoder_style="bahdanau", rnn_cell="gru", rnn_attention="additive", label_smoothing=None)
 
 
 def _recurrent(variant):
@@ -186,13 +198,18 @@ def _recurrent(variant):
 
 
 def _beam_joint(setting, **joint):
+    """A beam-joint row: label smoothing 0 (the paper's plain likelihood; the other rows take the recipe's) unless
+    ``label_smoothing=None`` asks for the recipe's."""
     def build(ctx):
         from .beam_joint import (BeamJointRNNConfig, BeamJointRNNForConditionalGeneration,
                                  BeamJointTransformerConfig, BeamJointTransformerForConditionalGeneration)
 
+        fields = dict(joint)
+        if fields.setdefault("label_smoothing", 0.0) is None:
+            del fields["label_smoothing"]
         if setting == "rnn":
-            return BeamJointRNNForConditionalGeneration(BeamJointRNNConfig(**_rnn_common(ctx, **joint)))
-        return BeamJointTransformerForConditionalGeneration(BeamJointTransformerConfig(**_common(ctx, **joint)))
+            return BeamJointRNNForConditionalGeneration(BeamJointRNNConfig(**_rnn_common(ctx, **fields)))
+        return BeamJointTransformerForConditionalGeneration(BeamJointTransformerConfig(**_common(ctx, **fields)))
     return build
 
 
@@ -239,16 +256,26 @@ ROWS = [
       for a in ("additive", "dot", "multihead")],
     *[Row(f"hybrid_{a}_kd", "hybrid + KD, Tables 2-3", "close to the soft teacher, above hybrid without KD",
           build=_hybrid(a), kd=True) for a in ("additive", "dot", "multihead")],
-    Row("beam_joint_rnn_k6", "beam-joint, Table 1 (the paper's GRU setting)", "above hybrid_additive (soft)",
-        build=_beam_joint("rnn", joint_k=6)),
+    Row("rnn_luong_soft", "beam-joint, Table 1 (soft attention on the paper's LSTM decoder)",
+        "baseline of beam_joint_rnn_k6 (same decoder, soft attention)",
+        build=_hybrid(PAPER_RNN["rnn_attention"], label_smoothing=0.0,
+                      **{k: v for k, v in PAPER_RNN.items() if k != "rnn_attention"})),
+    Row("beam_joint_rnn_k6", "beam-joint, Table 1 (the paper's setting: Luong-style LSTM, input feeding)",
+        "above rnn_luong_soft", build=_beam_joint("rnn", joint_k=6, **PAPER_RNN)),
     Row("beam_joint_rnn_k6_decoded_k1", "beam-joint, Table 2", "close to K=6",
         source="beam_joint_rnn_k6", derive=_inference_k(1)),
+    Row("beam_joint_rnn_bahdanau_k6", "beam-joint on the hybrid's Bahdanau-style GRU (the row before #42; not the "
+        "paper's decoder)", "above hybrid_additive (soft)", build=_beam_joint("rnn", joint_k=6, **EARLIER_RNN)),
+    Row("beam_joint_rnn_bahdanau_k6_decoded_k1", "beam-joint, Table 2 (the row before #42)", "close to K=6",
+        source="beam_joint_rnn_bahdanau_k6", derive=_inference_k(1)),
     Row("beam_joint_k6", "beam-joint in the last Transformer layer (the paper's future work)", "above soft",
         build=_beam_joint("transformer", joint_k=6)),
     Row("beam_joint_k6_decoded_k1", "beam-joint, Table 2", "close to K=6",
         source="beam_joint_k6", derive=_inference_k(1)),
-    Row("full_joint_rnn", "full-joint, Table 1", "above soft", build=_beam_joint("rnn", full_joint=True),
-        tasks=("nouns",)),
+    Row("full_joint_rnn", "full-joint, Table 1 (the paper's LSTM decoder)", "above rnn_luong_soft",
+        build=_beam_joint("rnn", full_joint=True, **PAPER_RNN), tasks=("nouns",)),
+    Row("full_joint_rnn_bahdanau", "full-joint on the Bahdanau-style GRU (the row before #42)", "above soft",
+        build=_beam_joint("rnn", full_joint=True, **EARLIER_RNN), tasks=("nouns",)),
     *[Row(f"recurrent_{v}", "recurrent cross-attention, Table 2", "about equal to soft", build=_recurrent(v))
       for v in ("concat_context", "concat_weight", "concat_accumulated", "expand_1", "continuity", "coverage")],
 ]
