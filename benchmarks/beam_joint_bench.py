@@ -4,8 +4,10 @@ script path of the quality comparison.
 speed (default)
     The paper reports 20-30% more training time than soft attention at K=6; our target is <= 1.3x. Two settings,
     each against its own soft model (same parameters, same batch):
-      * setting 1, the paper's: hybrid (Transformer encoder + GRU decoder, additive attention) with beam-joint
-        output vs the soft hybrid (``HybridForConditionalGeneration``);
+      * setting 1, the paper's: Transformer encoder + RNN decoder with beam-joint output (beam_joint_rnn's defaults
+        since issue #42: Luong-style LSTM decoder with input feeding, dot attention) vs the soft model with the SAME
+        decoder (``HybridForConditionalGeneration`` with those fields); ``--rnn-style bahdanau`` measures the earlier
+        setting (Bahdanau-style GRU, additive attention) against the soft hybrid of that decoder;
       * setting 2, future work: Transformer with beam-joint in the last decoder layer vs the soft Transformer.
     Sizes: vocab 8000, d_model 256, 3 encoder layers (+3 decoder layers, or 1 GRU layer of 256), 4 heads, FFN 1024,
     dropout 0.1; batch 64 sentences x 30 source + 30 target tokens, no padding. Training step = forward + backward +
@@ -45,14 +47,20 @@ DIMS = dict(vocab_size=8000, d_model=256, encoder_layers=3, decoder_layers=3, en
 RNN_DIMS = dict(DIMS, decoder_layers=1, rnn_hidden_size=256)
 
 
-def build(setting, kind, dims=None, **joint):
-    """setting "transformer" | "rnn"; kind "soft" | "joint"."""
+RNN_STYLES = {  # the RNN decoder of setting 1, the same for the soft and the joint model
+    "luong": dict(rnn_decoder_style="luong", rnn_cell="lstm", rnn_attention="dot"),  # the paper's (the default)
+    "bahdanau": dict(rnn_decoder_style="bahdanau", rnn_cell="gru", rnn_attention="additive"),  # before issue #42
+}
+
+
+def build(setting, kind, dims=None, rnn_style="luong", **joint):
+    """setting "transformer" | "rnn"; kind "soft" | "joint"; rnn_style: the decoder of setting 1 (RNN_STYLES)."""
     if setting == "transformer":
         dims = dims or DIMS
         if kind == "soft":
             return SoftTransformerForConditionalGeneration(SoftTransformerConfig(**dims))
         return BeamJointTransformerForConditionalGeneration(BeamJointTransformerConfig(**dims, **joint))
-    dims = dims or RNN_DIMS
+    dims = dict(dims or RNN_DIMS, **RNN_STYLES[rnn_style])
     if kind == "soft":
         return HybridForConditionalGeneration(HybridConfig(**dims))
     return BeamJointRNNForConditionalGeneration(BeamJointRNNConfig(**dims, **joint))
@@ -74,9 +82,9 @@ def speed(args):
     batch = make_batch(args.batch, args.length, DIMS["vocab_size"])
     models = {}
     for setting in ("rnn", "transformer"):
-        models[(setting, "soft")] = build(setting, "soft")
+        models[(setting, "soft")] = build(setting, "soft", rnn_style=args.rnn_style)
         for k in args.k:
-            models[(setting, f"K={k}")] = build(setting, "joint", joint_k=k)
+            models[(setting, f"K={k}")] = build(setting, "joint", rnn_style=args.rnn_style, joint_k=k)
     optimizers = {name: torch.optim.Adam(m.parameters(), lr=1e-4) for name, m in models.items()}
     times = {name: [] for name in models}
 
@@ -102,7 +110,7 @@ def speed(args):
                          params=sum(p.numel() for p in models[(setting, kind)].parameters())))
     lines = ["| setting | model | train step (s, median) | x soft |", "| --- | --- | --- | --- |"]
     for row in rows:
-        label = "1: hybrid GRU decoder" if row["setting"] == "rnn" else "2: Transformer decoder"
+        label = f"1: RNN decoder ({args.rnn_style})" if row["setting"] == "rnn" else "2: Transformer decoder"
         lines.append(f"| {label} | {row['model']} | {row['step_s']:.3f} | {row['ratio']:.2f} |")
     table = "\n".join(lines)
     print(table)
@@ -113,7 +121,8 @@ def speed(args):
                   output_bytes_4096_tokens=4096 * vocab * 4,
                   unchunked_bytes_4096_tokens_K6_3_tensors=3 * 4096 * 6 * vocab * 4)
     result = dict(batch=args.batch, source_length=args.length, target_length=args.length, rounds=args.rounds,
-                  threads=2, dims=DIMS, rnn_dims=RNN_DIMS, rows=rows, table=table, mixture_memory=memory)
+                  threads=2, dims=DIMS, rnn_dims=dict(RNN_DIMS, **RNN_STYLES[args.rnn_style]), rows=rows,
+                  table=table, mixture_memory=memory)
     return result
 
 
@@ -199,7 +208,7 @@ def quality(args):
     results = {}
     for name, (kind, joint) in variants.items():
         torch.manual_seed(0)
-        model = build(args.setting, kind, dims=dims, **joint)
+        model = build(args.setting, kind, dims=dims, rnn_style=args.rnn_style, **joint)
         start = time.perf_counter()
         train_seq2seq(model, tokenizer, data, output_dir=os.path.join(args.output, name),
                       max_steps=args.steps if tiny else None, minutes=None if tiny else args.minutes,
@@ -234,6 +243,8 @@ def main():
     parser.add_argument("--memory", action="store_true", help="peak memory of one training step at 4096 tokens")
     parser.add_argument("--task", choices=("nouns", "multi30k"), default="nouns")
     parser.add_argument("--setting", choices=("rnn", "transformer"), default="rnn")
+    parser.add_argument("--rnn-style", choices=tuple(RNN_STYLES), default="luong",
+                        help="the RNN decoder of setting 1 (soft and joint alike): luong = the paper's (default)")
     parser.add_argument("--tiny", action="store_true", help="a few steps on a few hundred examples (path check)")
     parser.add_argument("--steps", type=int, default=10, help="training steps with --tiny")
     parser.add_argument("--minutes", type=float, default=60.0, help="training minutes per model without --tiny")
