@@ -8,6 +8,12 @@
   distillation, translate a dataset with a teacher (see :mod:`hf_hardattn.distill`).
 * ``hf-hardattn convert SRC OUT --model-type T [--set key=value ...]``: map a pretrained Marian / BART / mBART /
   M2M100 checkpoint into an hf_hardattn model type (see :mod:`hf_hardattn.convert`).
+* ``hf-hardattn translate MODEL [-i FILE] [-o FILE]``: translate a text file (or stdin) with any saved seq2seq model,
+  one sentence a line, batched and length-sorted; prints sentences/s.
+* ``hf-hardattn score HYP REF [REF ...]``: BLEU and chrF of a hypothesis file with sacrebleu's signatures.
+
+Bad input (a missing file, a bad option value, files of different lengths) ends the command with a one-line error
+and exit status 2.
 """
 
 from __future__ import annotations
@@ -274,6 +280,146 @@ def run_convert(args):
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# translate / score
+# ----------------------------------------------------------------------------------------------------------------
+class CommandError(Exception):
+    """Bad input to a command: main() prints ``hf-hardattn COMMAND: error: MESSAGE`` and exits with status 2."""
+
+
+def read_lines(path: str, name: str) -> list[str]:
+    """The lines of a text file (``.gz`` read through gzip; ``-`` = stdin), without their line ends."""
+    import gzip
+
+    if path == "-":
+        return sys.stdin.read().splitlines()
+    if not os.path.isfile(path):
+        raise CommandError(f"{name}={path!r} is not a file.")
+    opener = gzip.open if path.endswith(".gz") else open
+    try:
+        with opener(path, "rt", encoding="utf-8") as handle:
+            return handle.read().splitlines()
+    except (UnicodeDecodeError, OSError) as error:
+        raise CommandError(f"{name}={path!r} cannot be read as UTF-8 text ({error}).") from error
+
+
+def write_lines(path: str, lines: list[str]):
+    """Write ``lines`` (``-`` = stdout); a file goes through a temporary name, renamed once complete."""
+    text = "".join(line + "\n" for line in lines)
+    if path == "-":
+        sys.stdout.write(text)
+        sys.stdout.flush()
+        return
+    partial = f"{path}.partial"
+    with open(partial, "w", encoding="utf-8") as handle:
+        handle.write(text)
+    os.replace(partial, path)
+
+
+def load_for_translation(model_path: str, tokenizer_path: str | None):
+    """(model, tokenizer) of a saved seq2seq folder: any hf_hardattn type, or a transformers model (MarianMTModel,
+    BART, ...). Errors name the folder."""
+    from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
+
+    from . import MODEL_CLASSES  # noqa: F401  (registers the model types)
+
+    try:
+        model = AutoModelForSeq2SeqLM.from_pretrained(model_path)
+    except (OSError, ValueError, KeyError) as error:
+        raise CommandError(f"MODEL={model_path!r} does not load as a seq2seq model "
+                           f"({' '.join(str(error).split())[:300]}).") from error
+    source = tokenizer_path or model_path
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise CommandError(f"no tokenizer loads from {source!r} ({' '.join(str(error).split())[:200]}); save it "
+                           f"beside the model or give --tokenizer.") from error
+    return model, tokenizer
+
+
+def source_limit(model) -> int | None:
+    """The longest source (in tokens) the model's positions cover, or None where the model has no such limit."""
+    return getattr(model.config, "max_position_embeddings", None)
+
+
+def run_translate(args):
+    import torch
+
+    from .training import translate
+
+    torch.set_num_threads(args.threads)
+    lines = read_lines(args.input, "--input")
+    model, tokenizer = load_for_translation(args.model, args.tokenizer)
+    if args.pack_linears:
+        if not hasattr(model, "pack_linears"):
+            raise CommandError(f"--pack-linears needs an hf_hardattn model; {args.model!r} is a "
+                               f"{type(model).__name__}.")
+        model.pack_linears()
+    if args.dtype == "bfloat16":
+        model = model.to(torch.bfloat16)
+    positions = source_limit(model)
+    if args.max_source_tokens and positions and args.max_source_tokens > positions:
+        raise CommandError(f"--max-source-tokens={args.max_source_tokens} exceeds the model's "
+                           f"max_position_embeddings={positions}; allowed: 1 to {positions}.")
+    limit = args.max_source_tokens or positions or 1024
+    todo = [i for i, line in enumerate(lines) if line.strip()]  # an empty line stays an empty line
+    lengths = [len(ids) for ids in tokenizer([lines[i] for i in todo])["input_ids"]] if todo else []
+    too_long = next(((todo[j], n) for j, n in enumerate(lengths) if n > limit), None)
+    if too_long is not None:
+        raise CommandError(f"line {too_long[0] + 1} of --input={args.input!r} has {too_long[1]} tokens, more than "
+                           f"--max-source-tokens={limit}; split the sentence (it is never truncated).")
+    sampling = dict(top_k=args.top_k, top_p=args.top_p, temperature=args.temperature) if args.do_sample else {}
+    if args.do_sample:
+        torch.manual_seed(args.seed)
+    start = time.perf_counter()
+    try:
+        outputs = translate(model, tokenizer, [lines[i] for i in todo], num_beams=args.num_beams,
+                            batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, max_length=limit,
+                            progress=not args.quiet, do_sample=args.do_sample, **sampling)
+    except ValueError as error:
+        raise CommandError(" ".join(str(error).split())) from error
+    seconds = time.perf_counter() - start
+    result = [""] * len(lines)
+    for i, text in zip(todo, outputs):
+        result[i] = text
+    write_lines(args.output, result)
+    if not args.quiet:
+        rate = len(todo) / seconds if seconds > 0 else float("inf")
+        print(f"hf-hardattn translate: {len(todo)} sentences in {seconds:.1f} s, {rate:.2f} sentences/s "
+              f"(beam {args.num_beams}, batch {args.batch_size}, {torch.get_num_threads()} threads)", file=sys.stderr,
+              flush=True)
+
+
+SCORE_METRICS = ("bleu", "chrf")
+
+
+def run_score(args) -> list[dict]:
+    """sacrebleu's corpus BLEU / chrF of HYP against one or more reference files (same number of lines)."""
+    import sacrebleu
+
+    hypotheses = read_lines(args.hypotheses, "HYP")
+    references = [read_lines(path, "REF") for path in args.references]
+    for path, lines in zip(args.references, references):
+        if len(lines) != len(hypotheses):
+            raise CommandError(f"REF={path!r} has {len(lines)} lines and HYP={args.hypotheses!r} has "
+                               f"{len(hypotheses)}; every reference file needs one line per hypothesis.")
+    results = []
+    for name in args.metrics:
+        if name == "bleu":
+            metric = sacrebleu.BLEU(tokenize=args.tokenize, lowercase=args.lowercase)
+        else:
+            metric = sacrebleu.CHRF(lowercase=args.lowercase)
+        score = metric.corpus_score(hypotheses, references)
+        results.append(dict(name=score.name, score=round(score.score, 4), signature=str(metric.get_signature()),
+                            text=score.format(signature=str(metric.get_signature()))))
+    if args.json:
+        print(json.dumps([{k: v for k, v in r.items() if k != "text"} for r in results], indent=1), flush=True)
+    else:
+        for r in results:
+            _print(r["text"])
+    return results
+
+
+# ----------------------------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-hardattn", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -352,12 +498,61 @@ def build_parser() -> argparse.ArgumentParser:
                                                  "tables; resumable) -> JSON + markdown table")
     add_reproduce_arguments(reproduce)
     reproduce.set_defaults(func=run_reproduce)
+
+    tr = sub.add_parser(
+        "translate", help="translate a text file (or stdin) with a saved model, one sentence a line",
+        description="Translate one sentence a line with any saved seq2seq model (an hf_hardattn type, or a "
+                    "MarianMTModel / BART folder). Sources are sorted by length and batched; the output keeps the "
+                    "input's order and its empty lines. Prints sentences/s to stderr.")
+    tr.add_argument("model", metavar="MODEL", help="saved model folder (its tokenizer beside it, or --tokenizer)")
+    tr.add_argument("-i", "--input", default="-", help="text file, one source a line (.gz allowed; default - = stdin)")
+    tr.add_argument("-o", "--output", default="-", help="output file (default - = stdout); written once complete")
+    tr.add_argument("--tokenizer", default=None, help="tokenizer folder, if not MODEL's")
+    tr.add_argument("--num-beams", type=_positive_int, default=4, help="beam size (default 4; 1 = greedy)")
+    tr.add_argument("--batch-size", type=_positive_int, default=64, help="sentences per generate() call (default 64)")
+    tr.add_argument("--max-new-tokens", type=_positive_int, default=None,
+                    help="output limit (default: 1.5 x the batch's source tokens + 10)")
+    tr.add_argument("--max-source-tokens", type=_positive_int, default=None,
+                    help="longest source accepted, in tokens (default: the model's max_position_embeddings); a "
+                         "longer line is an error, never truncated")
+    tr.add_argument("--do-sample", action="store_true", help="sample instead of searching (with --num-beams > 1: "
+                                                             "beam sampling)")
+    tr.add_argument("--top-k", type=_positive_int, default=None, help="with --do-sample: keep the k likeliest tokens")
+    tr.add_argument("--top-p", type=_positive_float, default=None, help="with --do-sample: nucleus mass, in (0, 1]")
+    tr.add_argument("--temperature", type=_positive_float, default=None, help="with --do-sample: softmax temperature")
+    tr.add_argument("--seed", type=int, default=0, help="random seed of --do-sample (default 0)")
+    tr.add_argument("--pack-linears", action="store_true",
+                    help="prepack the linear layers for faster CPU decoding (hf_hardattn models)")
+    tr.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="weights' dtype while decoding (bfloat16: CPUs with native bf16)")
+    tr.add_argument("--threads", type=_positive_int, default=max(1, min(os.cpu_count() or 1, 8)),
+                    help="torch CPU threads (default: the cores, at most 8)")
+    tr.add_argument("--quiet", action="store_true", help="no progress bar, no speed line")
+    tr.set_defaults(func=run_translate)
+
+    score = sub.add_parser(
+        "score", help="BLEU / chrF of a hypothesis file against reference files (sacrebleu)",
+        description="Corpus BLEU and chrF (sacrebleu) of HYP against one or more reference files, one sentence a line, "
+                    "printed with sacrebleu's signature (what to report beside a score).")
+    score.add_argument("hypotheses", metavar="HYP", help="hypothesis file (.gz allowed; - = stdin)")
+    score.add_argument("references", metavar="REF", nargs="+", help="reference file(s), one line per hypothesis")
+    score.add_argument("--metrics", nargs="+", choices=SCORE_METRICS, default=list(SCORE_METRICS),
+                       help="metrics (default: bleu chrf)")
+    score.add_argument("--tokenize", default="13a", choices=("13a", "intl", "zh", "char", "none"),
+                       help="BLEU tokenisation (default 13a, sacrebleu's)")
+    score.add_argument("--lowercase", action="store_true", help="case-insensitive scores")
+    score.add_argument("--json", action="store_true", help="print JSON (name, score, signature) instead of text")
+    score.set_defaults(func=run_score)
     return parser
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    args.func(args)
+    try:
+        args.func(args)
+    except CommandError as error:
+        print(f"hf-hardattn {args.command}: error: {error}", file=sys.stderr, flush=True)
+        return 2
     return 0
 
 
