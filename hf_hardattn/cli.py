@@ -469,9 +469,9 @@ def build_parser() -> argparse.ArgumentParser:
         "convert", help="map a pretrained MarianMTModel / BART / mBART / M2M100 checkpoint into an hf_hardattn model",
         description="Convert a pretrained translation model into an hf_hardattn model type. soft_transformer "
                     "reproduces the source exactly; the other Transformer types get every parameter they share with "
-                    "it, and the report printed lists what was initialised or dropped. The hybrid types (GRU decoder) "
-                    "are refused: distil the converted soft model into them (hf-hardattn distill). On bad input the "
-                    "command exits with a one-line error and writes nothing.")
+                    "it, and the report printed lists what was initialised or dropped. The hybrid types (GRU or LSTM "
+                    "decoder) are refused: distil the converted soft model into them (hf-hardattn distill). On bad "
+                    "input the command exits with a one-line error and writes nothing.")
     convert.add_argument("source", metavar="SRC",
                          help="folder of a MarianMTModel, BartForConditionalGeneration, "
                               "MBartForConditionalGeneration or M2M100ForConditionalGeneration (NLLB); its tokenizer, "
@@ -482,7 +482,7 @@ def build_parser() -> argparse.ArgumentParser:
     types = sorted(config_class.model_type for config_class in MODEL_CLASSES)
     convert.add_argument("--model-type", required=True, metavar="T",
                          help=f"the hf_hardattn model type to convert to: one of {', '.join(types)} "
-                              f"(beam_joint_rnn and hybrid_transformer, with a GRU decoder, are refused with the "
+                              f"(beam_joint_rnn and hybrid_transformer, with an RNN decoder, are refused with the "
                               f"distillation route)")
     convert.add_argument("--set", action="append", metavar="KEY=VALUE",
                          help="override a field of the target config that the source does not fix (repeatable), "

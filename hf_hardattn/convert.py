@@ -30,7 +30,7 @@ paper's Table 4 model: soft-trained, decoded hard); ``gaussian`` keeps v/out pro
 keeps the projections and initialises the variant's extra parameters (none for expand_1); ``none`` drops the whole
 sub-layer; beam-joint Transformer keeps everything (its mixture output has no ``final_logits_bias``: a nonzero one is
 dropped). What was initialised or dropped is returned (``return_report=True``: a :class:`ConversionReport`) and logged
-as a warning. The hybrid models (GRU decoder) are refused: distil the converted soft model into one.
+as a warning. The hybrid models (RNN decoder) are refused: distil the converted soft model into one.
 
 Refused, with the field named: untied or unshared embeddings (``tie_word_embeddings``,
 ``share_encoder_decoder_embeddings``, ``decoder_vocab_size``), layer norms of differing epsilon, M2M100 starting the
@@ -64,7 +64,7 @@ FAMILY_LAYOUT = {  # family -> (position kind, sinusoidal layout, layernorm_embe
     "mbart": ("learned", "interleaved", True, True),
     "m2m_100": ("sinusoidal", "fairseq", False, True),
 }
-# Model types with a GRU decoder: no Transformer decoder weight maps to it.
+# Model types with an RNN (GRU or LSTM) decoder: no Transformer decoder weight maps to it.
 GRU_DECODER_TYPES = ("hybrid_transformer", "beam_joint_rnn")
 # Config fields the source's weights and computation fix: an override may only repeat the source's value.
 SOURCE_FIXED_FIELDS = (
@@ -155,8 +155,9 @@ def _target_classes(model_type):
              for config_class, model_class in MODEL_CLASSES.items()}
     if model_type in GRU_DECODER_TYPES:
         raise ValueError(
-            f"`model_type`={model_type!r} cannot be converted to: its decoder is a GRU, which no weight of a "
-            f"Transformer decoder maps to (only the encoder would be kept). Distil it instead, with the converted soft model as "
+            f"`model_type`={model_type!r} cannot be converted to: its decoder is an RNN (GRU or LSTM), which no "
+            f"weight of a Transformer decoder maps to (only the encoder would be kept). Distil it instead, with the "
+            f"converted soft model as "
             f"teacher: `hf-hardattn convert SRC TEACHER --model-type soft_transformer`, then `hf-hardattn distill "
             f"--teacher TEACHER --data DATA --out KD` and train the {model_type} model on KD's targets "
             f"(examples/distill_hybrid.py; word-level KD: hf_hardattn.distill.DistillationTrainer). Allowed "

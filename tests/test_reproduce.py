@@ -205,10 +205,10 @@ def test_table_puts_each_rows_difference_to_its_baseline_beside_the_direction():
         return dict(score=score, sentences_per_s=1.0, train_minutes=3.0, steps=10, params=100)
 
     results = {"soft": result(85.25), "recurrent_continuity": result(71.25), "hybrid_additive": result(75.60),
-               "beam_joint_rnn_k6_decoded_k1": result(83.65), "hard_self_cross": result(80.05)}
+               "beam_joint_rnn_bahdanau_k6_decoded_k1": result(83.65), "hard_self_cross": result(80.05)}
     lines = {line.split(" | ")[0][2:]: line for line in reproduce.row_table("nouns", "cpu", results).splitlines()[2:]}
     assert lines["recurrent_continuity"].endswith("| about equal to soft | -14.00 vs soft |")
-    assert lines["beam_joint_rnn_k6_decoded_k1"].endswith("| +8.05 vs hybrid_additive |")
+    assert lines["beam_joint_rnn_bahdanau_k6_decoded_k1"].endswith("| +8.05 vs hybrid_additive |")
     assert lines["soft"].endswith("| baseline | baseline |  |")
     assert lines["hybrid_additive"].endswith("| -9.65 vs soft |")
     only = reproduce.row_table("nouns", "cpu", {"recurrent_coverage": result(81.6)})
