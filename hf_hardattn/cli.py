@@ -11,6 +11,8 @@
 * ``hf-hardattn translate MODEL [-i FILE] [-o FILE]``: translate a text file (or stdin) with any saved seq2seq model,
   one sentence a line, batched and length-sorted; prints sentences/s.
 * ``hf-hardattn score HYP REF [REF ...]``: BLEU and chrF of a hypothesis file with sacrebleu's signatures.
+* ``hf-hardattn plot MODEL [MODEL ...] --source TEXT``: attention heat maps of one sentence (PNG), per model and side
+  by side (see :mod:`hf_hardattn.plot`).
 
 Bad input (a missing file, a bad option value, files of different lengths) ends the command with a one-line error
 and exit status 2.
@@ -419,6 +421,32 @@ def run_score(args) -> list[dict]:
     return results
 
 
+def run_plot(args) -> list[str]:
+    from .plot import attention_maps, plot_comparison, plot_layers
+
+    names = args.names or [os.path.basename(os.path.normpath(path)) for path in args.models]
+    if len(names) != len(args.models):
+        raise CommandError(f"--names gives {len(names)} names for {len(args.models)} models; give one per MODEL.")
+    if len(set(names)) != len(names):
+        raise CommandError(f"model names must differ (they name the files), got {names}; use --names.")
+    written, named = [], []
+    for path, name in zip(args.models, names):
+        model, tokenizer = load_for_translation(path, args.tokenizer)
+        try:
+            maps = attention_maps(model, tokenizer, args.source, args.target, role=args.role,
+                                  max_new_tokens=args.max_new_tokens)
+        except ValueError as error:
+            raise CommandError(f"{name}: {' '.join(str(error).split())}") from error
+        written.append(plot_layers(maps, os.path.join(args.out, f"{name}_{args.role}.png"),
+                                   title=f"{name}: {args.role} attention"))
+        named.append((name, maps))
+        _print(f"{name}: {maps['target']!r} -> {written[-1]}")
+    if len(named) > 1:
+        written.append(plot_comparison(named, os.path.join(args.out, f"comparison_{args.role}.png")))
+        _print(f"comparison -> {written[-1]}")
+    return written
+
+
 # ----------------------------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-hardattn", description=__doc__.split("\n\n")[0])
@@ -543,6 +571,24 @@ def build_parser() -> argparse.ArgumentParser:
     score.add_argument("--lowercase", action="store_true", help="case-insensitive scores")
     score.add_argument("--json", action="store_true", help="print JSON (name, score, signature) instead of text")
     score.set_defaults(func=run_score)
+
+    plot = sub.add_parser(
+        "plot", help="attention heat maps of one sentence (PNG), per model and side by side",
+        description="Run each MODEL teacher-forced on one sentence pair (the given --target, or the model's greedy "
+                    "translation) with output_attentions=True and draw the weights each layer used: "
+                    "OUT/NAME_ROLE.png (a row per layer, a column per head and their mean) and, for several models, "
+                    "OUT/comparison_ROLE.png (one panel per model: the last layer's head mean; beam-joint models "
+                    "show their joint layer with the top-K source positions boxed in red).")
+    plot.add_argument("models", metavar="MODEL", nargs="+", help="saved model folder(s) (tokenizer beside each)")
+    plot.add_argument("--source", required=True, help="the source sentence")
+    plot.add_argument("--target", default=None, help="the target sentence (default: each model's greedy output)")
+    plot.add_argument("--role", choices=("cross", "decoder", "encoder"), default="cross",
+                      help="which attention (default cross)")
+    plot.add_argument("--names", nargs="+", default=None, help="one name per MODEL (default: the folder names)")
+    plot.add_argument("--tokenizer", default=None, help="tokenizer folder, if not each MODEL's")
+    plot.add_argument("--max-new-tokens", type=_positive_int, default=64, help="limit of the greedy translation")
+    plot.add_argument("--out", default="attention_plots", help="output folder (default attention_plots)")
+    plot.set_defaults(func=run_plot)
     return parser
 
 
