@@ -202,10 +202,16 @@ def run_train(args) -> dict:
         raise _error("--early-stopping needs --validation and --eval-steps (it counts evaluations without a gain).")
     if args.max_steps is None and args.minutes is None and args.epochs is None:
         raise _error("give the training length: --max-steps, --minutes or --epochs.")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not args.tokenizer and not args.init_from:
+        raise _error("a multi-process run needs --tokenizer (or --init-from with one): train it first with "
+                     "`hf-hardattn tokenizer`, so that every process reads the same vocabulary.")
     os.makedirs(args.output_dir, exist_ok=True)
     splits = load_data(args)
     fields = config_fields(args)
     tokenizer, tokenizer_source = build_tokenizer(args, splits)
+    from transformers import set_seed
+
+    set_seed(args.seed)  # the initial weights too (every process of a multi-process run builds the same model)
     model, origin = build_model(args, tokenizer, splits, fields)
     max_length = args.max_length
     positions = getattr(model.config, "max_position_embeddings", None)
