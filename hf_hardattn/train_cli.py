@@ -16,7 +16,8 @@ checkpoint of ``--output-dir`` (a checkpoint a kill left half written is skipped
 ``OUTPUT_DIR/results.json`` has the same numbers and ``OUTPUT_DIR/{validation,test}.hyp`` the translations scored.
 
 Multi-process (CPU: gloo; GPU: NCCL), through the Trainer: ``torchrun --nproc_per_node 2 -m hf_hardattn train ...``
-(``--batch-size`` is per process). Tooling, not runtime code.
+or ``accelerate launch --multi_gpu --num_processes 2 -m hf_hardattn train ...`` (on a CPU-only machine this starts 2
+CPU processes; ``accelerate launch --cpu --num_processes 2`` starts one). ``--batch-size`` is per process. Tooling, not runtime code.
 """
 
 from __future__ import annotations
@@ -250,7 +251,7 @@ def run_train(args) -> dict:
         raise _error(error) from error
     model = trainer.model
     results = dict(model_type=args.model_type, origin=origin, tokenizer=tokenizer_source, steps=trainer.state.global_step,
-                   batch_size=batch_size, skipped_long=skipped, command=" ".join(["hf-hardattn"] + [shlex.quote(a) for a in getattr(args, "argv", sys.argv[1:])]))
+                   batch_size=batch_size, processes=trainer.args.world_size, skipped_long=skipped, command=" ".join(["hf-hardattn"] + [shlex.quote(a) for a in getattr(args, "argv", sys.argv[1:])]))
     if args.eval_steps:
         results["best_validation_bleu"] = trainer.state.best_metric
         results["best_checkpoint"] = trainer.state.best_model_checkpoint

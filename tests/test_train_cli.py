@@ -109,7 +109,15 @@ def test_resume_after_a_lost_checkpoint_ends_with_the_uninterrupted_weights(data
     assert all(torch.allclose(resumed[key], uninterrupted[key], atol=1e-6) for key in uninterrupted)
 
 
-def test_two_torchrun_processes_equal_one_process_with_the_doubled_batch(data, tmp_path):
+LAUNCHERS = {  # on a CPU machine both start 2 processes (gloo); `accelerate launch --cpu` starts only one
+    "torchrun": [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"],
+    "accelerate": [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                   "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"],
+}
+
+
+@pytest.mark.parametrize("launcher", list(LAUNCHERS))
+def test_two_processes_equal_one_process_with_the_doubled_batch(data, tmp_path, launcher):
     """Each step covers the whole 16-pair set in both runs (gloo DDP averages the gradients of the two halves).
     Only the key projections' biases may differ: their gradient is zero in exact arithmetic (a constant added to
     every score of a softmax row), so Adam turns float noise into steps of either sign."""
@@ -117,9 +125,8 @@ def test_two_torchrun_processes_equal_one_process_with_the_doubled_batch(data, t
               "soft_transformer", *SIZES, "--dropout", "0", "--tokenizer", str(data / "tok"), "--max-steps", "3",
               "--warmup-steps", "0", "--learning-rate", "0.01", "--quiet", "--threads", "1"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m",
-                          "hf_hardattn", "train", *common, "--batch-size", "8", "--output-dir", str(tmp_path / "ddp")],
-                         capture_output=True, text=True, env=env, timeout=600)
+    two = subprocess.run([*LAUNCHERS[launcher], "-m", "hf_hardattn", "train", *common, "--batch-size", "8",
+                          "--output-dir", str(tmp_path / "ddp")], capture_output=True, text=True, env=env, timeout=600)
     assert two.returncode == 0, two.stderr[-3000:]
     assert main(["train", *common, "--batch-size", "16", "--output-dir", str(tmp_path / "one")]) == 0
     ddp = load_file(tmp_path / "ddp" / "model" / "model.safetensors")
@@ -134,7 +141,8 @@ def test_two_torchrun_processes_equal_one_process_with_the_doubled_batch(data, t
             keep[rows] = False
             tensor, other = tensor[keep], other[keep]
         assert torch.allclose(tensor, other, atol=1e-5), (name, (tensor - other).abs().max())
-    assert json.loads((tmp_path / "ddp" / "results.json").read_text())["steps"] == 3
+    results = json.loads((tmp_path / "ddp" / "results.json").read_text())
+    assert results["steps"] == 3 and results["processes"] == 2
 
 
 def test_init_from_a_marian_folder_converts_it(data, tmp_path):
