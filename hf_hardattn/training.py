@@ -340,10 +340,11 @@ def default_max_new_tokens(input_ids: torch.Tensor) -> int:
 
 @torch.no_grad()
 def translate(model, tokenizer, sources, num_beams: int = 4, batch_size: int = 64, max_new_tokens: int | None = None,
-              max_length: int = 128, progress: bool = False, **generate_kwargs) -> list[str]:
+              max_length: int = 128, progress: bool = False, do_sample: bool = False, **generate_kwargs) -> list[str]:
     """Decoded outputs of ``model.generate`` for every string of ``sources`` (in order). The inputs are sorted by
     length and batched (little padding); ``max_new_tokens`` defaults to 1.5 x the batch's source length + 10. No
-    sources give no outputs."""
+    sources give no outputs. ``do_sample=True`` samples (with ``num_beams`` > 1: beam sampling); other
+    ``generate()`` keywords (``top_k``, ``top_p``, ``temperature``, ...) pass through."""
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"`batch_size` must be a positive integer, got {batch_size!r}.")
     if not isinstance(num_beams, int) or num_beams < 1:
@@ -361,7 +362,7 @@ def translate(model, tokenizer, sources, num_beams: int = 4, batch_size: int = 6
                              total=math.ceil(len(sources) / batch_size), disable=not progress):
         batch = batch.to(model.device)
         limit = max_new_tokens or default_max_new_tokens(batch["input_ids"])
-        generated = model.generate(**batch, num_beams=num_beams, do_sample=False, max_new_tokens=limit,
+        generated = model.generate(**batch, num_beams=num_beams, do_sample=do_sample, max_new_tokens=limit,
                                    **generate_kwargs)
         for i, text in zip(index, tokenizer.batch_decode(generated, skip_special_tokens=True)):
             outputs[i] = text.strip()

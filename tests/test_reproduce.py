@@ -207,8 +207,25 @@ def test_table_shows_the_rows_current_paper_direction():
     row = next(r for r in reproduce.ROWS if r.name == "hard_decoded_soft")
     lines = table.splitlines()
     assert lines[2].startswith("| soft | 36.05 |") and lines[3].startswith("| hard_decoded_soft | 35.74 |")
-    assert lines[3].endswith(f"| {row.paper} | {row.expect} |") and "stale direction" not in table
+    assert lines[3].endswith(f"| {row.paper} | {row.expect} |  |") and "stale direction" not in table
     assert "(= hard_self_cross)" in lines[3] and "27.80" in row.expect
+
+
+def test_table_puts_each_rows_difference_to_its_baseline_beside_the_direction():
+    """The "ours vs" column: score minus the score of the row the paper compares with (soft unless the row says
+    otherwise), blank for the baseline itself and when that row is not in the table."""
+    def result(score):
+        return dict(score=score, sentences_per_s=1.0, train_minutes=3.0, steps=10, params=100)
+
+    results = {"soft": result(85.25), "recurrent_continuity": result(71.25), "hybrid_additive": result(75.60),
+               "beam_joint_rnn_k6_decoded_k1": result(83.65), "hard_self_cross": result(80.05)}
+    lines = {line.split(" | ")[0][2:]: line for line in reproduce.row_table("nouns", "cpu", results).splitlines()[2:]}
+    assert lines["recurrent_continuity"].endswith("| about equal to soft | -14.00 vs soft |")
+    assert lines["beam_joint_rnn_k6_decoded_k1"].endswith("| +8.05 vs hybrid_additive |")
+    assert lines["soft"].endswith("| baseline | baseline |  |")
+    assert lines["hybrid_additive"].endswith("| -9.65 vs soft |")
+    only = reproduce.row_table("nouns", "cpu", {"recurrent_coverage": result(81.6)})
+    assert only.splitlines()[2].endswith("| about equal to soft |  |")
 
 
 def test_every_row_builds_for_its_tasks():
