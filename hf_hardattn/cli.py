@@ -637,6 +637,16 @@ def build_parser() -> argparse.ArgumentParser:
                               "true/false, null, lists), anything else is taken as a string")
     convert.set_defaults(func=run_convert)
 
+    from .train_cli import add_arguments as add_train_arguments
+    from .train_cli import run_train
+
+    train = sub.add_parser(
+        "train", help="train any model type (or a pretrained / converted checkpoint) on your own parallel data",
+        description=__import__("hf_hardattn.train_cli", fromlist=["x"]).__doc__.split("\n\n")[0] + " Bad input "
+                    "ends with a one-line error; see hf_hardattn/train_cli.py for the details.")
+    add_train_arguments(train)
+    train.set_defaults(func=run_train)
+
     from .reproduce import add_arguments as add_reproduce_arguments
     from .reproduce import run as run_reproduce
 

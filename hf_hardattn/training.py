@@ -227,6 +227,7 @@ def train_seq2seq(
     max_grad_norm: float = 1.0,
     weight_decay: float = 0.0,
     callbacks=None,
+    compute_metrics=None,
     trainer_class=None,
     trainer_kwargs: dict | None = None,
     **training_args,
@@ -244,9 +245,10 @@ def train_seq2seq(
     ValueError on CPUs without native bf16 matrix products, see :func:`check_bf16`); the returned model runs in its
     own precision again.
     ``group_by_length`` batches sentences of similar max(source, target) length (little padding; an
-    approximation of the papers' token-based batches, see :class:`Seq2SeqLengthTrainer`). ``trainer_class`` (a
-    :class:`Seq2SeqLengthTrainer` subclass, e.g. ``hf_hardattn.distill.DistillationTrainer``) with its own
-    ``trainer_kwargs`` replaces the plain trainer. Extra keyword arguments go to ``Seq2SeqTrainingArguments``.
+    approximation of the papers' token-based batches, see :class:`Seq2SeqLengthTrainer`). ``compute_metrics`` goes to
+    the Trainer (its evaluations). ``trainer_class`` (a :class:`Seq2SeqLengthTrainer` subclass, e.g.
+    ``hf_hardattn.distill.DistillationTrainer``) with its own ``trainer_kwargs`` replaces the plain trainer. Extra
+    keyword arguments go to ``Seq2SeqTrainingArguments``.
     """
     if max_steps is not None and (not isinstance(max_steps, int) or max_steps < 1):
         raise ValueError(f"`max_steps` must be a positive integer or None, got {max_steps!r}.")
@@ -300,6 +302,7 @@ def train_seq2seq(
         processing_class=tokenizer,
         data_collator=DataCollatorForSeq2Seq(tokenizer, model=model, label_pad_token_id=-100),
         callbacks=list(callbacks or []),
+        compute_metrics=compute_metrics,
         **(trainer_kwargs or {}),
     )
     trainer.example_lengths = example_lengths(train_ds) if group_by_length else None
