@@ -742,6 +742,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # the exact command, for results and cards
     try:
         args.func(args)
     except CommandError as error:

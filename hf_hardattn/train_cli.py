@@ -250,7 +250,7 @@ def run_train(args) -> dict:
         raise _error(error) from error
     model = trainer.model
     results = dict(model_type=args.model_type, origin=origin, tokenizer=tokenizer_source, steps=trainer.state.global_step,
-                   batch_size=batch_size, skipped_long=skipped, command=" ".join(["hf-hardattn"] + [shlex.quote(a) for a in sys.argv[1:]]))
+                   batch_size=batch_size, skipped_long=skipped, command=" ".join(["hf-hardattn"] + [shlex.quote(a) for a in getattr(args, "argv", sys.argv[1:])]))
     if args.eval_steps:
         results["best_validation_bleu"] = trainer.state.best_metric
         results["best_checkpoint"] = trainer.state.best_model_checkpoint
