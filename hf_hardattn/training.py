@@ -227,6 +227,9 @@ def train_seq2seq(
     max_grad_norm: float = 1.0,
     weight_decay: float = 0.0,
     callbacks=None,
+    compute_metrics=None,
+    trainer_class=None,
+    trainer_kwargs: dict | None = None,
     **training_args,
 ) -> Seq2SeqTrainer:
     """Train ``model`` on ``train_ds`` (a tokenized Dataset, see :func:`tokenize_dataset`) and return the
@@ -242,7 +245,10 @@ def train_seq2seq(
     ValueError on CPUs without native bf16 matrix products, see :func:`check_bf16`); the returned model runs in its
     own precision again.
     ``group_by_length`` batches sentences of similar max(source, target) length (little padding; an
-    approximation of the papers' token-based batches, see :class:`Seq2SeqLengthTrainer`). Extra keyword arguments go to ``Seq2SeqTrainingArguments``.
+    approximation of the papers' token-based batches, see :class:`Seq2SeqLengthTrainer`). ``compute_metrics`` goes to
+    the Trainer (its evaluations). ``trainer_class`` (a :class:`Seq2SeqLengthTrainer` subclass, e.g.
+    ``hf_hardattn.distill.DistillationTrainer``) with its own ``trainer_kwargs`` replaces the plain trainer. Extra
+    keyword arguments go to ``Seq2SeqTrainingArguments``.
     """
     if max_steps is not None and (not isinstance(max_steps, int) or max_steps < 1):
         raise ValueError(f"`max_steps` must be a positive integer or None, got {max_steps!r}.")
@@ -255,6 +261,9 @@ def train_seq2seq(
                          "end of the time budget), so it needs one of them.")
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"`batch_size` must be a positive integer, got {batch_size!r}.")
+    if trainer_class is not None and not (isinstance(trainer_class, type)
+                                          and issubclass(trainer_class, Seq2SeqLengthTrainer)):
+        raise ValueError(f"`trainer_class` must be a subclass of Seq2SeqLengthTrainer, got {trainer_class!r}.")
     check_bf16(training_args.get("bf16", False))
     steps = max_steps if max_steps is not None else (10**9 if minutes is not None else -1)
 
@@ -285,7 +294,7 @@ def train_seq2seq(
         **training_args,
     )
     budget = TimeBudget(minutes) if minutes is not None else None
-    trainer = Seq2SeqLengthTrainer(
+    trainer = (trainer_class or Seq2SeqLengthTrainer)(
         model=model.train(),
         args=args,
         train_dataset=train_ds,
@@ -293,6 +302,8 @@ def train_seq2seq(
         processing_class=tokenizer,
         data_collator=DataCollatorForSeq2Seq(tokenizer, model=model, label_pad_token_id=-100),
         callbacks=list(callbacks or []),
+        compute_metrics=compute_metrics,
+        **(trainer_kwargs or {}),
     )
     trainer.example_lengths = example_lengths(train_ds) if group_by_length else None
     if lr_scheduler in ("linear", "cosine") and max_steps is None:
