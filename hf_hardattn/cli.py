@@ -56,6 +56,7 @@ def run_demo(args) -> dict:
     from . import (HardRetrievalConfig, HardRetrievalForConditionalGeneration, SoftTransformerConfig,
                    SoftTransformerForConditionalGeneration)
     from .data import german_nouns
+    from .safe_io import write_json_atomic
     from .tokenization import train_tokenizer
     from .training import accuracy, decode_speed, tokenize_dataset, train_seq2seq
 
@@ -151,10 +152,10 @@ def run_demo(args) -> dict:
             "greedy sentences/s": f"{r['sentences_per_second']:.1f} (batch {args.speed_batch}, "
                                   f"{args.speed_tokens} tokens)",
         }
-        with open(os.path.join(folder, "hardattn_results.json"), "w") as handle:
-            json.dump(card, handle, indent=2)
-        model.save_pretrained(folder)  # writes README.md (model card) from hardattn_results.json
-        tokenizer.save_pretrained(folder)
+        write_json_atomic(os.path.join(folder, "hardattn_results.json"), card)
+        # one atomic save: the model card (from hardattn_results.json), weights, checksums and tokenizer replace the
+        # folder together, so a killed demo leaves the previous complete model
+        model.save_pretrained(folder, tokenizer=tokenizer)
 
     # -- reload one through the Auto classes ----------------------------------------------------------------------
     folder = os.path.join(args.output_dir, "hard")

@@ -53,6 +53,8 @@ def kd_loss(student_logits, teacher_logits, labels, kd_lambda: float = 1.0, num_
     p_teacher = log_teacher.exp()
     kl = torch.where(p_teacher > 0, p_teacher * (log_teacher - log_student), 0.0).sum(-1)
     denominator = mask.sum() if num_items_in_batch is None else num_items_in_batch
+    # an all-ignored batch (every label -100) gives 0, not 0 / 0 = NaN
+    denominator = denominator.clamp(min=1) if isinstance(denominator, torch.Tensor) else max(denominator, 1)
     nll_sum, kl_sum = nll[mask].sum() / denominator, kl[mask].sum() / denominator
     loss = nll_sum + kd_lambda * kl_sum
     return (loss, nll_sum, kl_sum) if return_parts else loss

@@ -387,8 +387,11 @@ def run_row(row: Row, ctx) -> dict:
     os.makedirs(folder, exist_ok=True)
     if hasattr(model, "card_title"):  # hf_hardattn models: the card shows the table (refreshed in write_outputs)
         write_card_results(folder, row.name, row_table(ctx["task"], ctx["preset"], {row.name: result}))
-    model.save_pretrained(folder)
-    ctx["tokenizer"].save_pretrained(folder)
+    if hasattr(model, "card_title"):  # hf_hardattn models: one atomic save of weights, card and tokenizer
+        model.save_pretrained(folder, tokenizer=ctx["tokenizer"])
+    else:  # marian: transformers' own save
+        model.save_pretrained(folder)
+        ctx["tokenizer"].save_pretrained(folder)
     return result
 
 
@@ -410,11 +413,11 @@ def row_table(task, preset, results: dict) -> str:
 
 def write_card_results(folder, name, table):
     from .model_card import RESULTS_FILE
+    from .safe_io import write_json_atomic
 
     text = (f"This model is row `{name}` of the reproduction table (`benchmarks/reproduce.py`, one recipe for every "
             f"variant):\n\n{table}")
-    with open(os.path.join(folder, RESULTS_FILE), "w") as handle:
-        json.dump({"table": text}, handle, indent=2)
+    write_json_atomic(os.path.join(folder, RESULTS_FILE), {"table": text})
 
 
 def refresh_cards(ctx, table):
