@@ -3,6 +3,8 @@
 Importing the package registers every model type with ``AutoConfig`` / ``AutoModelForSeq2SeqLM`` and marks the
 classes for remote-code saving, so a saved folder also loads with ``trust_remote_code=True`` where hf_hardattn is
 not installed. It also registers the ``translation`` pipeline task (``hf_hardattn.pipelines``), for any seq2seq model.
+``hf_hardattn.convert(source, model_type, **config_overrides)`` maps a pretrained Marian / BART / mBART / M2M100 model
+into any of these model types (``hf_hardattn/convert.py``).
 """
 
 from transformers import AutoConfig, AutoModelForSeq2SeqLM
@@ -11,6 +13,7 @@ from .attention_interface import register as _register_attention_interface
 from .beam_joint import (BeamJointRNNConfig, BeamJointRNNForConditionalGeneration, BeamJointTransformerConfig,
                          BeamJointTransformerForConditionalGeneration)
 from .configuration_hardattn import ATTENTION_KINDS, HardAttnConfig
+from .convert import ConversionReport, convert
 from .gaussian import GaussianConfig, GaussianForConditionalGeneration, fit_length_ratio
 from .hard_retrieval import HardRetrievalConfig, HardRetrievalForConditionalGeneration
 from .hybrid import HybridConfig, HybridForConditionalGeneration
@@ -51,6 +54,7 @@ __all__ = [
     "BeamJointRNNForConditionalGeneration",
     "BeamJointTransformerConfig",
     "BeamJointTransformerForConditionalGeneration",
+    "ConversionReport",
     "GaussianConfig",
     "GaussianForConditionalGeneration",
     "HardAttnCache",
@@ -67,4 +71,5 @@ __all__ = [
     "SoftTransformerConfig",
     "SoftTransformerForConditionalGeneration",
     "TranslationPipeline",
+    "convert",
 ]

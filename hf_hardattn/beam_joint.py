@@ -309,6 +309,9 @@ def check_joint_fields(config):
     for name in ("full_joint", "renormalize_joint"):
         if not isinstance(getattr(config, name), bool):
             raise ValueError(f"`{name}` must be True or False, got {getattr(config, name)!r}.")
+    if getattr(config, "final_logits_bias", False):
+        raise ValueError("`final_logits_bias` must be False for beam-joint models: the mixture's output layer (the tied "
+                         "vocabulary projection) has no bias; allowed: False.")
 
 
 class JointOutputMixin:

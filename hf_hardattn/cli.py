@@ -6,6 +6,8 @@
 * ``hf-hardattn tokenizer --files a.gz b.gz --vocab-size 8000 --out DIR``: train and save a joint tokenizer.
 * ``hf-hardattn distill --teacher DIR --data FOLDER --split train --out DIR``: sequence-level knowledge
   distillation, translate a dataset with a teacher (see :mod:`hf_hardattn.distill`).
+* ``hf-hardattn convert SRC OUT --model-type T [--set key=value ...]``: map a pretrained Marian / BART / mBART /
+  M2M100 checkpoint into an hf_hardattn model type (see :mod:`hf_hardattn.convert`).
 """
 
 from __future__ import annotations
@@ -210,6 +212,69 @@ def run_tokenizer(args):
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# convert
+# ----------------------------------------------------------------------------------------------------------------
+def _assignment(text):
+    """``key=value`` -> (key, value): the value parsed as JSON (numbers, true/false, null, lists, quoted strings), or
+    else taken as the string it is (``recurrent_variant=coverage``)."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise ValueError(f"--set takes KEY=VALUE, got {text!r}")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
+def _tokenizer_files(folder) -> bool:
+    return any(os.path.isfile(os.path.join(folder, name)) for name in ("tokenizer_config.json", "tokenizer.json"))
+
+
+def run_convert(args):
+    """Convert, then write OUT through a temporary folder beside it, renamed into place once complete: on bad input
+    (or any failure) nothing is written and the command exits with a one-line error."""
+    import shutil
+    import tempfile
+
+    def fail(error):
+        raise SystemExit(f"hf-hardattn convert: error: {' '.join(str(error).split())}")
+
+    out = os.path.abspath(args.out)
+    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
+        fail(f"OUT={args.out!r} exists and is not an empty folder; allowed: a new or empty folder.")
+    from .convert import convert
+
+    try:
+        pairs = [_assignment(text) for text in args.set or []]
+        overrides = dict(pairs)
+        if len(overrides) != len(pairs):
+            raise ValueError(f"--set gives a key more than once: {[key for key, _ in pairs]}")
+        model, report = convert(args.source, args.model_type, return_report=True, **overrides)
+        tokenizer = None
+        if os.path.isdir(args.source) and _tokenizer_files(args.source):
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(args.source)
+    except (ValueError, TypeError, OSError, ImportError) as error:
+        fail(error)
+    parent = os.path.dirname(out)
+    os.makedirs(parent, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=".convert-", dir=parent)
+    try:
+        model.save_pretrained(staging, tokenizer=tokenizer)
+        if os.path.isdir(out):
+            os.rmdir(out)  # (empty, checked above)
+        os.rename(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    _print(str(report))
+    _print(f"saved {args.model_type} to {args.out} (weights, config, code, model card"
+           + (", the source's tokenizer)" if tokenizer is not None else
+              "; SRC holds no tokenizer: save the source's tokenizer beside it)"))
+
+
+# ----------------------------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-hardattn", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -252,6 +317,34 @@ def build_parser() -> argparse.ArgumentParser:
                                              "resumable shards) into a distilled dataset")
     add_distill_arguments(distill)
     distill.set_defaults(func=run_distill)
+
+    from . import MODEL_CLASSES
+
+    convert = sub.add_parser(
+        "convert", help="map a pretrained MarianMTModel / BART / mBART / M2M100 checkpoint into an hf_hardattn model",
+        description="Convert a pretrained translation model into an hf_hardattn model type. soft_transformer "
+                    "reproduces the source exactly; the other Transformer types get every parameter they share with "
+                    "it, and the report printed lists what was initialised or dropped. The hybrid types (GRU decoder) "
+                    "are refused: distil the converted soft model into them (hf-hardattn distill). On bad input the "
+                    "command exits with a one-line error and writes nothing.")
+    convert.add_argument("source", metavar="SRC",
+                         help="folder of a MarianMTModel, BartForConditionalGeneration, "
+                              "MBartForConditionalGeneration or M2M100ForConditionalGeneration (NLLB); its tokenizer, "
+                              "when the folder holds one, is saved with the converted model (a Hub id works with "
+                              "HF_HUB_OFFLINE=0: the command runs offline by default)")
+    convert.add_argument("out", metavar="OUT", help="output folder, new or empty: weights (safetensors), config, "
+                                                    "modeling code (trust_remote_code), model card, tokenizer")
+    types = sorted(config_class.model_type for config_class in MODEL_CLASSES)
+    convert.add_argument("--model-type", required=True, metavar="T",
+                         help=f"the hf_hardattn model type to convert to: one of {', '.join(types)} "
+                              f"(beam_joint_rnn and hybrid_transformer, with a GRU decoder, are refused with the "
+                              f"distillation route)")
+    convert.add_argument("--set", action="append", metavar="KEY=VALUE",
+                         help="override a field of the target config that the source does not fix (repeatable), "
+                              "e.g. --set dropout=0.1 --set recurrent_variant=coverage --set "
+                              "'cross_attention=[\"soft\", \"hard_retrieval\"]'; VALUE is parsed as JSON (numbers, "
+                              "true/false, null, lists), anything else is taken as a string")
+    convert.set_defaults(func=run_convert)
 
     from .reproduce import add_arguments as add_reproduce_arguments
     from .reproduce import run as run_reproduce

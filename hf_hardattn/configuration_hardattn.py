@@ -9,6 +9,10 @@ This file is part of the runtime code shipped with saved models (``trust_remote_
 with same-folder relative imports only.
 """
 
+import difflib
+import math
+import warnings
+
 from transformers import PreTrainedConfig
 from transformers.activations import ACT2FN
 
@@ -28,6 +32,9 @@ ROLES = {  # role -> (config field, field holding the number of layers of that r
     "cross": ("cross_attention", "decoder_layers"),
 }
 POSITION_EMBEDDINGS = ("sinusoidal", "learned")
+# Feature layouts of the sinusoidal table (see modeling_hardattn.sinusoidal_table): ours (Vaswani et al.), Marian's
+# (transformers' MarianMTModel) and fairseq's / tensor2tensor's (M2M100, NLLB).
+SINUSOIDAL_LAYOUTS = ("interleaved", "marian", "fairseq")
 
 
 def _check_range(name, value, low, high, high_inclusive=False):
@@ -53,8 +60,24 @@ class HardAttnConfig(PreTrainedConfig):
         max_position_embeddings: size of the position table.  Learned positions cannot go beyond it;
             sinusoidal positions are computed on the fly beyond it.
         position_embedding: ``"sinusoidal"`` or ``"learned"``.
-        normalize_before: pre-norm (True) instead of the original post-norm (False).
+        sinusoidal_layout: the features of a sinusoidal position (``position_embedding="sinusoidal"`` only), with
+            w_i = 10000^(-2i/d), i < d/2:
+            ``"interleaved"`` (default; Vaswani et al. Sec. 3.5): sin(p w_i) at feature 2i, cos(p w_i) at 2i + 1;
+            ``"marian"`` (transformers' MarianMTModel): the d/2 sines first, then the d/2 cosines, same frequencies;
+            ``"fairseq"`` (fairseq / tensor2tensor, M2M100, NLLB): sines first, then cosines, with frequencies
+            10000^(-i/(d/2 - 1)) (d_model >= 4).
+        position_offset: position p gets the sinusoidal table's row p + position_offset (default 0; fairseq counts
+            from pad_token_id + 1: M2M100 uses 2). Sinusoidal only: learned tables are sliced on conversion instead.
+        layernorm_embedding: a LayerNorm over token + position embeddings, before the embedding dropout, in the
+            encoder and the Transformer decoder (BART, mBART; default False). The hybrid models' GRU decoder embeds
+            tokens without positions and has none.
+        final_logits_bias: add a fixed (not trained) bias [1, vocab_size] to the output logits, a buffer named
+            ``final_logits_bias`` as in BART and Marian (default False: no bias). The beam-joint models' mixture
+            output layer has no bias and refuses it.
+        normalize_before: pre-norm (True) instead of the original post-norm (False); pre-norm adds a final layer
+            norm after the last encoder layer and the last decoder layer (mBART, M2M100).
         scale_embedding: multiply token embeddings by sqrt(d_model).
+        layer_norm_eps: epsilon of every layer norm.
         encoder_attention / decoder_attention / cross_attention: the attention kind of each role, one of
             ``ATTENTION_KINDS``, either a single kind for every layer or a list with one kind per layer.
     """
@@ -82,6 +105,10 @@ class HardAttnConfig(PreTrainedConfig):
     label_smoothing: float | int = 0.1
     max_position_embeddings: int = 1024
     position_embedding: str = "sinusoidal"
+    sinusoidal_layout: str = "interleaved"
+    position_offset: int = 0
+    layernorm_embedding: bool = False
+    final_logits_bias: bool = False
     normalize_before: bool = False
     scale_embedding: bool = True
     layer_norm_eps: float = 1e-5
@@ -97,9 +124,40 @@ class HardAttnConfig(PreTrainedConfig):
     eos_token_id: int | list[int] | None = 2
     decoder_start_token_id: int | None = 1
 
+    # keys transformers itself passes on besides the fields (loading, saving, its own options)
+    KNOWN_EXTRA_KEYS = {"auto_map", "model_type", "name_or_path", "_name_or_path", "_commit_hash", "transformers_version",
+                        "architectures", "attn_implementation", "experts_implementation", "output_attentions", "dtype",
+                        "torch_dtype"}
+
     def __post_init__(self, **kwargs):
+        self.check_unknown_keys(kwargs)
         super().__post_init__(**kwargs)
         self.check()
+
+    def check_unknown_keys(self, kwargs):
+        """A key that is no field of this config is kept by transformers as an attribute nothing reads: one that is
+        close to a field (a misspelling, ``cross_atention``) is an error naming both, any other a warning."""
+        fields = set(self.__dataclass_fields__)
+        for key in kwargs:
+            if key in fields or key in self.KNOWN_EXTRA_KEYS:
+                continue
+            close = difflib.get_close_matches(key, fields, n=1, cutoff=0.85)
+            if close:
+                raise ValueError(f"`{key}` is not a field of {type(self).__name__}; did you mean `{close[0]}`?")
+            warnings.warn(f"`{key}` is not a field of {type(self).__name__} (model_type {self.model_type!r}); it is "
+                          f"kept but nothing in the model reads it.", stacklevel=3)
+
+    @classmethod
+    def from_dict(cls, config_dict, **kwargs):
+        """Refuses a config of another model type (``HardRetrievalForConditionalGeneration.from_pretrained`` of a soft
+        model's folder would otherwise build the class's model with that config, with only a logged warning)."""
+        model_type = config_dict.get("model_type")
+        if model_type and cls.model_type != HardAttnConfig.model_type and model_type != cls.model_type:
+            raise ValueError(
+                f"This config is of model_type {model_type!r}, not {cls.model_type!r} ({cls.__name__}). Load it with "
+                f"AutoModelForSeq2SeqLM / AutoConfig (which pick the class of its type); to decode a model with other "
+                f"attention kinds, pass them as overrides, e.g. from_pretrained(path, cross_attention='hard_retrieval').")
+        return super().from_dict(config_dict, **kwargs)
 
     # Every attention kind returns its weights on request whatever the implementation ("sdpa" switches to the written-out
     # softmax for the call that asks), so, unlike transformers' models, `output_attentions` needs no "eager".
@@ -120,8 +178,23 @@ class HardAttnConfig(PreTrainedConfig):
         for name in ("vocab_size", "d_model", "encoder_layers", "decoder_layers", "encoder_attention_heads",
                      "decoder_attention_heads", "encoder_ffn_dim", "decoder_ffn_dim", "max_position_embeddings"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
+        eps = self.layer_norm_eps
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (eps > 0 and math.isfinite(eps)):
+            raise ValueError(f"`layer_norm_eps` must be a positive finite number (default 1e-5), got {eps!r}.")
+        for name in ("pad_token_id", "bos_token_id", "decoder_start_token_id"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or not 0 <= value < self.vocab_size):
+                raise ValueError(f"`{name}` must be None or a token id in [0, vocab_size={self.vocab_size}), got "
+                                 f"{value!r}.")
+        eos = self.eos_token_id
+        for value in (eos if isinstance(eos, (list, tuple)) else [eos]):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or not 0 <= value < self.vocab_size):
+                raise ValueError(f"`eos_token_id` must be None, a token id in [0, vocab_size={self.vocab_size}) or a "
+                                 f"list of them, got {eos!r}.")
         for name in ("encoder_attention_heads", "decoder_attention_heads"):
             heads = getattr(self, name)
             if self.d_model % heads:
@@ -136,6 +209,26 @@ class HardAttnConfig(PreTrainedConfig):
             raise ValueError(
                 f"`position_embedding` must be one of {POSITION_EMBEDDINGS}, got {self.position_embedding!r}."
             )
+        if self.sinusoidal_layout not in SINUSOIDAL_LAYOUTS:
+            raise ValueError(
+                f"`sinusoidal_layout` must be one of {SINUSOIDAL_LAYOUTS}, got {self.sinusoidal_layout!r}."
+            )
+        offset = self.position_offset
+        if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+            raise ValueError(f"`position_offset` must be an integer >= 0, got {offset!r}.")
+        if self.position_embedding != "sinusoidal":
+            for name, default in (("sinusoidal_layout", "interleaved"), ("position_offset", 0)):
+                if getattr(self, name) != default:
+                    raise ValueError(
+                        f"`{name}`={getattr(self, name)!r} applies to position_embedding='sinusoidal' only; with "
+                        f"position_embedding={self.position_embedding!r} allowed: {default!r}."
+                    )
+        if self.sinusoidal_layout == "fairseq" and self.d_model < 4:
+            raise ValueError(f"`sinusoidal_layout`='fairseq' divides by d_model / 2 - 1: `d_model` must be >= 4, got "
+                             f"{self.d_model}.")
+        for name in ("layernorm_embedding", "final_logits_bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"`{name}` must be True or False, got {getattr(self, name)!r}.")
         if self.activation_function not in ACT2FN:
             raise ValueError(
                 f"`activation_function` must be one of {sorted(ACT2FN)}, got {self.activation_function!r}."
@@ -162,4 +255,4 @@ class HardAttnConfig(PreTrainedConfig):
         return kinds
 
 
-__all__ = ["HardAttnConfig", "ATTENTION_KINDS", "ROLES"]
+__all__ = ["HardAttnConfig", "ATTENTION_KINDS", "ROLES", "SINUSOIDAL_LAYOUTS"]

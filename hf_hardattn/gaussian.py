@@ -135,6 +135,10 @@ def head_offsets(config, role: str, layer_idx: int, validate_heads: bool = True)
     if role == "decoder" and any(o > 0 for o in pattern):
         raise ValueError(f"`{field}` must contain offsets <= 0 (decoder self-attention is causal: i - 1 = 'l', "
                          f"i = 'c'), got {list(pattern)!r}.")
+    limit = config.max_position_embeddings
+    if any(abs(o) >= limit for o in pattern):  # a head centred beyond every sentence would attend to nothing
+        raise ValueError(f"`{field}` offsets must be within (-{limit}, {limit}) (`max_position_embeddings`: no "
+                         f"sentence is longer), got {list(pattern)!r}.")
     return tuple(int(pattern[h % len(pattern)]) for h in range(heads))
 
 

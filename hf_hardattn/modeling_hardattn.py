@@ -290,13 +290,43 @@ class HardAttnCache(EncoderDecoderCache):
 # ----------------------------------------------------------------------------------------------------------------
 # Building blocks
 # ----------------------------------------------------------------------------------------------------------------
-def sinusoidal_table(num_positions: int, dim: int, offset: int = 0) -> torch.Tensor:
-    """Vaswani et al. (2017), Sec. 3.5: PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(...)."""
+def sinusoidal_table(num_positions: int, dim: int, offset: int = 0, layout: str = "interleaved") -> torch.Tensor:
+    """Rows ``offset`` ... ``offset + num_positions - 1`` of a sinusoidal position table [num_positions, dim], fp32.
+
+    * ``"interleaved"``, Vaswani et al. (2017), Sec. 3.5: PE(pos, 2i) = sin(pos / 10000^(2i/d)),
+      PE(pos, 2i+1) = cos(...);
+    * ``"marian"``: the same frequencies, the sines in the first half of the features and the cosines in the second
+      (transformers' ``MarianSinusoidalPositionalEmbedding``, computed as it does: float64 numpy, rounded to fp32);
+    * ``"fairseq"``: sines then cosines with frequencies exp(-i log(10000) / (d/2 - 1)) (fairseq / tensor2tensor,
+      transformers' ``M2M100SinusoidalPositionalEmbedding``, computed as it does in fp32), a zero feature for odd d.
+    Each row depends only on its position, so any range equals the same rows of a table started at 0."""
+    if layout == "marian":
+        return _marian_table(num_positions, dim, offset)
+    if layout == "fairseq":
+        half = dim // 2
+        freq = torch.exp(torch.arange(half, dtype=torch.int64).float() * -(math.log(10000) / (half - 1)))
+        angle = torch.arange(offset, offset + num_positions, dtype=torch.int64).float()[:, None] * freq[None]
+        table = torch.cat([torch.sin(angle), torch.cos(angle)], dim=1)
+        return torch.cat([table, torch.zeros(num_positions, 1)], dim=1) if dim % 2 else table
     position = torch.arange(offset, offset + num_positions, dtype=torch.float32)[:, None]
     inv_freq = torch.exp(torch.arange(0, dim, 2, dtype=torch.float32) * (-math.log(10000.0) / dim))
     table = torch.zeros(num_positions, dim)
     table[:, 0::2] = torch.sin(position * inv_freq)
     table[:, 1::2] = torch.cos(position * inv_freq[: dim // 2])
+    return table
+
+
+def _marian_table(num_positions: int, dim: int, offset: int) -> torch.Tensor:
+    """The "marian" layout, by the operations of transformers' ``MarianSinusoidalPositionalEmbedding.create_weight``
+    (float64 numpy; the frequencies by the same scalar ``np.power`` calls) so that its fp32 table is bit-identical."""
+    import numpy as np
+
+    inv = np.array([np.power(10000, 2 * (j // 2) / dim) for j in range(dim)])
+    angle = np.arange(offset, offset + num_positions, dtype=np.float64)[:, None] / inv[None, :]
+    table = torch.empty(num_positions, dim, dtype=torch.float32)
+    sentinel = dim // 2 if dim % 2 == 0 else dim // 2 + 1
+    table[:, :sentinel] = torch.from_numpy(np.sin(angle[:, 0::2])).float()
+    table[:, sentinel:] = torch.from_numpy(np.cos(angle[:, 1::2])).float()
     return table
 
 
@@ -307,10 +337,15 @@ class PositionEmbedding(nn.Module):
     def __init__(self, config: HardAttnConfig):
         super().__init__()
         self.kind, self.limit, self.dim = config.position_embedding, config.max_position_embeddings, config.d_model
+        self.layout, self.offset = config.sinusoidal_layout, config.position_offset  # (sinusoidal only)
         if self.kind == "learned":
             self.embed = nn.Embedding(self.limit, self.dim)
         else:
-            self.register_buffer("table", sinusoidal_table(self.limit, self.dim), persistent=False)
+            self.register_buffer("table", self.sinusoids(self.limit), persistent=False)
+
+    def sinusoids(self, length: int, start: int = 0) -> torch.Tensor:
+        """[length, d] fp32: the sinusoidal embeddings of positions start, ..., start + length - 1."""
+        return sinusoidal_table(length, self.dim, offset=start + self.offset, layout=self.layout)
 
     def check_length(self, end: int):
         if self.kind == "learned" and end > self.limit:
@@ -327,7 +362,7 @@ class PositionEmbedding(nn.Module):
         if self.kind == "learned":
             return self.embed.weight[start:end]
         if end > self.limit:  # sinusoidal positions extend beyond the table
-            return sinusoidal_table(length, self.dim, offset=start).to(self.table)
+            return self.sinusoids(length, start).to(self.table)
         return self.table[start:end]
 
     def at(self, positions: torch.Tensor) -> torch.Tensor:
@@ -336,7 +371,7 @@ class PositionEmbedding(nn.Module):
         self.check_length(length)
         if self.kind == "learned":
             return self.embed(positions)
-        return (self.table if length <= self.limit else sinusoidal_table(length, self.dim).to(self.table))[positions]
+        return (self.table if length <= self.limit else self.sinusoids(length).to(self.table))[positions]
 
 
 def token_positions(attention_mask):
@@ -501,7 +536,8 @@ class SoftAttention(nn.Module):
 
     def __init__(self, config: HardAttnConfig, role: str, layer_idx: int):
         super().__init__()
-        self.config = config  # its `_attn_implementation` ("sdpa" or "eager") is read at every call
+        # "eager" (attn_implementation) writes Eq. 1 out; kept in step by HardAttnPreTrainedModel.set_attn_implementation
+        self.eager = config._attn_implementation == "eager"
         self.role, self.layer_idx, self.is_cross = role, layer_idx, role == "cross"
         d_model = config.d_model
         self.num_heads = config.encoder_attention_heads if role == "encoder" else config.decoder_attention_heads
@@ -542,7 +578,7 @@ class SoftAttention(nn.Module):
         default) or written out (``"eager"``). Under CPU autocast (bf16 training on CPU) the fused kernel runs in fp32:
         the CPU flash kernel's bf16 backward is several times slower than its fp32 one (measured: 21 ms vs 4 ms per
         call at d 256, 128 x 30 tokens), and attention is a small share of the GEMM work bf16 speeds up."""
-        if self.config._attn_implementation == "eager":
+        if self.eager:
             return self.attend_with_weights(q, k, v, mask, causal)[0]
         fp32 = q.requires_grad and q.device.type == "cpu" and torch.is_autocast_enabled("cpu")  # (never when decoding)
         with torch.autocast("cpu", enabled=False) if fp32 else contextlib.nullcontext():
@@ -687,12 +723,18 @@ def check_memory_rows(rows, encoder_hidden_states, encoder_attention_mask, group
                          f"{sources} rows; allowed: {sources}.")
 
 
+def embedding_norm(config: HardAttnConfig):
+    """The LayerNorm over token + position embeddings of ``config.layernorm_embedding`` (BART, mBART), or None."""
+    return nn.LayerNorm(config.d_model, eps=config.layer_norm_eps) if config.layernorm_embedding else None
+
+
 class HardAttnEncoder(nn.Module):
     def __init__(self, config: HardAttnConfig, embed_tokens: nn.Embedding):
         super().__init__()
         self.config = config
         self.embed_tokens, self.embed_positions = embed_tokens, PositionEmbedding(config)
         self.embed_scale = math.sqrt(config.d_model) if config.scale_embedding else 1.0
+        self.layernorm_embedding = embedding_norm(config)
         kinds = config.attention_kinds("encoder")
         self.layers = nn.ModuleList(EncoderLayer(config, i, kind) for i, kind in enumerate(kinds))
         self.final_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps) if config.normalize_before else None
@@ -707,13 +749,20 @@ class HardAttnEncoder(nn.Module):
         config = self.config
         output_attentions = config.output_attentions if output_attentions is None else output_attentions
         output_hidden_states = config.output_hidden_states if output_hidden_states is None else output_hidden_states
+        check_one_of("input_ids", input_ids, "inputs_embeds", inputs_embeds)
         if inputs_embeds is None:
-            if input_ids is None:
-                raise ValueError("The encoder needs `input_ids` or `inputs_embeds`.")
+            check_ids("input_ids", input_ids, config.vocab_size)
             inputs_embeds = self.embed_tokens(input_ids) * self.embed_scale
+        elif inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != config.d_model or 0 in inputs_embeds.shape:
+            raise ValueError(f"`inputs_embeds` must be [batch, length, d_model={config.d_model}] (not empty), got "
+                             f"{tuple(inputs_embeds.shape)}.")
+        if attention_mask is not None:
+            check_mask("attention_mask", attention_mask, [inputs_embeds.shape[:2]])
         positions = token_positions(attention_mask)
         x = inputs_embeds + (self.embed_positions(0, inputs_embeds.shape[1]) if positions is None
                              else self.embed_positions.at(positions))
+        if self.layernorm_embedding is not None:
+            x = self.layernorm_embedding(x)
         x = F.dropout(x, config.dropout, self.training)
         mask = padding_mask(attention_mask)
         hidden_states, attentions = [x] if output_hidden_states else None, [] if output_attentions else None
@@ -740,6 +789,7 @@ class HardAttnDecoder(nn.Module):
         self.config = config
         self.embed_tokens, self.embed_positions = embed_tokens, PositionEmbedding(config)
         self.embed_scale = math.sqrt(config.d_model) if config.scale_embedding else 1.0
+        self.layernorm_embedding = embedding_norm(config)
         self_kinds, cross_kinds = config.attention_kinds("decoder"), config.attention_kinds("cross")
         self.layers = nn.ModuleList(
             DecoderLayer(config, i, s, c) for i, (s, c) in enumerate(zip(self_kinds, cross_kinds))
@@ -755,6 +805,8 @@ class HardAttnDecoder(nn.Module):
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids) * self.embed_scale
         x = inputs_embeds + self.embed_positions(past_length, inputs_embeds.shape[1])
+        if self.layernorm_embedding is not None:
+            x = self.layernorm_embedding(x)
         return F.dropout(x, self.config.dropout, self.training)
 
     @staticmethod
@@ -782,6 +834,17 @@ class HardAttnDecoder(nn.Module):
         config = self.config
         output_attentions = config.output_attentions if output_attentions is None else output_attentions
         output_hidden_states = config.output_hidden_states if output_hidden_states is None else output_hidden_states
+        out = self.run(input_ids, encoder_hidden_states, encoder_attention_mask, attention_mask, inputs_embeds, cache,
+                       output_attentions, output_hidden_states)
+        output = BaseModelOutputWithPastAndCrossAttentions(
+            last_hidden_state=out.last_hidden_state, hidden_states=out.hidden_states, attentions=out.attentions,
+            cross_attentions=out.cross_attentions, **{CACHE_FIELD: cache})
+        return output if (config.return_dict if return_dict is None else return_dict) else output.to_tuple()
+
+    def run(self, input_ids, encoder_hidden_states, encoder_attention_mask, attention_mask, inputs_embeds, cache,
+            output_attentions=False, output_hidden_states=False) -> "DecoderResult":
+        """``forward`` as a :class:`DecoderResult` (a plain tuple: what the model's ``decode`` reads at every step,
+        without building a ModelOutput)."""
         past_length = cache.get_seq_length() if cache is not None else 0
         x = self.embed(input_ids, inputs_embeds, past_length)
         self_mask, causal = self.self_attention_mask(attention_mask, x.shape[1], past_length, x.device)
@@ -805,11 +868,8 @@ class HardAttnDecoder(nn.Module):
             x = self.final_norm(x)
         if output_hidden_states:
             hidden_states[-1] = x
-        output = BaseModelOutputWithPastAndCrossAttentions(
-            last_hidden_state=x, hidden_states=hidden_states and tuple(hidden_states),
-            attentions=attentions and tuple(attentions), cross_attentions=cross_attentions and tuple(cross_attentions),
-            **{CACHE_FIELD: cache})
-        return output if (config.return_dict if return_dict is None else return_dict) else output.to_tuple()
+        return DecoderResult(x, hidden_states and tuple(hidden_states), attentions and tuple(attentions),
+                             cross_attentions and tuple(cross_attentions))
 
 
 class DecoderResult(NamedTuple):
@@ -820,6 +880,52 @@ class DecoderResult(NamedTuple):
     hidden_states: tuple | None = None
     attentions: tuple | None = None
     cross_attentions: tuple | None = None
+
+
+def check_ids(name: str, ids: torch.Tensor, vocab_size: int):
+    """Token ids [batch, length]: integers in [0, vocab_size), at least one sentence of at least one token."""
+    if ids.dim() != 2 or ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        raise ValueError(f"`{name}` must be an integer tensor [batch, length], got {ids.dtype} of shape "
+                         f"{tuple(ids.shape)}.")
+    if 0 in ids.shape:
+        raise ValueError(f"`{name}` is empty (shape {tuple(ids.shape)}); allowed: at least one sentence of at least "
+                         f"one token.")
+    if is_tracing():
+        return
+    bad = (ids < 0) | (ids >= vocab_size)
+    if bool(bad.any()):
+        raise ValueError(f"`{name}` holds {ids[bad][0].item()}, outside the vocabulary; allowed: ids in [0, {vocab_size}).")
+
+
+def check_mask(name: str, mask: torch.Tensor, shapes: list, right_padded: bool = False, values: bool = True):
+    """A 0/1 padding mask whose shape is one of ``shapes``, with a token in every row (and, ``right_padded``, its
+    padding after its tokens); ``values=False`` checks the shape only."""
+    if tuple(mask.shape) not in [tuple(shape) for shape in shapes]:
+        allowed = " or ".join(str(tuple(shape)) for shape in shapes)
+        raise ValueError(f"`{name}` has shape {tuple(mask.shape)}; allowed: {allowed} (one 0/1 entry per token).")
+    if is_tracing() or not values:
+        return
+    if mask.dtype != torch.bool:
+        bad = (mask != 0) & (mask != 1)
+        if bool(bad.any()):
+            raise ValueError(f"`{name}` must hold 0 (padding) and 1 (token) only, got {mask[bad][0].item()}.")
+    present = mask.bool()
+    empty = ~present.any(-1)
+    if bool(empty.any()):
+        raise ValueError(f"`{name}` row {int(empty.nonzero()[0])} is all padding; allowed: at least one token (1) per "
+                         f"row.")
+    if right_padded:
+        left = present[:, 1:] & ~present[:, :-1]  # a token after padding
+        if bool(left.any()):
+            raise ValueError(f"`{name}` row {int(left.nonzero()[0, 0])} has padding before a token: "
+                             f"{mask[int(left.nonzero()[0, 0])].tolist()}; decoder inputs must be padded on the right.")
+
+
+def check_one_of(first: str, a, second: str, b, allow_neither: bool = False):
+    if a is not None and b is not None:
+        raise ValueError(f"Pass `{first}` or `{second}`, not both.")
+    if a is None and b is None and not allow_neither:
+        raise ValueError(f"Pass `{first}` or `{second}` (or `labels`, from which the decoder inputs are made).")
 
 
 def check_labels(labels: torch.Tensor, vocab_size: int):
@@ -883,6 +989,14 @@ class HardAttnPreTrainedModel(PreTrainedModel):
                              f"allowed: {list(self.ATTN_IMPLEMENTATIONS)} (or None for 'sdpa').")
         return requested
 
+    def set_attn_implementation(self, attn_implementation, *args, **kwargs):
+        """transformers' method (checked by :meth:`_check_and_adjust_attn_implementation`); the soft attention modules
+        then follow the new implementation."""
+        super().set_attn_implementation(attn_implementation, *args, **kwargs)
+        for module in self.modules():
+            if isinstance(module, SoftAttention):
+                module.eager = self.config._attn_implementation == "eager"
+
     def mark_tied_weights_as_initialized(self, loading_info):
         """transformers flags every tied target as initialised before loading the missing keys; our targets are the very
         Parameter of their source (``model.shared.weight``), so the source got the flag too and, absent from a checkpoint,
@@ -910,7 +1024,9 @@ class HardAttnPreTrainedModel(PreTrainedModel):
             init.ones_(module.weight)
             init.zeros_(module.bias)
         elif isinstance(module, PositionEmbedding) and module.kind == "sinusoidal":
-            init.copy_(module.table, sinusoidal_table(module.limit, module.dim))
+            init.copy_(module.table, module.sinusoids(module.limit))
+        elif isinstance(module, HardAttnForConditionalGeneration) and module.final_logits_bias is not None:
+            init.zeros_(module.final_logits_bias)
 
     def pack_linears(self, max_rows: int = DEFAULT_MAX_ROWS):
         """Faster CPU decoding: linear layers multiply inputs of at most ``max_rows`` rows (batch x beams per step)
@@ -1029,6 +1145,9 @@ class HardAttnForConditionalGeneration(HardAttnPreTrainedModel, GenerationMixin)
         super().__init__(config)
         self.model = self.model_class(config)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        # `config.final_logits_bias`: a fixed bias added to the logits (a buffer, as in BART / Marian), else None
+        self.register_buffer("final_logits_bias", torch.zeros(1, config.vocab_size) if config.final_logits_bias
+                             else None)
         self.post_init()
 
     def get_encoder(self, *args, **kwargs):
@@ -1050,14 +1169,25 @@ class HardAttnForConditionalGeneration(HardAttnPreTrainedModel, GenerationMixin)
                decoder_inputs_embeds, cache, output_attentions=False, output_hidden_states=False) -> DecoderResult:
         """The decoder's :class:`DecoderResult` (hidden states [B, T, d] for the output layer; per-layer weights and
         states when asked). Variants whose decoder is not the skeleton's override this."""
-        out = self.model.decoder(
-            decoder_input_ids, encoder_hidden_states, attention_mask, decoder_attention_mask, decoder_inputs_embeds,
-            cache, output_attentions=output_attentions, output_hidden_states=output_hidden_states, return_dict=True)
-        return DecoderResult(out.last_hidden_state, out.hidden_states, out.attentions, out.cross_attentions)
+        return self.model.decoder.run(decoder_input_ids, encoder_hidden_states, attention_mask, decoder_attention_mask,
+                                      decoder_inputs_embeds, cache, output_attentions, output_hidden_states)
 
     def output_logits(self, hidden, **kwargs):
         """Vocabulary scores [B, T, V] from decoder states (the beam-joint variant overrides this)."""
-        return self.lm_head(hidden)
+        logits = self.lm_head(hidden)
+        return logits if self.final_logits_bias is None else logits + self.final_logits_bias
+
+    def resize_token_embeddings(self, *args, **kwargs):
+        """``PreTrainedModel.resize_token_embeddings``; the ``final_logits_bias`` buffer, when there is one, follows
+        the new vocabulary size (kept rows unchanged, new ones 0), as in BART."""
+        embeddings = super().resize_token_embeddings(*args, **kwargs)
+        bias = self.final_logits_bias
+        if bias is not None and bias.shape[-1] != embeddings.weight.shape[0]:
+            size = embeddings.weight.shape[0]
+            new = bias.new_zeros(1, size)
+            new[:, : min(size, bias.shape[-1])] = bias[:, :size]
+            self.final_logits_bias = new
+        return embeddings
 
     def compute_loss(self, logits, labels, num_items_in_batch=None):
         """Label-smoothed cross-entropy over the non-ignored (-100) target tokens (:func:`smoothed_cross_entropy`, equal
@@ -1111,6 +1241,7 @@ class HardAttnForConditionalGeneration(HardAttnPreTrainedModel, GenerationMixin)
             logger.warning_once("`use_cache=True` is incompatible with gradient checkpointing in training. Setting "
                                 "`use_cache=False`.")
             use_cache = False
+        source_given = encoder_outputs is not None  # (else the encoder checks the source as it reads it)
         if encoder_outputs is None:
             encoder_outputs = self.model.encoder(input_ids, attention_mask, inputs_embeds, return_dict=True,
                                                  output_attentions=output_attentions,
@@ -1118,6 +1249,8 @@ class HardAttnForConditionalGeneration(HardAttnPreTrainedModel, GenerationMixin)
         elif isinstance(encoder_outputs, (tuple, list)):  # as transformers' models read a tuple
             encoder_outputs = BaseModelOutput(*encoder_outputs[:3])
         cache = HardAttnCache.from_cache(past_key_values if cache is None else cache) if use_cache else None
+        self.check_decoder_inputs(decoder_input_ids, decoder_attention_mask, decoder_inputs_embeds,
+                                  encoder_outputs.last_hidden_state, attention_mask if source_given else None, cache)
         decoded = self.decode(
             decoder_input_ids, encoder_outputs.last_hidden_state, attention_mask, decoder_attention_mask,
             decoder_inputs_embeds, cache, output_attentions=output_attentions, output_hidden_states=output_hidden_states,
@@ -1135,6 +1268,29 @@ class HardAttnForConditionalGeneration(HardAttnPreTrainedModel, GenerationMixin)
             **{CACHE_FIELD: cache},
         )
         return output if return_dict else output.to_tuple()
+
+    def check_decoder_inputs(self, decoder_input_ids, decoder_attention_mask, decoder_inputs_embeds, memory,
+                             attention_mask, cache):
+        """Clear errors where the decoder's inputs enter: ids in the vocabulary or embeddings of d_model (one of the
+        two), a right-padded 0/1 ``decoder_attention_mask`` of [B, T] or [B, cached + T] (continuing from a cache),
+        and a given encoder output's ``attention_mask`` of its [B, S]."""
+        check_one_of("decoder_input_ids", decoder_input_ids, "decoder_inputs_embeds", decoder_inputs_embeds)
+        if decoder_inputs_embeds is None:
+            check_ids("decoder_input_ids", decoder_input_ids, self.config.vocab_size)
+            rows, length = decoder_input_ids.shape
+        else:
+            if decoder_inputs_embeds.dim() != 3 or decoder_inputs_embeds.shape[-1] != self.config.d_model \
+                    or 0 in decoder_inputs_embeds.shape:
+                raise ValueError(f"`decoder_inputs_embeds` must be [batch, length, d_model={self.config.d_model}] (not "
+                                 f"empty), got {tuple(decoder_inputs_embeds.shape)}.")
+            rows, length = decoder_inputs_embeds.shape[:2]
+        if decoder_attention_mask is not None:
+            past = cache.get_seq_length() if cache is not None else 0
+            check_mask("decoder_attention_mask", decoder_attention_mask, [(rows, length), (rows, past + length)],
+                       right_padded=True)
+        if attention_mask is not None:  # (its values once per sentence: generate() passes the same mask at every step)
+            check_mask("attention_mask", attention_mask, [memory.shape[:2]],
+                       values=cache is None or cache.get_seq_length() == 0)
 
     def _decoder_checkpointing(self) -> bool:
         """Whether gradient checkpointing is on for any part of the decoder (``gradient_checkpointing_enable()``)."""

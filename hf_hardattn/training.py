@@ -485,12 +485,18 @@ def default_max_new_tokens(input_ids: torch.Tensor) -> int:
 def translate(model, tokenizer, sources, num_beams: int = 4, batch_size: int = 64, max_new_tokens: int | None = None,
               max_length: int = 128, progress: bool = False, **generate_kwargs) -> list[str]:
     """Decoded outputs of ``model.generate`` for every string of ``sources`` (in order). The inputs are sorted by
-    length and batched (little padding); ``max_new_tokens`` defaults to 1.5 x the batch's source length + 10."""
+    length and batched (little padding); ``max_new_tokens`` defaults to 1.5 x the batch's source length + 10. No
+    sources give no outputs."""
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"`batch_size` must be a positive integer, got {batch_size!r}.")
     if not isinstance(num_beams, int) or num_beams < 1:
         raise ValueError(f"`num_beams` must be a positive integer, got {num_beams!r}.")
     sources = list(sources)
+    wrong = next((source for source in sources if not isinstance(source, str)), None)
+    if wrong is not None:
+        raise ValueError(f"`sources` must be strings, got {type(wrong).__name__}.")
+    if not sources:
+        return []
     was_training = model.training
     model.eval()
     outputs = [None] * len(sources)

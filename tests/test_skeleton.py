@@ -355,7 +355,7 @@ def test_forward_with_grouped_memory_equals_repeated_memory():
     with pytest.raises(ValueError, match=r"`encoder_hidden_states` \(`encoder_outputs`\) has 2 rows for 5 decoder "
                                          r"rows; allowed: 5 or a divisor of it"):
         model(encoder_outputs=encoder, attention_mask=mask, decoder_input_ids=decoder_ids[:5])
-    with pytest.raises(ValueError, match=r"`attention_mask` has 6 rows for an encoder output of 2 rows; allowed: 2"):
+    with pytest.raises(ValueError, match=r"`attention_mask` has shape \(6, 7\); allowed: \(2, 7\)"):
         model(encoder_outputs=encoder, attention_mask=mask.repeat_interleave(3, dim=0), decoder_input_ids=decoder_ids)
 
 
