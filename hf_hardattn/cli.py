@@ -191,8 +191,7 @@ def run_demo(args) -> dict:
         r.pop("predictions")
     summary = dict(results=results, copy_baseline=copy_baseline, speed_ratio_hard_over_soft=ratio,
                    eval_examples=len(test))
-    with open(os.path.join(args.output_dir, "demo_results.json"), "w") as handle:
-        json.dump(summary, handle, indent=2)
+    write_json_atomic(os.path.join(args.output_dir, "demo_results.json"), summary)
     return summary
 
 
@@ -200,6 +199,7 @@ def run_demo(args) -> dict:
 # tokenizer
 # ----------------------------------------------------------------------------------------------------------------
 def run_tokenizer(args):
+    from .safe_io import atomic_folder
     from .tokenization import train_tokenizer
 
     missing = [path for path in args.files if not os.path.isfile(path)]
@@ -207,7 +207,8 @@ def run_tokenizer(args):
         raise SystemExit(f"--files: not found: {missing}")
     tokenizer = train_tokenizer(args.files, vocab_size=args.vocab_size, kind=args.kind,
                                 min_frequency=args.min_frequency)
-    tokenizer.save_pretrained(args.out)
+    with atomic_folder(args.out) as staging:  # a killed save leaves the earlier tokenizer (or none), never half one
+        tokenizer.save_pretrained(staging)
     _print(f"{args.kind} tokenizer with {len(tokenizer)} tokens (pad/bos/eos/unk = 0/1/2/3) saved to {args.out}")
 
 

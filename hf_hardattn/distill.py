@@ -26,6 +26,8 @@ import sys
 import torch
 from transformers import Seq2SeqTrainer
 
+from .safe_io import write_json_atomic
+
 MANIFEST = "kd_manifest.json"
 
 
@@ -178,8 +180,7 @@ def translate_dataset(teacher, tokenizer, dataset, output_dir, source_column: st
             raise ValueError(f"`output_dir`={str(output_dir)!r} holds a distillation run with other {changed}; use a "
                              "new output_dir (or delete it) to translate with these settings.")
     else:
-        with open(manifest_path, "w") as handle:
-            json.dump(manifest, handle, indent=2)
+        write_json_atomic(manifest_path, manifest)  # a kill never leaves half a manifest (resume would fail on it)
 
     shards = range(0, len(sources), shard_size)
 

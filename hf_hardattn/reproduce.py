@@ -40,6 +40,8 @@ import shlex
 import sys
 import time
 
+from .safe_io import atomic_folder, write_json_atomic, write_text_atomic
+
 TASKS = ("multi30k", "nouns")
 PRESET_NAMES = ("cpu", "base", "tiny")
 
@@ -413,7 +415,6 @@ def row_table(task, preset, results: dict) -> str:
 
 def write_card_results(folder, name, table):
     from .model_card import RESULTS_FILE
-    from .safe_io import write_json_atomic
 
     text = (f"This model is row `{name}` of the reproduction table (`benchmarks/reproduce.py`, one recipe for every "
             f"variant):\n\n{table}")
@@ -455,11 +456,8 @@ def write_outputs(ctx):
     for folder in {ctx["out"], ctx["args"].results_dir} - {None}:
         os.makedirs(folder, exist_ok=True)
         stem = os.path.join(folder, f"reproduce_{task}_{preset}")
-        with open(stem + ".json.tmp", "w") as handle:
-            json.dump(payload, handle, indent=1)
-        os.replace(stem + ".json.tmp", stem + ".json")  # atomic: a reader never sees half a file
-        with open(stem + ".md", "w") as handle:
-            handle.write(f"# {task}, preset {preset}\n\n{table}\n")
+        write_json_atomic(stem + ".json", payload)  # atomic: a reader (or a killed run's successor) never sees half
+        write_text_atomic(stem + ".md", f"# {task}, preset {preset}\n\n{table}\n")
     refresh_cards(ctx, table)
     return table
 
@@ -552,7 +550,8 @@ def run(args) -> dict:
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     else:
         tokenizer = train_tokenizer(train, **recipe.tokenizer)
-        tokenizer.save_pretrained(tokenizer_dir)
+        with atomic_folder(tokenizer_dir) as staging:  # a killed save leaves no half tokenizer for the next run to load
+            tokenizer.save_pretrained(staging)
     train_tok = tokenize_dataset(train, tokenizer, max_length=recipe.max_length)
     lengths = example_lengths(train_tok)  # max(source, target) tokens: what a max-tokens batch counts
     per_sentence = sum(lengths) / len(lengths)
