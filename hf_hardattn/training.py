@@ -265,7 +265,9 @@ def checkpoint_problem(path) -> str | None:
     match = _CHECKPOINT.match(os.path.basename(os.path.normpath(path)))
     if match and int(match.group(1)) != step:
         return f"{TRAINER_STATE} is for step {step}, not {match.group(1)}"
-    if not any(name.endswith((".safetensors", ".bin")) for name in os.listdir(path)):
+    # (training_args.bin is the Trainer's, not weights)
+    if not any(name.endswith(".safetensors") or (name.startswith("pytorch_model") and name.endswith(".bin"))
+               for name in os.listdir(path)):
         return "no model weights"
     try:
         verify_folder(path)

@@ -12,6 +12,7 @@ import json
 import multiprocessing
 import os
 import random
+import shutil
 import signal
 
 import pytest
@@ -27,7 +28,7 @@ from hf_hardattn import (RecurrentConfig, RecurrentForConditionalGeneration, Sof
                          SoftTransformerForConditionalGeneration)
 from hf_hardattn import safe_io
 from hf_hardattn.safe_io import CHECKSUM_FILE, CorruptFileError
-from hf_hardattn.training import checkpoint_problem, last_complete_checkpoint, train_seq2seq
+from hf_hardattn.training import checkpoint_problem, last_complete_checkpoint, resolve_checkpoint, train_seq2seq
 
 FORK = multiprocessing.get_context("fork")
 
@@ -243,6 +244,14 @@ def test_resume_argument_checks(training, tmp_path):
     with pytest.raises(ValueError, match=r"not a complete checkpoint: .*checkpoint-8.model\.safetensors is corrupt"):
         train_seq2seq(new_model(), tokenizer, data, output_dir=out, resume_from_checkpoint=str(out / "checkpoint-8"),
                       **RUN)
+    weightless = tmp_path / "checkpoint-4"  # a trainer_state.json without weights (deleted by hand)
+    shutil.copytree(out / "checkpoint-4", weightless)
+    (weightless / "model.safetensors").unlink()
+    assert checkpoint_problem(weightless) == "no model weights"
+    # resuming removes the unusable checkpoints after the one it resumes from (with save_total_limit, transformers'
+    # rotation would keep such a folder as the newest and delete complete ones); the run writes them again
+    assert resolve_checkpoint(True, str(out)) == str(out / "checkpoint-4")
+    assert sorted(os.listdir(out)) == ["checkpoint-4"]
 
 
 def test_train_seq2seq_training_arguments(training, tmp_path):
