@@ -417,16 +417,19 @@ def add_distill_arguments(parser: argparse.ArgumentParser):
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--data", help="folder with {split}.{src}[.gz] / {split}.{tgt}[.gz] line-aligned files")
     source.add_argument("--dataset", help="a datasets.save_to_disk folder with 'source' (and 'target') columns")
-    parser.add_argument("--split", default="train")
-    parser.add_argument("--src", default="en")
-    parser.add_argument("--tgt", default="de")
+    parser.add_argument("--split", default="train", help="split of --data to translate (default train)")
+    parser.add_argument("--src", default="en", help="source language suffix of the --data files (default en)")
+    parser.add_argument("--tgt", default="de", help="target language suffix (kept as the reference; default de)")
     parser.add_argument("--out", required=True, help="output folder (shards, manifest, dataset/)")
-    parser.add_argument("--num-beams", type=int, default=4)
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--shard-size", type=int, default=1000)
-    parser.add_argument("--max-new-tokens", type=int, default=None)
+    parser.add_argument("--num-beams", type=int, default=4, help="the teacher's beam size (default 4)")
+    parser.add_argument("--batch-size", type=int, default=64, help="sentences per generate() call (default 64)")
+    parser.add_argument("--shard-size", type=int, default=1000,
+                        help="sentences per shard written (an interrupted run resumes at the first missing shard)")
+    parser.add_argument("--max-new-tokens", type=int, default=None,
+                        help="output limit (default: 1.5 x the batch's source length + 10)")
     parser.add_argument("--max-examples", type=int, default=None, help="translate only the first N rows")
-    parser.add_argument("--trust-remote-code", action="store_true")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="allow a teacher folder's own modeling code (not needed for hf_hardattn models)")
 
 
 def run_distill(args):
@@ -436,7 +439,11 @@ def run_distill(args):
     from . import MODEL_CLASSES  # noqa: F401  (registers the hf_hardattn model types)
     from .data import load_parallel
 
-    teacher = AutoModelForSeq2SeqLM.from_pretrained(args.teacher, trust_remote_code=args.trust_remote_code).eval()
+    try:
+        teacher = AutoModelForSeq2SeqLM.from_pretrained(args.teacher, trust_remote_code=args.trust_remote_code).eval()
+    except (OSError, ValueError) as error:
+        raise ValueError(f"--teacher={args.teacher!r} does not load as a seq2seq model (a saved folder, or a Hub id "
+                         f"with HF_HUB_OFFLINE=0): {' '.join(str(error).split())[:200]}") from error
     if torch.cuda.is_available():
         teacher = teacher.cuda()
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.teacher)

@@ -523,8 +523,9 @@ RECIPE_OVERRIDES = ("minutes", "max_steps", "learning_rate", "eval_size")  # fla
 
 
 def add_arguments(parser: argparse.ArgumentParser):
-    parser.add_argument("--task", choices=TASKS, default="multi30k")
-    parser.add_argument("--preset", choices=PRESET_NAMES, default="cpu")
+    parser.add_argument("--task", choices=TASKS, default="multi30k", help="which table: Multi30k en-de or German nouns")
+    parser.add_argument("--preset", choices=PRESET_NAMES, default="cpu",
+                        help="recipe and sizes (cpu: the tables; base: Transformer-base, GPU; tiny: tests)")
     parser.add_argument("--rows", nargs="+", default=None, metavar="ROW",
                         help=f"rows to run (default: all of the task's); choices: {' '.join(ROW_NAMES)}")
     parser.add_argument("--data", default=None, help="multi30k: a folder of {train,test_2016_flickr}.{en,de}[.gz] "
@@ -540,7 +541,7 @@ def add_arguments(parser: argparse.ArgumentParser):
                                                            "outputs/reproduce/TASK-PRESET)")
     parser.add_argument("--results-dir", default=None, help="also write reproduce_TASK_PRESET.{json,md} here")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="random seed of every row (default 0)")
     parser.add_argument("--force", action="store_true", help="rerun rows that are already in results.json")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
 
