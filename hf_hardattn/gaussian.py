@@ -24,7 +24,8 @@ normal density over key positions (Eq. 2):
   are 0 whatever the draw), from other random numbers.
 * ``length_ratio`` (gamma, Sec. 3.2) is None until fitted (:func:`fit_length_ratio`) or given; hard-coded
   cross-attention refuses to run without it (a silent gamma of 1 puts the heads on the wrong source words whenever
-  source and target lengths differ). Saved configs always hold a number and load as before.
+  source and target lengths differ). Configs saved by earlier versions hold a number (the old default 1.0
+  included) and load and run as before; an unfitted config saves null and refuses again after loading.
 
 Cached decoding (``HardAttnCache``): a step only reads the keys within the heads' reach: ``conv`` its window,
 ``index`` its centre, ``full`` the positions whose density is >= 1e-6 of the peak (|d| <= sigma * sqrt(2 ln 1e6),
