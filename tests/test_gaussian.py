@@ -302,8 +302,8 @@ class LargestAllocation(TorchDispatchMode):
 @pytest.mark.parametrize("role", ["encoder", "decoder", "cross"])
 def test_conv_and_index_build_no_query_by_key_tensor(role, implementation):
     """A training step (attention dropout on, padded keys) of conv / index allocates nothing of Tq x Tk elements,
-    forward or backward, nor does output_attentions=False decoding; full does (its dense weights), which shows the
-    test can fail. Sizes: one sentence, d_model 8, so that W gathered rows per query stay well below Tq x Tk."""
+    forward or backward; full does (its dense weights), which shows the test can fail. (A cached decoding step has
+    one query: its reach, not a Tq x Tk matrix, is what test_cached_steps_equal_the_dense_computation checks.) Sizes: one sentence, d_model 8, so that W gathered rows per query stay well below Tq x Tk."""
     queries, keys = 61, 61 if role != "cross" else 67
     config = GaussianConfig(**tiny_kwargs(d_model=8, gaussian_implementation=implementation, gaussian_window=5,
                                           length_ratio=1.1, attention_dropout=0.1))
