@@ -400,6 +400,23 @@ def test_fit_length_ratio_uses_tokenizer_and_updates_model():
     assert fit_length_ratio(config, data, tokenizer) == pytest.approx(expected) == config.length_ratio
 
 
+@pytest.mark.parametrize("implementation", ["full", "index"])
+def test_refitting_gamma_recomputes_the_weights(implementation):
+    """A model that already ran (its weights and bands memoised for gamma 1) and is then fitted to another gamma
+    gives the output of a model built with that gamma: nothing of the old centres is reused."""
+    ids, mask = torch.tensor([[5, 9, 13, 2, 6, 8, 2]]), torch.ones(1, 7, dtype=torch.long)
+    labels = torch.tensor([[7, 11, 2]])
+    model = make("hc-all", gaussian_implementation=implementation).eval()
+    before = model(input_ids=ids, attention_mask=mask, labels=labels).logits
+    gamma = fit_length_ratio(model, {"source": ["t4 t5 t6 t7 t8 t9"], "target": ["t4 t5"]}, toy_tokenizer())
+    assert gamma == 3.0
+    fresh = make("hc-all", gaussian_implementation=implementation, length_ratio=3.0).eval()
+    fresh.load_state_dict(model.state_dict())
+    after = model(input_ids=ids, attention_mask=mask, labels=labels).logits
+    torch.testing.assert_close(after, fresh(input_ids=ids, attention_mask=mask, labels=labels).logits, rtol=0, atol=0)
+    assert (after - before).abs().max() > 1e-3
+
+
 def cross_parameter_count(layer):
     return sum(p.numel() for n, p in layer.named_parameters() if n.startswith("cross_attn."))
 
@@ -463,7 +480,8 @@ PRESET_KWARGS = {"hc-sa": {}, "hc-all": dict(length_ratio=1.0), "sh-x": {}}
 
 
 def make(preset, **kw):
-    return GaussianForConditionalGeneration(GaussianConfig.preset(preset, **tiny_kwargs(**PRESET_KWARGS[preset], **kw)))
+    return GaussianForConditionalGeneration(GaussianConfig.preset(preset, **tiny_kwargs(**{**PRESET_KWARGS[preset],
+                                                                                           **kw})))
 
 
 @pytest.fixture(scope="module", params=[("hc-sa", "full"), ("hc-all", "conv"), ("sh-x", "full"), ("hc-sa", "index")],
