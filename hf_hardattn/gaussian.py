@@ -521,7 +521,10 @@ class GaussianForConditionalGeneration(HardAttnForConditionalGeneration):
         "source / target length), cut at the sentence borders and not renormalised; no query or key projections, "
         "learned value and output projections. Presets: hc-sa (hard-coded self-attention, learned cross-attention), "
         "hc-all (everything hard-coded), sh-x (hard-coded self-attention and a single learned cross-attention head "
-        "in the last decoder layer only). Implementations: full, conv (truncated window) and index (Sec. 6.3)."
+        "in the last decoder layer only). Implementations: full (a fixed weight matrix times the values), conv (the "
+        "density truncated to a window) and index (each head copies one value row), Sec. 6.3; conv and index gather "
+        "the value rows each head reads, with no query-by-key matrix. hc-all needs length_ratio (gamma), fitted on the "
+        "training data with fit_length_ratio or given; without it the model refuses to train or generate."
     )
     card_citation = (
         "Weiqiu You, Simeng Sun, Mohit Iyyer. Hard-Coded Gaussian Attention for Neural Machine Translation. ACL 2020."
