@@ -22,7 +22,12 @@ Presets
     * ``tiny``: d_model 32, a few steps, a few test sentences: checks the pipeline in seconds, learns nothing.
 
 Rows (``--rows``, default all): see :data:`ROWS`. A row that decodes another row's model differently (e.g.
-``soft_decoded_hard``) or learns from its translations (``hybrid_*_kd``) runs that row first. Finished rows are
+``soft_decoded_hard``) or learns from its translations (``hybrid_*_kd``, ``hybrid_*_kd_eq1``) runs that row first.
+KD rows name their stage-2 objective (``hf_hardattn.distill`` ``kd_scheme``): ``hybrid_*_kd`` are sequence-level KD
+only, not the hybrid paper's Eq. 1 (``sequence_only``: trained from scratch on the soft row's beam-4 translations,
+no reference term, no MLE stage); ``hybrid_*_kd_eq1`` are Eq. 1 with the paper's two stages (``eq1_sequence``: MLE
+on the references for the first half of the row's budget, then reference NLL + lambda * NLL of the teacher's
+translation, lambda 1, for the second half; each stage runs the preset's schedule on its half). Finished rows are
 stored in ``reproduce_TASK_PRESET.json`` in the output folder and skipped on a rerun (``--force`` redoes them), so a
 run can be interrupted and resumed, and two processes may run disjoint sets of rows into the same folder (e.g. one
 thread each for the small nouns models; train the tokenizer first). Every row stores the command that produced it,
@@ -118,8 +123,14 @@ class Row:
     build: object = None  # (ctx) -> model, for a trained row
     source: str | None = None  # a row whose trained model this row decodes differently ...
     derive: object = None  # ... with derive(model) -> model
-    kd: bool = False  # train on the soft teacher's beam-4 translations (sequence-level KD)
+    kd_scheme: str | None = None  # hf_hardattn.distill kd_scheme: learn from the soft teacher's beam-4 translations
+    two_stage: bool = False  # with kd_scheme: MLE on the references for half the budget first (the paper's stage 1)
     tasks: tuple = TASKS
+    baseline: str = "soft"  # the row the paper's direction compares with (the table's "vs" column)
+
+    @property
+    def kd(self) -> bool:
+        return self.kd_scheme is not None
 
 
 def _special(tokenizer):
@@ -231,24 +242,29 @@ ROWS = [
     Row("soft_decoded_hard", "hard retrieval, Table 4", "a clear drop (paper: 27.55 -> 26.30)",
         source="soft", derive=_with_attention(decoder_attention=HARD, cross_attention=HARD)),
     Row("hard_decoded_soft", "hard retrieval, Table 4", "no drop (paper: 27.73 -> 27.80)",
-        source="hard_self_cross", derive=_with_attention(decoder_attention="soft", cross_attention="soft")),
+        source="hard_self_cross", derive=_with_attention(decoder_attention="soft", cross_attention="soft"),
+        baseline="hard_self_cross"),
     Row("hc_sa", "hard-coded Gaussian, Table 2", "about equal to soft", build=_gaussian("hc-sa")),
     Row("hc_all", "hard-coded Gaussian, Table 2", "far below soft", build=_gaussian("hc-all")),
     Row("sh_x", "hard-coded Gaussian, Table 2", "1-3 BLEU below soft", build=_gaussian("sh-x")),
     *[Row(f"hybrid_{a}", "hybrid, Tables 2-3", "below the Transformer teacher", build=_hybrid(a))
       for a in ("additive", "dot", "multihead")],
-    *[Row(f"hybrid_{a}_kd", "hybrid + KD, Tables 2-3", "close to the soft teacher, above hybrid without KD",
-          build=_hybrid(a), kd=True) for a in ("additive", "dot", "multihead")],
+    *[Row(f"hybrid_{a}_kd", "hybrid + KD, Tables 2-3; here sequence-level KD only, not Eq. 1 (teacher outputs "
+          "from scratch: no reference term, no MLE stage)", "close to the soft teacher, above hybrid without KD",
+          build=_hybrid(a), kd_scheme="sequence_only") for a in ("additive", "dot", "multihead")],
+    *[Row(f"hybrid_{a}_kd_eq1", "hybrid + KD, Tables 2-3: Eq. 1, two stages (MLE half the budget, then reference "
+          "NLL + NLL of the teacher's output)", "close to the soft teacher, above hybrid without KD",
+          build=_hybrid(a), kd_scheme="eq1_sequence", two_stage=True) for a in ("additive", "dot", "multihead")],
     Row("beam_joint_rnn_k6", "beam-joint, Table 1 (the paper's GRU setting)", "above hybrid_additive (soft)",
-        build=_beam_joint("rnn", joint_k=6)),
-    Row("beam_joint_rnn_k6_decoded_k1", "beam-joint, Table 2", "close to K=6",
-        source="beam_joint_rnn_k6", derive=_inference_k(1)),
+        build=_beam_joint("rnn", joint_k=6), baseline="hybrid_additive"),
+    Row("beam_joint_rnn_k6_decoded_k1", "beam-joint, Table 2", "below K=6, still above hybrid_additive (soft)",
+        source="beam_joint_rnn_k6", derive=_inference_k(1), baseline="hybrid_additive"),
     Row("beam_joint_k6", "beam-joint in the last Transformer layer (the paper's future work)", "above soft",
         build=_beam_joint("transformer", joint_k=6)),
-    Row("beam_joint_k6_decoded_k1", "beam-joint, Table 2", "close to K=6",
+    Row("beam_joint_k6_decoded_k1", "beam-joint, Table 2", "below K=6, still above soft",
         source="beam_joint_k6", derive=_inference_k(1)),
-    Row("full_joint_rnn", "full-joint, Table 1", "above soft", build=_beam_joint("rnn", full_joint=True),
-        tasks=("nouns",)),
+    Row("full_joint_rnn", "full-joint, Table 1", "above hybrid_additive (soft), below beam_joint_rnn_k6",
+        build=_beam_joint("rnn", full_joint=True), tasks=("nouns",), baseline="hybrid_additive"),
     *[Row(f"recurrent_{v}", "recurrent cross-attention, Table 2", "about equal to soft", build=_recurrent(v))
       for v in ("concat_context", "concat_weight", "concat_accumulated", "expand_1", "continuity", "coverage")],
 ]
@@ -315,37 +331,61 @@ def evaluate(task, model, tokenizer, test, recipe: Recipe) -> dict:
     return out
 
 
+def _losses(trainer):
+    return [log["loss"] for log in trainer.state.log_history if "loss" in log]
+
+
 def train_row(row: Row, ctx, model, train_tok) -> dict:
     from .training import train_seq2seq
 
     recipe, args = ctx["recipe"], ctx["args"]
+
+    def budget(minutes, max_steps):
+        return dict(max_steps=max_steps, minutes=minutes, batch_size=ctx["batch_size"],
+                    learning_rate=recipe.learning_rate, warmup_steps=recipe.warmup_steps,
+                    lr_scheduler=recipe.lr_scheduler, bf16=recipe.bf16, seed=args.seed, logging_steps=50,
+                    progress=not args.quiet)
+
+    start = time.perf_counter()
+    if row.kd_scheme is not None:
+        from .distill import train_two_stage
+
+        if row.two_stage:  # the row's budget, split in half: stage 1 MLE, stage 2 the KD scheme
+            first_steps = None if recipe.max_steps is None else max(1, recipe.max_steps // 2)
+            second_steps = None if recipe.max_steps is None else max(1, recipe.max_steps - first_steps)
+            half = None if recipe.minutes is None else recipe.minutes / 2
+            mle, kd = budget(half, first_steps), budget(half, second_steps)
+        else:
+            mle, kd = None, budget(recipe.minutes, recipe.max_steps)
+        first, second = train_two_stage(model, ctx["tokenizer"], kd_data(ctx), kd_scheme=row.kd_scheme, mle=mle,
+                                        kd=kd, max_length=recipe.max_length,
+                                        output_dir=os.path.join(ctx["out"], "trainer", row.name))
+        stages = {"mle": first.state.global_step if first is not None else 0, "kd": second.state.global_step}
+        losses = (_losses(first) if first is not None else []) + _losses(second)
+        return dict(train_minutes=round((time.perf_counter() - start) / 60, 2), steps=sum(stages.values()),
+                    kd_scheme=row.kd_scheme, stages=stages, first_loss=losses[0] if losses else None,
+                    last_loss=losses[-1] if losses else None, teacher="soft")
     extra = {}
     if row.name == "marian":  # MarianMTModel's own loss has no label smoothing: the Trainer's LabelSmoother does it
         extra["label_smoothing_factor"] = recipe.label_smoothing
-    start = time.perf_counter()
     trainer = train_seq2seq(model, ctx["tokenizer"], train_tok, output_dir=os.path.join(ctx["out"], "trainer", row.name),
-                            max_steps=recipe.max_steps, minutes=recipe.minutes,
-                            batch_size=ctx["batch_size"], learning_rate=recipe.learning_rate,
-                            warmup_steps=recipe.warmup_steps, lr_scheduler=recipe.lr_scheduler,
-                            bf16=recipe.bf16, seed=args.seed, logging_steps=50, progress=not args.quiet, **extra)
-    losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
+                            **budget(recipe.minutes, recipe.max_steps), **extra)
+    losses = _losses(trainer)
     return dict(train_minutes=round((time.perf_counter() - start) / 60, 2), steps=trainer.state.global_step,
                 first_loss=losses[0] if losses else None, last_loss=losses[-1] if losses else None)
 
 
 def kd_data(ctx):
-    """The soft teacher's beam-4 translations of the training sources (resumable, cached in the output folder)."""
+    """The soft teacher's beam-4 translations of the training sources ("target") beside the references
+    ("reference"), as strings (resumable, cached in the output folder)."""
     from .distill import translate_dataset
-    from .training import tokenize_dataset
 
-    if "kd_tok" not in ctx:
+    if "kd_data" not in ctx:
         teacher = load_model(ctx, "soft")
-        distilled = translate_dataset(teacher, ctx["tokenizer"], ctx["train"], os.path.join(ctx["out"], "kd_data"),
-                                      num_beams=4, batch_size=ctx["recipe"].eval_batch_size,
-                                      max_length=ctx["recipe"].max_length, progress=not ctx["args"].quiet)
-        ctx["kd_tok"] = tokenize_dataset(distilled.remove_columns(["reference"]), ctx["tokenizer"],
-                                         max_length=ctx["recipe"].max_length)
-    return ctx["kd_tok"]
+        ctx["kd_data"] = translate_dataset(teacher, ctx["tokenizer"], ctx["train"], os.path.join(ctx["out"], "kd_data"),
+                                           num_beams=4, batch_size=ctx["recipe"].eval_batch_size,
+                                           max_length=ctx["recipe"].max_length, progress=not ctx["args"].quiet)
+    return ctx["kd_data"]
 
 
 def model_dir(ctx, name):
@@ -376,10 +416,7 @@ def run_row(row: Row, ctx) -> dict:
     else:
         torch.manual_seed(args.seed)
         model = row.build(ctx)
-        train_tok = kd_data(ctx) if row.kd else ctx["train_tok"]
-        result.update(train_row(row, ctx, model, train_tok))
-        if row.kd:
-            result["teacher"] = "soft"
+        result.update(train_row(row, ctx, model, ctx["train_tok"]))
     result["params"] = sum(p.numel() for p in model.parameters())
     result["model_type"] = model.config.model_type
     result.update(evaluate(ctx["task"], model, ctx["tokenizer"], ctx["test"], recipe))
@@ -396,15 +433,21 @@ def run_row(row: Row, ctx) -> dict:
 # Tables
 # ----------------------------------------------------------------------------------------------------------------
 def row_table(task, preset, results: dict) -> str:
+    """The markdown table of ``results``; its "ours vs" column puts each row's score difference to the row the paper's
+    direction compares with (``Row.baseline``, soft unless said) beside that direction, so that a claim that failed
+    reads as such in the table itself."""
     metric = "BLEU" if task == "multi30k" else "exact match %"
-    lines = [f"| row | {metric} | sentences/s (beam 4) | training min | steps | parameters | paper | paper's direction |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
+    lines = [f"| row | {metric} | sentences/s (beam 4) | training min | steps | parameters | paper | paper's direction "
+             f"| ours vs |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | --- | --- | --- |"]
     for row in ROWS:  # the paper columns come from the row's current definition, not from when it was run
         if row.name in results:
             r = results[row.name]
             trained = f"(= {r['decoded_from']})" if r.get("decoded_from") else f"{r['train_minutes']:.1f}"
+            base = results.get(row.baseline)
+            versus = f"{r['score'] - base['score']:+.2f} vs {row.baseline}" if base and row.baseline != row.name else ""
             lines.append(f"| {row.name} | {r['score']:.2f} | {r['sentences_per_s']:.1f} | {trained} | {r['steps']} | "
-                         f"{r['params']:,} | {row.paper} | {row.expect} |")
+                         f"{r['params']:,} | {row.paper} | {row.expect} | {versus} |")
     return "\n".join(lines)
 
 
@@ -479,8 +522,9 @@ RECIPE_OVERRIDES = ("minutes", "max_steps", "learning_rate", "eval_size")  # fla
 
 
 def add_arguments(parser: argparse.ArgumentParser):
-    parser.add_argument("--task", choices=TASKS, default="multi30k")
-    parser.add_argument("--preset", choices=PRESET_NAMES, default="cpu")
+    parser.add_argument("--task", choices=TASKS, default="multi30k", help="which table: Multi30k en-de or German nouns")
+    parser.add_argument("--preset", choices=PRESET_NAMES, default="cpu",
+                        help="recipe and sizes (cpu: the tables; base: Transformer-base, GPU; tiny: tests)")
     parser.add_argument("--rows", nargs="+", default=None, metavar="ROW",
                         help=f"rows to run (default: all of the task's); choices: {' '.join(ROW_NAMES)}")
     parser.add_argument("--data", default=None, help="multi30k: a folder of {train,test_2016_flickr}.{en,de}[.gz] "
@@ -496,7 +540,7 @@ def add_arguments(parser: argparse.ArgumentParser):
                                                            "outputs/reproduce/TASK-PRESET)")
     parser.add_argument("--results-dir", default=None, help="also write reproduce_TASK_PRESET.{json,md} here")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="random seed of every row (default 0)")
     parser.add_argument("--force", action="store_true", help="rerun rows that are already in results.json")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
 

@@ -227,6 +227,9 @@ def train_seq2seq(
     max_grad_norm: float = 1.0,
     weight_decay: float = 0.0,
     callbacks=None,
+    compute_metrics=None,
+    trainer_class=None,
+    trainer_kwargs: dict | None = None,
     **training_args,
 ) -> Seq2SeqTrainer:
     """Train ``model`` on ``train_ds`` (a tokenized Dataset, see :func:`tokenize_dataset`) and return the
@@ -242,7 +245,10 @@ def train_seq2seq(
     ValueError on CPUs without native bf16 matrix products, see :func:`check_bf16`); the returned model runs in its
     own precision again.
     ``group_by_length`` batches sentences of similar max(source, target) length (little padding; an
-    approximation of the papers' token-based batches, see :class:`Seq2SeqLengthTrainer`). Extra keyword arguments go to ``Seq2SeqTrainingArguments``.
+    approximation of the papers' token-based batches, see :class:`Seq2SeqLengthTrainer`). ``compute_metrics`` goes to
+    the Trainer (its evaluations). ``trainer_class`` (a :class:`Seq2SeqLengthTrainer` subclass, e.g.
+    ``hf_hardattn.distill.DistillationTrainer``) with its own ``trainer_kwargs`` replaces the plain trainer. Extra
+    keyword arguments go to ``Seq2SeqTrainingArguments``.
     """
     if max_steps is not None and (not isinstance(max_steps, int) or max_steps < 1):
         raise ValueError(f"`max_steps` must be a positive integer or None, got {max_steps!r}.")
@@ -255,6 +261,9 @@ def train_seq2seq(
                          "end of the time budget), so it needs one of them.")
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"`batch_size` must be a positive integer, got {batch_size!r}.")
+    if trainer_class is not None and not (isinstance(trainer_class, type)
+                                          and issubclass(trainer_class, Seq2SeqLengthTrainer)):
+        raise ValueError(f"`trainer_class` must be a subclass of Seq2SeqLengthTrainer, got {trainer_class!r}.")
     check_bf16(training_args.get("bf16", False))
     steps = max_steps if max_steps is not None else (10**9 if minutes is not None else -1)
 
@@ -285,7 +294,7 @@ def train_seq2seq(
         **training_args,
     )
     budget = TimeBudget(minutes) if minutes is not None else None
-    trainer = Seq2SeqLengthTrainer(
+    trainer = (trainer_class or Seq2SeqLengthTrainer)(
         model=model.train(),
         args=args,
         train_dataset=train_ds,
@@ -293,6 +302,8 @@ def train_seq2seq(
         processing_class=tokenizer,
         data_collator=DataCollatorForSeq2Seq(tokenizer, model=model, label_pad_token_id=-100),
         callbacks=list(callbacks or []),
+        compute_metrics=compute_metrics,
+        **(trainer_kwargs or {}),
     )
     trainer.example_lengths = example_lengths(train_ds) if group_by_length else None
     if lr_scheduler in ("linear", "cosine") and max_steps is None:
@@ -332,10 +343,11 @@ def default_max_new_tokens(input_ids: torch.Tensor) -> int:
 
 @torch.no_grad()
 def translate(model, tokenizer, sources, num_beams: int = 4, batch_size: int = 64, max_new_tokens: int | None = None,
-              max_length: int = 128, progress: bool = False, **generate_kwargs) -> list[str]:
+              max_length: int = 128, progress: bool = False, do_sample: bool = False, **generate_kwargs) -> list[str]:
     """Decoded outputs of ``model.generate`` for every string of ``sources`` (in order). The inputs are sorted by
     length and batched (little padding); ``max_new_tokens`` defaults to 1.5 x the batch's source length + 10. No
-    sources give no outputs."""
+    sources give no outputs. ``do_sample=True`` samples (with ``num_beams`` > 1: beam sampling); other
+    ``generate()`` keywords (``top_k``, ``top_p``, ``temperature``, ...) pass through."""
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"`batch_size` must be a positive integer, got {batch_size!r}.")
     if not isinstance(num_beams, int) or num_beams < 1:
@@ -353,7 +365,7 @@ def translate(model, tokenizer, sources, num_beams: int = 4, batch_size: int = 6
                              total=math.ceil(len(sources) / batch_size), disable=not progress):
         batch = batch.to(model.device)
         limit = max_new_tokens or default_max_new_tokens(batch["input_ids"])
-        generated = model.generate(**batch, num_beams=num_beams, do_sample=False, max_new_tokens=limit,
+        generated = model.generate(**batch, num_beams=num_beams, do_sample=do_sample, max_new_tokens=limit,
                                    **generate_kwargs)
         for i, text in zip(index, tokenizer.batch_decode(generated, skip_special_tokens=True)):
             outputs[i] = text.strip()

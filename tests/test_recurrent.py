@@ -34,7 +34,10 @@ def fitted_model(variant):
 # Naive reference, written directly from the paper (float64, one batch row, head, target and source position at a
 # time, only the real source positions of each row, every "previous" quantity zero at i = 1).
 # ------------------------------------------------------------------------------------------------------------------
-def reference(attn, hidden, memory, lengths, window=5, lam_continuity=0.5, lam_coverage=0.5):
+def reference(attn, hidden, memory, lengths, window=5, lam_continuity=0.5, lam_coverage=0.5, drop=None):
+    """``drop``: attention dropout as a multiplier per key index j (the extra pair of Eq. 5-8 has index J_padded, the
+    padded source length); the contexts use the dropped weights, the weight states (Eq. 3, 4, 10) the weights before
+    dropout."""
     variant, heads, dk = attn.variant, attn.num_heads, attn.head_dim
     d = heads * dk
     Wq, bq = attn.q_proj.weight, attn.q_proj.bias
@@ -93,7 +96,8 @@ def reference(attn, hidden, memory, lengths, window=5, lam_continuity=0.5, lam_c
                 top = max(energies)
                 exp = [math.exp(e - top) for e in energies]
                 alpha = [e / sum(exp) for e in exp]  # Eq. 1 / Eq. 11
-                contexts.append(sum(a * value for a, value in zip(alpha, values)))
+                used = alpha if drop is None else [a * drop(j if j < J else memory.shape[1]) for j, a in enumerate(alpha)]
+                contexts.append(sum(a * value for a, value in zip(used, values)))
                 prev_alpha[n] = alpha[:J]
                 accumulated[n] = [accumulated[n][j] + alpha[j] for j in range(J)]
             full = Wo @ torch.cat(contexts) + bo  # heads concatenated + linear transformation
@@ -208,3 +212,44 @@ def test_bad_config_raises(kwargs, pattern):
 def test_recurrent_kind_refuses_other_roles():
     with pytest.raises(ValueError, match=r"role 'cross' only"):
         RecurrentCrossAttention(RecurrentConfig(**tiny_kwargs()), "decoder", 0)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_attention_dropout_forms_contexts_from_dropped_weights_and_states_from_the_others(variant, monkeypatch):
+    """attention_dropout > 0 in training, against the naive reference: dropout replaced by a fixed mask (every third key
+    dropped, the rest scaled by 1 / (1 - p)), so both paths drop the same weights. The contexts (and so the context
+    states of Eq. 2, 5-8) are built from the dropped weights, the weight states of Eq. 3, 4 and 10 from the weights
+    before dropout; the module must call dropout with the configured p in training."""
+    p = 0.3
+
+    def multiplier(j):
+        return 0.0 if j % 3 == 1 else 1 / (1 - p)
+
+    calls = []
+
+    def fixed_dropout(x, rate, training=True, inplace=False):
+        calls.append((rate, training))
+        keep = (torch.arange(x.shape[-1]) % 3 != 1).to(x.dtype)
+        return x * keep / (1 - rate)
+
+    config = RecurrentConfig(**tiny_kwargs(recurrent_variant=variant, d_model=8, decoder_attention_heads=2,
+                                           attention_dropout=p, continuity_window=1, continuity_lambda=0.3,
+                                           coverage_lambda=0.7))
+    attn = RecurrentCrossAttention(config, "cross", 0).double().train()
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for param in attn.parameters():
+            param.copy_(torch.randn(param.shape, generator=generator, dtype=param.dtype) * 0.7)
+    hidden = torch.randn(2, 5, 8, generator=generator, dtype=torch.float64)
+    memory = torch.randn(2, 6, 8, generator=generator, dtype=torch.float64)
+    lengths = [6, 4]
+    mask = (torch.arange(6)[None, :] < torch.tensor(lengths)[:, None])[:, None, None, :]
+    monkeypatch.setattr(torch.nn.functional, "dropout", fixed_dropout)
+    with torch.no_grad():
+        got = attn(hidden, memory=memory, mask=mask)
+    monkeypatch.undo()
+    assert calls and all(call == (p, True) for call in calls), calls
+    want = reference(attn, hidden, memory, lengths, 1, 0.3, 0.7, drop=multiplier)
+    assert torch.allclose(got, want, atol=1e-10, rtol=1e-8), (got - want).abs().max()
+    undropped = reference(attn, hidden, memory, lengths, 1, 0.3, 0.7)
+    assert not torch.allclose(got, undropped, atol=1e-3)  # the mask matters at these sizes
