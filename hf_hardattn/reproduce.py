@@ -105,8 +105,8 @@ PRESETS = {
             max_length=64),
     },
 }
-TINY = Recipe(dims=dict(d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
-                        decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, dropout=0.1),
+TINY = Recipe(dims=dict(d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+                        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, dropout=0.1),
               rnn=dict(rnn_hidden_size=32, rnn_embedding_size=32), tokenizer=dict(kind="bpe", vocab_size=300),
               minutes=None, max_steps=3, max_tokens=256, learning_rate=1e-3, warmup_steps=2, eval_batch_size=8,
               eval_size=8, max_length=32, max_examples=2000)
