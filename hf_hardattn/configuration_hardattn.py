@@ -31,7 +31,8 @@ ATTENTION_KINDS = {
 KIND_SETTINGS = {
     "gaussian": ("gaussian_implementation", "gaussian_sigma", "gaussian_window", "length_ratio", "cross_attention_heads",
                  "encoder_offsets", "decoder_offsets", "cross_offsets"),
-    "recurrent": ("recurrent_variant", "continuity_window", "continuity_lambda", "coverage_lambda"),
+    "recurrent": ("recurrent_variant", "continuity_window", "continuity_lambda", "coverage_lambda",
+                  "recurrent_context_norm"),
 }
 ROLES = {  # role -> (config field, field holding the number of layers of that role)
     "encoder": ("encoder_attention", "encoder_layers"),
