@@ -17,7 +17,7 @@
   by side (see :mod:`hf_hardattn.plot`).
 
 Bad input (a missing file, a bad option value, files of different lengths) ends the command with a one-line error
-and exit status 2.
+and exit status 2 (``HF_HARDATTN_TRACEBACK=1`` shows the traceback instead).
 """
 
 from __future__ import annotations
@@ -68,6 +68,7 @@ def run_demo(args) -> dict:
     from . import (HardRetrievalConfig, HardRetrievalForConditionalGeneration, SoftTransformerConfig,
                    SoftTransformerForConditionalGeneration)
     from .data import german_nouns
+    from .safe_io import write_json_atomic
     from .tokenization import train_tokenizer
     from .training import accuracy, decode_speed, tokenize_dataset, train_seq2seq
 
@@ -163,10 +164,10 @@ def run_demo(args) -> dict:
             "greedy sentences/s": f"{r['sentences_per_second']:.1f} (batch {args.speed_batch}, "
                                   f"{args.speed_tokens} tokens)",
         }
-        with open(os.path.join(folder, "hardattn_results.json"), "w") as handle:
-            json.dump(card, handle, indent=2)
-        model.save_pretrained(folder)  # writes README.md (model card) from hardattn_results.json
-        tokenizer.save_pretrained(folder)
+        write_json_atomic(os.path.join(folder, "hardattn_results.json"), card)
+        # one atomic save: the model card (from hardattn_results.json), weights, checksums and tokenizer replace the
+        # folder together, so a killed demo leaves the previous complete model
+        model.save_pretrained(folder, tokenizer=tokenizer)
 
     # -- reload one through the Auto classes ----------------------------------------------------------------------
     folder = os.path.join(args.output_dir, "hard")
@@ -200,8 +201,7 @@ def run_demo(args) -> dict:
         r.pop("predictions")
     summary = dict(results=results, copy_baseline=copy_baseline, speed_ratio_hard_over_soft=ratio,
                    eval_examples=len(test))
-    with open(os.path.join(args.output_dir, "demo_results.json"), "w") as handle:
-        json.dump(summary, handle, indent=2)
+    write_json_atomic(os.path.join(args.output_dir, "demo_results.json"), summary)
     return summary
 
 
@@ -209,14 +209,16 @@ def run_demo(args) -> dict:
 # tokenizer
 # ----------------------------------------------------------------------------------------------------------------
 def run_tokenizer(args):
+    from .safe_io import atomic_folder
     from .tokenization import train_tokenizer
 
     missing = [path for path in args.files if not os.path.isfile(path)]
     if missing:
-        raise SystemExit(f"--files: not found: {missing}")
+        raise FileNotFoundError(f"--files: not found: {missing}")
     tokenizer = train_tokenizer(args.files, vocab_size=args.vocab_size, kind=args.kind,
                                 min_frequency=args.min_frequency)
-    tokenizer.save_pretrained(args.out)
+    with atomic_folder(args.out) as staging:  # a killed save leaves the earlier tokenizer (or none), never half one
+        tokenizer.save_pretrained(staging)
     _print(f"{args.kind} tokenizer with {len(tokenizer)} tokens (pad/bos/eos/unk = 0/1/2/3) saved to {args.out}")
 
 
@@ -246,7 +248,7 @@ def run_convert(args):
     import tempfile
 
     def fail(error):
-        raise SystemExit(f"hf-hardattn convert: error: {' '.join(str(error).split())}")
+        raise CommandError(" ".join(str(error).split()))
 
     out = os.path.abspath(args.out)
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
@@ -541,7 +543,7 @@ def run_publish(args) -> dict:
     staging = tempfile.mkdtemp(prefix="publish-")
     try:
         model.save_pretrained(staging, tokenizer=tokenizer)
-        results = publish_results(args.model, metrics, args.command)
+        results = publish_results(args.model, metrics, args.run_command)
         if results:
             with open(os.path.join(staging, RESULTS_FILE), "w") as handle:
                 json.dump(results, handle, indent=2)
@@ -573,32 +575,34 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="train soft + hard-retrieval models on German noun inflection (CPU, minutes)")
     demo.add_argument("--minutes", type=_positive_float, default=6.0,
                       help="total training time, split equally between the two models (default 6)")
-    demo.add_argument("--output-dir", default=os.path.join("outputs", "demo"))
+    demo.add_argument("--output-dir", default=os.path.join("outputs", "demo"),
+                      help="where the two models (with tokenizer and card) and results.json go (default outputs/demo)")
     demo.add_argument("--max-examples", type=_positive_int, default=60_000,
                       help="examples taken from the task before splitting by lemma (default 60000)")
     demo.add_argument("--eval-examples", type=_positive_int, default=1000, help="test examples scored (default 1000)")
     demo.add_argument("--max-steps", type=_positive_int, default=None, help="also stop each model after this many steps")
-    demo.add_argument("--batch-size", type=_positive_int, default=64)
-    demo.add_argument("--eval-batch-size", type=_positive_int, default=250)
-    demo.add_argument("--learning-rate", type=_positive_float, default=2e-3)
-    demo.add_argument("--warmup-steps", type=int, default=200)
+    demo.add_argument("--batch-size", type=_positive_int, default=64, help="training sentences per batch (default 64)")
+    demo.add_argument("--eval-batch-size", type=_positive_int, default=250, help="sentences per decoding batch (default 250)")
+    demo.add_argument("--learning-rate", type=_positive_float, default=2e-3, help="peak learning rate (default 2e-3)")
+    demo.add_argument("--warmup-steps", type=int, default=200, help="linear warm-up steps (default 200)")
     demo.add_argument("--max-length", type=_positive_int, default=64, help="token limit of sources and targets")
     demo.add_argument("--speed-batch", type=_positive_int, default=32, help="test inputs decoded for the speed ratio")
     demo.add_argument("--speed-tokens", type=_positive_int, default=16, help="new tokens per sentence when timing")
-    demo.add_argument("--speed-rounds", type=_positive_int, default=3)
+    demo.add_argument("--speed-rounds", type=_positive_int, default=3, help="timing rounds of the speed ratio (default 3)")
     demo.add_argument("--show", type=_positive_int, default=8, help="example inflections printed")
     demo.add_argument("--threads", type=_positive_int, default=1,
                       help="torch CPU threads (default 1: these small models gain little from more, and one thread "
                            "keeps its speed when other programs share the cores)")
-    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     demo.add_argument("--tiny", action="store_true", help="tiny models (a smoke test, learns little)")
     demo.set_defaults(func=run_demo)
 
     tok = sub.add_parser("tokenizer", help="train a joint tokenizer on text files and save it")
     tok.add_argument("--files", nargs="+", required=True, help="text files, one sentence a line (.gz allowed)")
-    tok.add_argument("--vocab-size", type=_positive_int, default=8000)
-    tok.add_argument("--kind", choices=("bpe", "char"), default="bpe")
-    tok.add_argument("--min-frequency", type=_positive_int, default=2)
+    tok.add_argument("--vocab-size", type=_positive_int, default=8000, help="vocabulary size, special tokens included (bpe; "
+                                                                            "an upper bound for char; default 8000)")
+    tok.add_argument("--kind", choices=("bpe", "char"), default="bpe", help="byte-level BPE or characters (default bpe)")
+    tok.add_argument("--min-frequency", type=_positive_int, default=2, help="rarer symbols/merges are left out (default 2)")
     tok.add_argument("--out", required=True, help="output folder (loads with AutoTokenizer.from_pretrained)")
     tok.set_defaults(func=run_tokenizer)
 
@@ -712,9 +716,10 @@ def build_parser() -> argparse.ArgumentParser:
     publish.add_argument("--tokenizer", default=None, help="tokenizer folder, if not MODEL's")
     publish.add_argument("--results", nargs="+", default=None,
                          help="JSON files of the run's metrics for the card (e.g. `hf-hardattn score --json` output)")
-    publish.add_argument("--command", default=None, help="the exact command that trained the model, for the card")
+    publish.add_argument("--command", dest="run_command", default=None,
+                         help="the exact command that trained the model, for the card")
     publish.add_argument("--sentence", default="A test sentence.", help="what the validation decodes")
-    publish.add_argument("--commit-message", default=None)
+    publish.add_argument("--commit-message", default=None, help="the Hub commit's message")
     publish.add_argument("--private", action="store_true", help="create the repository private")
     publish.add_argument("--dry-run", metavar="OUT", default=None,
                          help="build and validate into OUT (new or empty folder); push nothing")
@@ -745,8 +750,13 @@ def main(argv=None) -> int:
     args.argv = list(sys.argv[1:] if argv is None else argv)  # the exact command, for results and cards
     try:
         args.func(args)
-    except CommandError as error:
-        print(f"hf-hardattn {args.command}: error: {error}", file=sys.stderr, flush=True)
+    except (CommandError, ValueError, OSError) as error:
+        # the package's input checks raise ValueError / FileNotFoundError naming the parameter, transformers an
+        # OSError for a folder that holds no model: one line, status 2
+        # (HF_HARDATTN_TRACEBACK=1 shows the traceback instead)
+        if os.environ.get("HF_HARDATTN_TRACEBACK") == "1":
+            raise
+        print(f"hf-hardattn {args.command}: error: {' '.join(str(error).split())}", file=sys.stderr, flush=True)
         return 2
     return 0
 

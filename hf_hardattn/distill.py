@@ -50,6 +50,8 @@ import torch
 
 from .training import Seq2SeqLengthTrainer, tokenize_dataset, train_seq2seq
 
+from .safe_io import write_json_atomic
+
 MANIFEST = "kd_manifest.json"
 
 # scheme -> (uses the reference, uses the teacher's beam output, runs the teacher model, has lambda)
@@ -111,6 +113,8 @@ def kd_loss(student_logits, teacher_logits, labels, kd_lambda: float = 1.0, num_
     p_teacher = log_teacher.exp()
     kl = torch.where(p_teacher > 0, p_teacher * (log_teacher - log_student), 0.0).sum(-1)
     denominator = mask.sum() if num_items_in_batch is None else num_items_in_batch
+    # an all-ignored batch (every label -100) gives 0, not 0 / 0 = NaN
+    denominator = denominator.clamp(min=1) if isinstance(denominator, torch.Tensor) else max(denominator, 1)
     nll_sum, kl_sum = nll[mask].sum() / denominator, kl[mask].sum() / denominator
     loss = nll_sum + kd_lambda * kl_sum
     return (loss, nll_sum, kl_sum) if return_parts else loss
@@ -365,8 +369,7 @@ def translate_dataset(teacher, tokenizer, dataset, output_dir, source_column: st
             raise ValueError(f"`output_dir`={str(output_dir)!r} holds a distillation run with other {changed}; use a "
                              "new output_dir (or delete it) to translate with these settings.")
     else:
-        with open(manifest_path, "w") as handle:
-            json.dump(manifest, handle, indent=2)
+        write_json_atomic(manifest_path, manifest)  # a kill never leaves half a manifest (resume would fail on it)
 
     shards = range(0, len(sources), shard_size)
 
@@ -414,16 +417,19 @@ def add_distill_arguments(parser: argparse.ArgumentParser):
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--data", help="folder with {split}.{src}[.gz] / {split}.{tgt}[.gz] line-aligned files")
     source.add_argument("--dataset", help="a datasets.save_to_disk folder with 'source' (and 'target') columns")
-    parser.add_argument("--split", default="train")
-    parser.add_argument("--src", default="en")
-    parser.add_argument("--tgt", default="de")
+    parser.add_argument("--split", default="train", help="split of --data to translate (default train)")
+    parser.add_argument("--src", default="en", help="source language suffix of the --data files (default en)")
+    parser.add_argument("--tgt", default="de", help="target language suffix (kept as the reference; default de)")
     parser.add_argument("--out", required=True, help="output folder (shards, manifest, dataset/)")
-    parser.add_argument("--num-beams", type=int, default=4)
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--shard-size", type=int, default=1000)
-    parser.add_argument("--max-new-tokens", type=int, default=None)
+    parser.add_argument("--num-beams", type=int, default=4, help="the teacher's beam size (default 4)")
+    parser.add_argument("--batch-size", type=int, default=64, help="sentences per generate() call (default 64)")
+    parser.add_argument("--shard-size", type=int, default=1000,
+                        help="sentences per shard written (an interrupted run resumes at the first missing shard)")
+    parser.add_argument("--max-new-tokens", type=int, default=None,
+                        help="output limit (default: 1.5 x the batch's source length + 10)")
     parser.add_argument("--max-examples", type=int, default=None, help="translate only the first N rows")
-    parser.add_argument("--trust-remote-code", action="store_true")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="allow a teacher folder's own modeling code (not needed for hf_hardattn models)")
 
 
 def run_distill(args):
@@ -433,7 +439,11 @@ def run_distill(args):
     from . import MODEL_CLASSES  # noqa: F401  (registers the hf_hardattn model types)
     from .data import load_parallel
 
-    teacher = AutoModelForSeq2SeqLM.from_pretrained(args.teacher, trust_remote_code=args.trust_remote_code).eval()
+    try:
+        teacher = AutoModelForSeq2SeqLM.from_pretrained(args.teacher, trust_remote_code=args.trust_remote_code).eval()
+    except (OSError, ValueError) as error:
+        raise ValueError(f"--teacher={args.teacher!r} does not load as a seq2seq model (a saved folder, or a Hub id "
+                         f"with HF_HUB_OFFLINE=0): {' '.join(str(error).split())[:200]}") from error
     if torch.cuda.is_available():
         teacher = teacher.cuda()
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.teacher)

@@ -47,6 +47,8 @@ import shlex
 import sys
 import time
 
+from .safe_io import atomic_folder, write_json_atomic, write_text_atomic
+
 TASKS = ("multi30k", "nouns")
 PRESET_NAMES = ("cpu", "base", "tiny")
 
@@ -105,8 +107,8 @@ PRESETS = {
             max_length=64),
     },
 }
-TINY = Recipe(dims=dict(d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
-                        decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, dropout=0.1),
+TINY = Recipe(dims=dict(d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+                        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, dropout=0.1),
               rnn=dict(rnn_hidden_size=32, rnn_embedding_size=32), tokenizer=dict(kind="bpe", vocab_size=300),
               minutes=None, max_steps=3, max_tokens=256, learning_rate=1e-3, warmup_steps=2, eval_batch_size=8,
               eval_size=8, max_length=32, max_examples=2000)
@@ -455,8 +457,11 @@ def run_row(row: Row, ctx) -> dict:
     os.makedirs(folder, exist_ok=True)
     if hasattr(model, "card_title"):  # hf_hardattn models: the card shows the table (refreshed in write_outputs)
         write_card_results(folder, row.name, row_table(ctx["task"], ctx["preset"], {row.name: result}))
-    model.save_pretrained(folder)
-    ctx["tokenizer"].save_pretrained(folder)
+    if hasattr(model, "card_title"):  # hf_hardattn models: one atomic save of weights, card and tokenizer
+        model.save_pretrained(folder, tokenizer=ctx["tokenizer"])
+    else:  # marian: transformers' own save
+        model.save_pretrained(folder)
+        ctx["tokenizer"].save_pretrained(folder)
     return result
 
 
@@ -487,8 +492,7 @@ def write_card_results(folder, name, table):
 
     text = (f"This model is row `{name}` of the reproduction table (`benchmarks/reproduce.py`, one recipe for every "
             f"variant):\n\n{table}")
-    with open(os.path.join(folder, RESULTS_FILE), "w") as handle:
-        json.dump({"table": text}, handle, indent=2)
+    write_json_atomic(os.path.join(folder, RESULTS_FILE), {"table": text})
 
 
 def refresh_cards(ctx, table):
@@ -526,11 +530,8 @@ def write_outputs(ctx):
     for folder in {ctx["out"], ctx["args"].results_dir} - {None}:
         os.makedirs(folder, exist_ok=True)
         stem = os.path.join(folder, f"reproduce_{task}_{preset}")
-        with open(stem + ".json.tmp", "w") as handle:
-            json.dump(payload, handle, indent=1)
-        os.replace(stem + ".json.tmp", stem + ".json")  # atomic: a reader never sees half a file
-        with open(stem + ".md", "w") as handle:
-            handle.write(f"# {task}, preset {preset}\n\n{table}\n")
+        write_json_atomic(stem + ".json", payload)  # atomic: a reader (or a killed run's successor) never sees half
+        write_text_atomic(stem + ".md", f"# {task}, preset {preset}\n\n{table}\n")
     refresh_cards(ctx, table)
     return table
 
@@ -553,8 +554,9 @@ RECIPE_OVERRIDES = ("minutes", "max_steps", "learning_rate", "eval_size")  # fla
 
 
 def add_arguments(parser: argparse.ArgumentParser):
-    parser.add_argument("--task", choices=TASKS, default="multi30k")
-    parser.add_argument("--preset", choices=PRESET_NAMES, default="cpu")
+    parser.add_argument("--task", choices=TASKS, default="multi30k", help="which table: Multi30k en-de or German nouns")
+    parser.add_argument("--preset", choices=PRESET_NAMES, default="cpu",
+                        help="recipe and sizes (cpu: the tables; base: Transformer-base, GPU; tiny: tests)")
     parser.add_argument("--rows", nargs="+", default=None, metavar="ROW",
                         help=f"rows to run (default: all of the task's); choices: {' '.join(ROW_NAMES)}")
     parser.add_argument("--data", default=None, help="multi30k: a folder of {train,test_2016_flickr}.{en,de}[.gz] "
@@ -570,7 +572,7 @@ def add_arguments(parser: argparse.ArgumentParser):
                                                            "outputs/reproduce/TASK-PRESET)")
     parser.add_argument("--results-dir", default=None, help="also write reproduce_TASK_PRESET.{json,md} here")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="random seed of every row (default 0)")
     parser.add_argument("--force", action="store_true", help="rerun rows that are already in results.json")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
 
@@ -623,7 +625,8 @@ def run(args) -> dict:
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     else:
         tokenizer = train_tokenizer(train, **recipe.tokenizer)
-        tokenizer.save_pretrained(tokenizer_dir)
+        with atomic_folder(tokenizer_dir) as staging:  # a killed save leaves no half tokenizer for the next run to load
+            tokenizer.save_pretrained(staging)
     train_tok = tokenize_dataset(train, tokenizer, max_length=recipe.max_length)
     lengths = example_lengths(train_tok)  # max(source, target) tokens: what a max-tokens batch counts
     per_sentence = sum(lengths) / len(lengths)

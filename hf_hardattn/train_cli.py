@@ -28,6 +28,8 @@ import os
 import shlex
 import sys
 
+from .safe_io import atomic_folder, write_json_atomic
+
 SIZE_FLAGS = {  # flag -> config fields it sets
     "d_model": ("d_model",), "encoder_layers": ("encoder_layers",), "decoder_layers": ("decoder_layers",),
     "heads": ("encoder_attention_heads", "decoder_attention_heads"),
@@ -105,7 +107,8 @@ def build_tokenizer(args, splits):
             raise _error(f"no tokenizer loads from {source!r} ({error}).") from error
     tokenizer = train_tokenizer(splits["train"], vocab_size=args.vocab_size, kind=args.tokenizer_kind)
     folder = os.path.join(args.output_dir, "tokenizer")
-    tokenizer.save_pretrained(folder)
+    with atomic_folder(folder) as staging:  # a killed save leaves no half tokenizer for --resume to load
+        tokenizer.save_pretrained(staging)
     return tokenizer, folder
 
 
@@ -270,11 +273,9 @@ def run_train(args) -> dict:
         folder = os.path.join(args.output_dir, "model")
         model.save_pretrained(folder, tokenizer=tokenizer)
         table = {k: v for k, v in results.items() if k not in ("skipped_long",)}
-        with open(os.path.join(folder, RESULTS_FILE), "w") as handle:
-            json.dump(table, handle, indent=2)
+        write_json_atomic(os.path.join(folder, RESULTS_FILE), table)
         write_model_card(model, folder)
-        with open(os.path.join(args.output_dir, "results.json"), "w") as handle:
-            json.dump(results, handle, indent=2)
+        write_json_atomic(os.path.join(args.output_dir, "results.json"), results)
         print(json.dumps(results, indent=1), flush=True)
     return results
 
@@ -303,35 +304,36 @@ def add_arguments(parser: argparse.ArgumentParser):
     model.add_argument("--config", default=None, help="JSON or YAML file of config fields")
     model.add_argument("--gaussian-preset", choices=("hc-sa", "hc-all", "sh-x"), default=None,
                        help="gaussian_transformer: the paper's configurations (hc-all fits its length ratio on --train)")
-    model.add_argument("--d-model", dest="d_model", type=_positive_int, default=None)
-    model.add_argument("--encoder-layers", type=_positive_int, default=None)
-    model.add_argument("--decoder-layers", type=_positive_int, default=None)
+    model.add_argument("--d-model", dest="d_model", type=_positive_int, default=None, help="model width")
+    model.add_argument("--encoder-layers", type=_positive_int, default=None, help="encoder layers")
+    model.add_argument("--decoder-layers", type=_positive_int, default=None, help="decoder layers (RNN layers for "
+                                                                                 "the hybrid types)")
     model.add_argument("--heads", type=_positive_int, default=None, help="attention heads (encoder and decoder)")
     model.add_argument("--ffn-dim", type=_positive_int, default=None, help="feed-forward size (encoder and decoder)")
-    model.add_argument("--dropout", type=float, default=None)
-    model.add_argument("--label-smoothing", type=float, default=None)
+    model.add_argument("--dropout", type=float, default=None, help="dropout probability")
+    model.add_argument("--label-smoothing", type=float, default=None, help="label smoothing of the loss")
     model.add_argument("--max-positions", type=_positive_int, default=None, help="max_position_embeddings")
     model.add_argument("--set", action="append", metavar="KEY=VALUE", help="any config field (repeatable; JSON value)")
 
     tok = parser.add_argument_group("tokenizer (default: a joint one trained on --train)")
     tok.add_argument("--tokenizer", default=None, help="an existing tokenizer folder")
-    tok.add_argument("--vocab-size", type=_positive_int, default=8000)
-    tok.add_argument("--tokenizer-kind", choices=("bpe", "char"), default="bpe")
+    tok.add_argument("--vocab-size", type=_positive_int, default=8000, help="size of a trained tokenizer (8000)")
+    tok.add_argument("--tokenizer-kind", choices=("bpe", "char"), default="bpe", help="byte-level BPE or characters")
 
     run = parser.add_argument_group("training")
     run.add_argument("--output-dir", required=True, help="checkpoints (trainer/), the final model (model/), results.json")
-    run.add_argument("--max-steps", type=_positive_int, default=None)
+    run.add_argument("--max-steps", type=_positive_int, default=None, help="optimizer steps")
     run.add_argument("--minutes", type=_positive_float, default=None, help="wall-clock training budget")
-    run.add_argument("--epochs", type=_positive_float, default=None)
+    run.add_argument("--epochs", type=_positive_float, default=None, help="passes over --train")
     run.add_argument("--batch-size", type=_positive_int, default=64, help="sentences per batch (per process)")
     run.add_argument("--max-tokens", type=_positive_int, default=None,
                      help="tokens per batch instead (converted with the mean training length)")
-    run.add_argument("--learning-rate", type=_positive_float, default=5e-4)
-    run.add_argument("--warmup-steps", type=int, default=1000)
+    run.add_argument("--learning-rate", type=_positive_float, default=5e-4, help="peak learning rate (5e-4)")
+    run.add_argument("--warmup-steps", type=int, default=1000, help="linear warm-up steps (1000)")
     run.add_argument("--lr-scheduler", choices=("inverse_sqrt", "linear", "cosine", "constant_with_warmup"),
-                     default="inverse_sqrt")
+                     default="inverse_sqrt", help="learning-rate schedule after the warm-up (inverse_sqrt)")
     run.add_argument("--bf16", action="store_true", help="bf16 autocast (GPUs; CPUs with AVX512-BF16 or AMX)")
-    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--seed", type=int, default=0, help="seed of the initial weights, data order, dropout")
     run.add_argument("--eval-steps", type=_positive_int, default=None,
                      help="validation BLEU and a checkpoint every N steps; the best is kept as the final model")
     run.add_argument("--early-stopping", type=_positive_int, default=None, metavar="PATIENCE",
@@ -340,5 +342,6 @@ def add_arguments(parser: argparse.ArgumentParser):
     run.add_argument("--save-total-limit", type=_positive_int, default=None, help="keep at most this many checkpoints")
     run.add_argument("--resume", action="store_true", help="continue from the last complete checkpoint")
     run.add_argument("--num-beams", type=_positive_int, default=4, help="beam size of the BLEU evaluations (4)")
-    run.add_argument("--threads", type=_positive_int, default=max(1, min(os.cpu_count() or 1, 8)))
-    run.add_argument("--quiet", action="store_true")
+    run.add_argument("--threads", type=_positive_int, default=max(1, min(os.cpu_count() or 1, 8)),
+                     help="torch CPU threads per process")
+    run.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -34,6 +34,12 @@ def fitted_model(variant):
 # Naive reference, written directly from the paper (float64, one batch row, head, target and source position at a
 # time, only the real source positions of each row, every "previous" quantity zero at i = 1).
 # ------------------------------------------------------------------------------------------------------------------
+def layer_norm(x, eps=1e-5):
+    """Parameter-free layer norm by hand: (x - mean) / sqrt(biased variance + eps)."""
+    centred = x - sum(x) / len(x)
+    return centred / math.sqrt(float(sum(centred * centred)) / len(x) + eps)
+
+
 def reference(attn, hidden, memory, lengths, window=5, lam_continuity=0.5, lam_coverage=0.5, drop=None):
     """``drop``: attention dropout as a multiplier per key index j (the extra pair of Eq. 5-8 has index J_padded, the
     padded source length); the contexts use the dropped weights, the weight states (Eq. 3, 4, 10) the weights before
@@ -73,13 +79,16 @@ def reference(attn, hidden, memory, lengths, window=5, lam_continuity=0.5, lam_c
                         query_j = query + attn.weight_query[n] * accumulated[n][j]
                     energies.append(float(keys[j] @ query_j) / math.sqrt(dk))
                 if variant.startswith("expand"):
+                    full_in, head_in = prev_full, prev_head[n]
+                    if getattr(attn, "context_norm", False):  # recurrent_context_norm: LN(c_{i-1}) instead of c_{i-1}
+                        full_in, head_in = layer_norm(prev_full), layer_norm(prev_head[n])
                     if variant == "expand_1":  # Eq. 5
-                        g_k, g_v = Wk[rows] @ prev_full + bk[rows], Wv[rows] @ prev_full + bv[rows]
+                        g_k, g_v = Wk[rows] @ full_in + bk[rows], Wv[rows] @ full_in + bv[rows]
                     elif variant == "expand_2":  # Eq. 6
                         Wg = attn.g_proj.weight
-                        g_k, g_v = Wg[:d][rows] @ prev_full, Wg[d:][rows] @ prev_full
+                        g_k, g_v = Wg[:d][rows] @ full_in, Wg[d:][rows] @ full_in
                     elif variant == "expand_3":  # Eq. 7
-                        g_k, g_v = attn.g_key[n] @ prev_head[n], attn.g_value[n] @ prev_head[n]
+                        g_k, g_v = attn.g_key[n] @ head_in, attn.g_value[n] @ head_in
                     else:  # Eq. 8
                         g_k, g_v = attn.g_key[n] @ prev_head[n], prev_head[n]
                     keys, values = keys + [g_k], values + [g_v]
@@ -106,10 +115,12 @@ def reference(attn, hidden, memory, lengths, window=5, lam_continuity=0.5, lam_c
     return out
 
 
-@pytest.mark.parametrize("variant, window", [(v, 5) for v in VARIANTS] + [("continuity", 0), ("continuity", 1)])
-def test_parallel_forward_equals_naive_reference(variant, window):
+@pytest.mark.parametrize("variant, window, norm", [(v, 5, False) for v in VARIANTS] + [("continuity", 0, False),
+                                                  ("continuity", 1, False)] + [(f"expand_{i}", 5, True) for i in (1, 2, 3)])
+def test_parallel_forward_equals_naive_reference(variant, window, norm):
     config = RecurrentConfig(**tiny_kwargs(recurrent_variant=variant, d_model=8, decoder_attention_heads=2,
-                                           continuity_window=window, continuity_lambda=0.3, coverage_lambda=0.7))
+                                           continuity_window=window, continuity_lambda=0.3, coverage_lambda=0.7,
+                                           recurrent_context_norm=norm))
     attn = RecurrentCrossAttention(config, "cross", 0).double()
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
