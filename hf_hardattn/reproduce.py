@@ -293,7 +293,9 @@ def load_task(task: str, recipe: Recipe, data: str | None, seed: int):
 # ----------------------------------------------------------------------------------------------------------------
 # One row
 # ----------------------------------------------------------------------------------------------------------------
-def evaluate(task, model, tokenizer, test, recipe: Recipe) -> dict:
+def evaluate(task, model, tokenizer, test, recipe: Recipe, return_hypotheses: bool = False) -> dict:
+    """The row's score (BLEU or exact match of beam ``recipe.num_beams``), test-set sentences/s (one timing) and three
+    samples; with ``return_hypotheses`` every output too (key ``hypotheses``)."""
     import sacrebleu
 
     from .training import translate
@@ -312,7 +314,19 @@ def evaluate(task, model, tokenizer, test, recipe: Recipe) -> dict:
     else:
         correct = sum(h.strip() == r.strip() for h, r in zip(hypotheses, test["target"]))
         out.update(metric="accuracy", score=round(100 * correct / len(hypotheses), 2))
+    if return_hypotheses:
+        out["hypotheses"] = hypotheses
     return out
+
+
+def batch_size_for(recipe: Recipe, train_tok) -> tuple[float, int]:
+    """(mean max(source, target) tokens per training example, sentences per batch): the recipe's ``max_tokens``
+    per batch as a number of sentences, as every row trains."""
+    from .training import example_lengths
+
+    lengths = example_lengths(train_tok)  # max(source, target) tokens: what a max-tokens batch counts
+    per_sentence = sum(lengths) / len(lengths)
+    return per_sentence, max(1, round(recipe.max_tokens / per_sentence))
 
 
 def train_row(row: Row, ctx, model, train_tok) -> dict:
@@ -506,7 +520,7 @@ def run(args) -> dict:
     import torch
 
     from .tokenization import train_tokenizer
-    from .training import check_bf16, example_lengths, tokenize_dataset
+    from .training import check_bf16, tokenize_dataset
 
     task_rows = {row.name: row for row in rows_for(args.task)}
     wanted = args.rows or list(task_rows)
@@ -551,11 +565,10 @@ def run(args) -> dict:
         tokenizer = train_tokenizer(train, **recipe.tokenizer)
         tokenizer.save_pretrained(tokenizer_dir)
     train_tok = tokenize_dataset(train, tokenizer, max_length=recipe.max_length)
-    lengths = example_lengths(train_tok)  # max(source, target) tokens: what a max-tokens batch counts
-    per_sentence = sum(lengths) / len(lengths)
+    per_sentence, batch_size = batch_size_for(recipe, train_tok)
     ctx = dict(args=args, task=args.task, preset=args.preset, recipe=recipe, out=out, train=train, test=test,
                tokenizer=tokenizer, train_tok=train_tok, results=results, tokens_per_sentence=round(per_sentence, 2),
-               batch_size=max(1, round(recipe.max_tokens / per_sentence)))
+               batch_size=batch_size)
     print(f"reproduce {args.task}/{args.preset}: {len(train)} training examples, {len(test)} test, vocabulary "
           f"{len(tokenizer)}, {per_sentence:.1f} tokens/sentence -> {ctx['batch_size']} sentences per batch; "
           f"output {out}", flush=True)

@@ -1,0 +1,129 @@
+"""benchmarks/pretrained_hard.py: a tiny MarianMTModel trained by the reproduce recipe, converted to soft (translating
+exactly as the source), hard retrieval and hc-sa, fine-tuned and scored at several step counts, timed, recorded."""
+
+import importlib.util
+import json
+import os
+
+import pytest
+import sacrebleu
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
+
+import hf_hardattn  # noqa: F401
+from hf_hardattn import reproduce
+from hf_hardattn.training import translate
+
+from test_reproduce import DE, EN
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "pretrained_hard.py")
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("pretrained_hard", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def script_argv(root, data, out, results, *extra):
+    return ["--source", str(root / "m" / "models" / "marian"), "--preset", "tiny", "--data", str(data),
+            "--warmup-steps", "1", "--learning-rate", "1e-3", "--output-dir", str(out), "--results", str(results),
+            "--threads", "1", "--quiet", *extra]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pretrained_hard")
+    data = root / "data"
+    data.mkdir()
+    for split, repeat in (("train", 6), ("test_2016_flickr", 1)):
+        (data / f"{split}.en").write_text("\n".join(EN * repeat) + "\n")
+        (data / f"{split}.de").write_text("\n".join(DE * repeat) + "\n")
+    threads = torch.get_num_threads()  # one thread: tiny ops on two threads crawl when the cores are shared
+    torch.manual_seed(0)
+    reproduce.main(["--task", "multi30k", "--preset", "tiny", "--data", str(data), "--output-dir", str(root / "m"),
+                    "--rows", "marian", "--threads", "1", "--quiet"])
+    script = load_script()
+    argv = script_argv(root, data, root / "out", root / "results" / "run", "--steps", "2", "1", "--speed-rounds", "1")
+    rows = script.main(argv)
+    with open(root / "results" / "run.json") as handle:
+        stored = json.load(handle)
+    yield dict(root=root, data=data, script=script, argv=argv, rows=rows, stored=stored)
+    torch.set_num_threads(threads)
+
+
+def test_every_row_is_scored_and_recorded(run):
+    stored = run["stored"]
+    names = ["source", "soft", "hard", "hard_ft1", "hard_ft2", "soft_ft1", "soft_ft2", "hc_sa", "hc_sa_ft1", "hc_sa_ft2"]
+    assert list(stored["rows"]) == names
+    assert stored["command"].startswith("python benchmarks/pretrained_hard.py --source ")
+    assert stored["machine"]["threads"] == torch.get_num_threads()
+    assert stored["fine_tuning"] == dict(learning_rate=1e-3, warmup_steps=1, schedule="constant_with_warmup",
+                                         batch_size=stored["fine_tuning"]["batch_size"], bf16=False,
+                                         label_smoothing=0.1, seed=0, steps=[1, 2])
+    assert set(stored["recovered_within_half_bleu_at"]) == {"hard", "hc_sa"}
+    for name, row in stored["rows"].items():
+        assert row["metric"] == "BLEU" and row["examples"] == 8 and "hypotheses" not in row
+        assert row["steps"] == (int(name.split("_ft")[1]) if "_ft" in name else 0)
+    assert stored["rows"]["source"]["model_type"] == "marian"
+    assert stored["rows"]["hard"]["model_type"] == "hard_retrieval_transformer"
+    assert stored["rows"]["hc_sa_ft2"]["model_type"] == "gaussian_transformer"
+    assert any("q_proj" in item for item in stored["rows"]["hc_sa"]["dropped"])  # Gaussian heads drop query/key
+    assert stored["rows"]["hard"]["dropped"] == [] and stored["rows"]["hard"]["initialised"] == []
+    speed = stored["speed"]["models"]
+    assert set(speed) == {"source", "soft", "hard", "hc_sa", "hard_ft2", "hc_sa_ft2"}
+    assert all(s["test_set_sentences_per_s"] > 0 and s["forced_sentences_per_s"] > 0 for s in speed.values())
+    table = (run["root"] / "results" / "run.md").read_text()
+    assert "| hard_ft2 | hard_retrieval_transformer | 2 |" in table and stored["command"] in table
+    assert "| soft_ft2 | soft_transformer | 2 |" in table
+
+
+def test_soft_conversion_translates_as_the_source(run):
+    soft, source = run["rows"]["soft"], run["rows"]["source"]
+    assert soft["identical_to_source"] and soft["exact_conversion"]
+    assert soft["hypotheses"] == source["hypotheses"] and soft["score"] == source["score"]
+
+
+def test_scores_match_the_saved_fine_tuned_models(run):
+    """The score at the last N is that of the saved model, loaded anew and decoded in fp32; the untrained hard row
+    is the source's weights decoded hard."""
+    folder = run["root"] / "out" / "models" / "hard_ft2"
+    model = AutoModelForSeq2SeqLM.from_pretrained(folder).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    hypotheses = translate(model, tokenizer, EN, num_beams=4, batch_size=8, max_length=32)
+    assert hypotheses == run["rows"]["hard_ft2"]["hypotheses"]
+    assert run["stored"]["rows"]["hard_ft2"]["score"] == pytest.approx(sacrebleu.corpus_bleu(hypotheses, [DE]).score,
+                                                                       abs=0.01)
+    soft = hf_hardattn.convert(str(run["root"] / "m" / "models" / "marian"), "soft_transformer").eval()
+    hard = soft.with_attention(decoder_attention="hard_retrieval", cross_attention="hard_retrieval")
+    assert translate(hard, tokenizer, EN, num_beams=4, batch_size=8, max_length=32) == run["rows"]["hard"]["hypotheses"]
+
+
+def test_the_score_at_n_does_not_depend_on_the_other_n(run, tmp_path):
+    """Scoring at step 1 leaves the training's random state alone: a run asked for step 2 only ends with the same
+    weights."""
+    run["script"].main(script_argv(run["root"], run["data"], tmp_path / "out", tmp_path / "run", "--steps", "2",
+                                   "--targets", "hard", "--speed-rounds", "0"))
+    first = load_file(run["root"] / "out" / "models" / "hard_ft2" / "model.safetensors")
+    second = load_file(tmp_path / "out" / "models" / "hard_ft2" / "model.safetensors")
+    assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--steps", "0"], "--steps must be positive"),
+    (["--learning-rate", "0"], "--learning-rate must be > 0"),
+    (["--speed-models", "soft", "nope"], "--speed-models ['nope']"),
+])
+def test_bad_arguments_name_the_flag(run, capsys, extra, message):
+    with pytest.raises(SystemExit):
+        run["script"].parse_args(run["argv"] + extra)
+    assert message in capsys.readouterr().err
+
+
+def test_a_source_without_a_model_is_refused(run, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        run["script"].parse_args(["--source", str(tmp_path)])
+    error = capsys.readouterr().err
+    assert "--source" in error and "no config.json" in error
