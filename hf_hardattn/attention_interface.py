@@ -23,9 +23,9 @@ models copied from them set at construction: ``module.is_causal`` True -> decode
 with neither attribute is refused (its role cannot be told).
 
 Hard roles (``hard_retrieval.py``, Sec. 3 of the paper): in training (``module.training``) P = softmax(QK^T * scaling)
-over the visible keys, attention dropout (the ``dropout`` transformers passes) applied, one key per query sampled
-(``sample_indices``, Eq. 4-5) and the value row retrieved with straight-through gradients (``HardRetrieval``,
-Eq. 7-10); in eval mode the argmax of the raw masked scores QK^T, no scaling, no softmax (``inference_indices``,
+over the visible keys, one key per query sampled from P and the value row retrieved with straight-through gradients,
+attention dropout (the ``dropout`` transformers passes) dropping that row after the draw (``sampled_retrieval``,
+Eq. 4-10); in eval mode the argmax of the raw masked scores QK^T, no scaling, no softmax (``inference_indices``,
 Eq. 11), and the value row (``gather_rows``, Eq. 6). The returned weights are None unless ``output_attentions`` is
 asked for, then the one-hot of the retrieved index. Soft roles run transformers' own ``sdpa_attention_forward``, or,
 when ``output_attentions`` is asked for, the model's own ``eager_attention_forward`` (softmax weights returned).
@@ -38,8 +38,8 @@ reinterpret), and for encoder self- and cross-attention a bool mask, or None whe
 also accepts what a caller may pass as a ready 4D mask: bool, or additive float (entries at or below half the
 dtype's minimum, -inf included, are hidden, everything else visible; additive biases are not applied to the hard
 argmax), and None for decoder self-attention (then causal, aligned to the last key as in cached decoding). A query
-row with no visible key (only padding rows) takes index 0 at inference, as ``inference_indices`` does; in training it
-is sampled over all keys instead of producing NaN probabilities.
+row with no visible key (only padding rows) reads all of its keys, as ``inference_indices`` and ``sampled_retrieval``
+define it: the argmax of all raw scores at inference, a draw over all keys in training.
 """
 
 import sys
@@ -49,7 +49,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .hard_retrieval import HardRetrieval, gather_rows, inference_indices, sample_indices
+from .hard_retrieval import gather_rows, inference_indices, sampled_retrieval
 from .modeling_hardattn import full_mask
 
 ROLES = ("encoder", "decoder", "cross")
@@ -110,10 +110,7 @@ def hard_retrieve(module, query, key, value, mask, scaling, dropout, output_atte
         scores = (query @ key.transpose(-1, -2)) * scaling  # Eq. 1-2, as HardRetrievalAttention.training_probabilities
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        dropped = torch.nn.functional.dropout(probs, dropout, True) if dropout > 0 else probs
-        index = sample_indices(dropped.detach(), probs.detach())  # Eq. 4-5
-        out = HardRetrieval.apply(dropped, value, index)  # Eq. 6, backward Eq. 8-10
+        out, index = sampled_retrieval(torch.softmax(scores, dim=-1), value, dropout)  # Eq. 4-10
     weights = torch.nn.functional.one_hot(index, key.shape[-2]).to(value.dtype) if output_attentions else None
     return out, weights
 

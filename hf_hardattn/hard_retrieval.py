@@ -1,22 +1,28 @@
-"""Hard retrieval attention (Xu et al., "Efficient Transformer Decoding with Hard Retrieval Attention").
+"""Hard retrieval attention (Xu, Liu, van Genabith & Xiong, "Learning Hard Retrieval Decoder Attention for
+Transformers", arXiv:2009.14658).
 
 Every head of a hard-retrieval attention layer attends to exactly ONE key and returns its value row.
 
-* Training (Sec. 3.1): P = softmax(QK^T / sqrt(d_k)) (Eq. 1-2, attention dropout applied); one index per query row
-  is sampled from P (multinomial, Eq. 4-5) and the output is the value row at that index (Eq. 6). The sampling
+* Training (Sec. 3.1): P = softmax(QK^T / sqrt(d_k)) (Eq. 1-2); one index per query row is sampled from P
+  (multinomial, Eq. 4-5) and the output is the value row at that index (Eq. 6; attention dropout, if any, drops that
+  row after the draw, see :func:`sampled_retrieval`). The sampling
   is treated as noise (Eq. 7): the gradient of the one-hot P_hard is passed straight to P (Eq. 8), with
   P_hard^g = A^g V^T (Eq. 9) and V^g[i] = sum of A^g[j] over the queries j that retrieved i (Eq. 10), computed by
   indexing (scatter-add) rather than a one-hot matmul.
 * Inference (Sec. 3.2): no scaling, no softmax, no P.V: index = argmax of the raw masked scores S = QK^T (Eq. 11),
   output = V[index] (Eq. 6).
+* A query row with no visible key (only reachable by calling the module directly: the model refuses a fully padded
+  row where the input enters) is drawn from all keys in training and takes the argmax of all its raw scores at
+  inference, the same key set in both.
 
 Runtime code shipped with saved models: flat, same-folder relative imports only.
 """
 
 import torch
+import torch.nn.functional as F
 
 from .configuration_hardattn import HardAttnConfig
-from .modeling_hardattn import HardAttnForConditionalGeneration, SoftAttention, full_mask, is_tracing
+from .modeling_hardattn import HardAttnForConditionalGeneration, SoftAttention, full_mask
 
 
 def gather_rows(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -45,23 +51,35 @@ class HardRetrieval(torch.autograd.Function):
         return grad_probs, grad_values, None
 
 
-def sample_indices(probs: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
-    """One index per row of ``probs`` [..., Tk] by multinomial sampling (Eq. 4-5). Rows that attention dropout
-    zeroed entirely are drawn from ``fallback`` (the probabilities before dropout) instead, so a masked
-    (zero-probability) position is never drawn."""
-    flat = probs.reshape(-1, probs.shape[-1])
-    empty = flat.sum(-1) <= 0
-    if is_tracing() or bool(empty.any()):
-        flat = torch.where(empty[:, None], fallback.reshape(-1, fallback.shape[-1]), flat)
-    return torch.multinomial(flat.float(), 1).view(probs.shape[:-1])
+def sample_indices(probs: torch.Tensor) -> torch.Tensor:
+    """One index per row of ``probs`` [..., Tk], drawn from P itself (Eq. 4-5): a masked (zero-probability) position
+    is never drawn."""
+    return torch.multinomial(probs.reshape(-1, probs.shape[-1]).float(), 1).view(probs.shape[:-1])
+
+
+def sampled_retrieval(probs: torch.Tensor, values: torch.Tensor, dropout: float = 0.0):
+    """The training path (Sec. 3.1): one index per query sampled from P [..., Tq, Tk] (Eq. 4-5) and its value row
+    retrieved with the straight-through gradient (Eq. 6-10). Returns (output [..., Tq, D], index [..., Tq]).
+
+    Attention dropout (``dropout`` = p > 0, a choice of this package: the paper does not discuss it) acts after the
+    draw, so that the sampled distribution is P itself: it drops the retrieved row as dropout drops a soft attention
+    weight, i.e. the row is kept and scaled by 1 / (1 - p) with probability 1 - p, zero otherwise (per query and head).
+    (Dropping P before the draw would change what is sampled: P = [0.9, 0.1] at p = 0.5 drew index 1 30% of the
+    time.)"""
+    index = sample_indices(probs.detach())
+    out = HardRetrieval.apply(probs, values, index)
+    if dropout > 0:
+        out = out * F.dropout(out.new_ones(out.shape[:-1]), dropout, True).unsqueeze(-1)
+    return out, index
 
 
 def inference_indices(q, k, mask, causal):
-    """Eq. 11: argmax over the raw masked scores S = QK^T, without scaling or softmax."""
+    """Eq. 11: argmax over the raw masked scores S = QK^T, without scaling or softmax (a row with no visible key: over
+    all of its keys, as in training)."""
     scores = q @ k.transpose(-1, -2)
     mask = full_mask(mask, causal, q.shape[-2], k.shape[-2], q.device)
     if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
+        scores = scores.masked_fill(~(mask | ~mask.any(-1, keepdim=True)), float("-inf"))
     return scores.argmax(-1)
 
 
@@ -83,10 +101,7 @@ class HardRetrievalAttention(SoftAttention):
         if not self.training:
             index = inference_indices(q, k, mask, causal)  # Eq. 11
             return gather_rows(v, index), index  # Eq. 6
-        probs = self.training_probabilities(q, k, mask, causal)
-        dropped = torch.nn.functional.dropout(probs, self.dropout, True) if self.dropout > 0 else probs
-        index = sample_indices(dropped.detach(), probs.detach())  # Eq. 4-5
-        return HardRetrieval.apply(dropped, v, index), index  # Eq. 6, backward Eq. 8-10
+        return sampled_retrieval(self.training_probabilities(q, k, mask, causal), v, self.dropout)  # Eq. 4-10
 
     def attend(self, q, k, v, mask, causal):
         return self.retrieve(q, k, v, mask, causal)[0]
@@ -118,8 +133,8 @@ class HardRetrievalForConditionalGeneration(HardAttnForConditionalGeneration):
         "their parameters: `model.with_attention(cross_attention=\"soft\")` decodes with the other kind."
     )
     card_citation = (
-        "Hongfei Xu, Qiuhui Liu, Josef van Genabith, Deyi Xiong. Efficient Transformer Decoding with Hard Retrieval "
-        "Attention (hard-retrieval-decoder-attention)."
+        "Hongfei Xu, Qiuhui Liu, Josef van Genabith, Deyi Xiong. Learning Hard Retrieval Decoder Attention for "
+        "Transformers. arXiv:2009.14658 (hard-retrieval-decoder-attention)."
     )
 
 

@@ -428,6 +428,19 @@ class HybridForConditionalGeneration(HybridPreTrainedModel, HardAttnForCondition
         "Recurrent Neural Network (hybrid-self-attention-rnn-decoder)."
     )
 
+    # the card lists the sizes this model has (no Transformer decoder layers: no decoder FFN, heads only for multihead)
+    card_size_fields = ("d_model", "encoder_layers", "encoder_attention_heads", "encoder_ffn_dim", "decoder_layers",
+                        "rnn_hidden_size", "rnn_attention", "vocab_size", "position_embedding", "normalize_before")
+
+    def card_roles_table(self) -> str:
+        config = self.config
+        heads = f", {config.decoder_attention_heads} heads" if config.rnn_attention == "multihead" else ""
+        return "\n".join([
+            "| role | kind |", "| --- | --- |",
+            f"| encoder self-attention | {config.encoder_attention} |",
+            f"| decoder | GRU ({config.decoder_layers} layer(s), state {config.rnn_hidden_size}), no self-attention |",
+            f"| decoder attention over the encoder output | {config.rnn_attention}{heads} (one per step) |"])
+
     def decoder_outputs(self, decoder_input_ids, encoder_hidden_states, attention_mask, decoder_inputs_embeds=None,
                         cache=None, output_hidden_states=False) -> HybridDecoderOutput:
         """The full :class:`HybridDecoderOutput` (readout, states, contexts, attentions, hidden states when asked)."""

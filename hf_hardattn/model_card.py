@@ -25,9 +25,11 @@ def render_model_card(model, results: dict | None = None) -> str:
     config = model.config
     auto_map = getattr(config, "auto_map", None) or {}
     n_params = sum(p.numel() for p in model.parameters())
-    fields = ["d_model", "encoder_layers", "decoder_layers", "encoder_attention_heads", "decoder_attention_heads",
-              "encoder_ffn_dim", "decoder_ffn_dim", "vocab_size", "position_embedding", "normalize_before"]
+    fields = getattr(model, "card_size_fields", None) or [
+        "d_model", "encoder_layers", "decoder_layers", "encoder_attention_heads", "decoder_attention_heads",
+        "encoder_ffn_dim", "decoder_ffn_dim", "vocab_size", "position_embedding", "normalize_before"]
     sizes = ", ".join(f"{f}={getattr(config, f)}" for f in fields if hasattr(config, f))
+    roles = model.card_roles_table() if hasattr(model, "card_roles_table") else _kinds_table(config)
     lines = [
         "---",
         "library_name: transformers",
@@ -47,7 +49,7 @@ def render_model_card(model, results: dict | None = None) -> str:
         f"- parameters: {n_params:,}",
         f"- sizes: {sizes}",
         "",
-        _kinds_table(config),
+        roles,
         "",
         "## Usage",
         "",

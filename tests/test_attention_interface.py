@@ -5,7 +5,7 @@ and BartForConditionalGeneration, against independent references:
   model through a test-only attention implementation, with roles told by module identity and masks built from the
   test's own 2D inputs (not from transformers' mask functions);
 * the encoder: the stock model's output (sdpa) and attention weights (eager);
-* training: hard_retrieval.py's own HardRetrievalAttention (sample_indices + the HardRetrieval autograd function) for
+* training: hard_retrieval.py's own HardRetrievalAttention (sampled_retrieval: sample_indices + the HardRetrieval autograd function) for
   the draws, the outputs and the gradients, under the same seed;
 * generate(): the KV cache against no cache, and a padded batch against each sentence alone.
 """
@@ -238,8 +238,8 @@ def test_mask_formats_bool_additive_and_implicit_causal_agree():
 
 @pytest.mark.parametrize("role", ["decoder", "cross"])
 def test_training_draws_outputs_and_gradients_equal_hard_retrieval_module(role):
-    """Under one seed: the same sampled indices (sample_indices after attention dropout), outputs and straight-through
-    gradients (HardRetrieval) as hard_retrieval.py's HardRetrievalAttention."""
+    """Under one seed: the same sampled indices (drawn from P, attention dropout then dropping retrieved rows), outputs
+    and straight-through gradients (sampled_retrieval) as hard_retrieval.py's HardRetrievalAttention."""
     model = tiny("marian", attention_dropout=0.3).train()
     layer = model.model.decoder.layers[0]
     module = layer.self_attn if role == "decoder" else layer.encoder_attn
@@ -278,8 +278,9 @@ def test_training_draws_outputs_and_gradients_equal_hard_retrieval_module(role):
     assert not torch.equal(weights, argmax)  # training samples, inference takes the argmax
     torch.manual_seed(11)
     model.train()
-    no_dropout = function(module, q, k, v, mask, scaling=module.scaling, dropout=0.0, output_attentions=True)[1]
-    assert not torch.equal(weights, no_dropout)  # attention dropout changes the draws
+    kept, no_dropout = function(module, q, k, v, mask, scaling=module.scaling, dropout=0.0, output_attentions=True)
+    assert torch.equal(weights, no_dropout)  # attention dropout acts after the draw: the same keys are drawn
+    assert not torch.equal(out, kept.transpose(1, 2))  # and then drops some of the retrieved rows
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -385,7 +386,6 @@ def test_registered_implementation_equals_the_converted_model(name, variant, mon
     hard_retrieval_transformer (hf_hardattn.convert, hard in the same roles): the same logits at inference (float64),
     the same greedy and beam-4 tokens, and in training, with the converted model given the indices the stock model
     sampled (transformers' layer-drop draws move the random stream on some releases), the same loss and gradients."""
-    import hf_hardattn.attention_interface as interface
     import hf_hardattn.hard_retrieval as module
 
     stock = tiny(name)
@@ -401,16 +401,15 @@ def test_registered_implementation_equals_the_converted_model(name, variant, mon
 
     drawn, sample = [], module.sample_indices
 
-    def record(probs, fallback):
-        drawn.append(sample(probs, fallback))
+    def record(probs):
+        drawn.append(sample(probs))
         return drawn[-1]
 
     replay = iter(drawn)
-    monkeypatch.setattr(interface, "sample_indices", record)
-    monkeypatch.setattr(module, "sample_indices", lambda probs, fallback: next(replay))
     labels = torch.tensor([[6, 10, 14, 18, EOS], [8, 12, EOS, -100, -100]])
     results = {}
     for key, model in (("stock", stock), ("converted", converted)):
+        monkeypatch.setattr(module, "sample_indices", record if key == "stock" else lambda probs: next(replay))
         model.train()
         out = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], labels=labels)
         loss = torch.nn.functional.cross_entropy(out.logits.reshape(-1, 40), labels.reshape(-1))  # one loss for both

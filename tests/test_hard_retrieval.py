@@ -10,6 +10,16 @@ from hf_hardattn import HardRetrievalConfig, HardRetrievalForConditionalGenerati
 from hf_hardattn.hard_retrieval import (HardRetrieval, HardRetrievalAttention, gather_rows, inference_indices,
                                         sample_indices)
 
+# chi-square critical values at p = 0.001 by degrees of freedom (a correct sampler fails 1 in 1000 runs; seeded here)
+CHI2_999 = {3: 16.27, 4: 18.47, 5: 20.52}
+
+
+def chi_square(counts, probs):
+    """Pearson's statistic of ``counts`` [K] against the distribution ``probs`` [K] over its non-zero entries."""
+    expected = probs.double() * counts.sum()
+    visible = probs > 0
+    return (((counts.double() - expected) ** 2)[visible] / expected[visible]).sum().item()
+
 
 def _qkv(batch=2, heads=3, tq=4, tk=5, dim=6, seed=0):
     g = torch.Generator().manual_seed(seed)
@@ -51,36 +61,52 @@ def test_gradients_equal_eq9_eq10_computed_naively():
 def test_sampling_never_hits_masked_positions_and_follows_probabilities():
     torch.manual_seed(0)
     probs = torch.tensor([0.1, 0.2, 0.0, 0.3, 0.4, 0.0])  # zeros = masked positions
-    draws = sample_indices(probs.expand(10_000, 6), probs.expand(10_000, 6))
-    counts = torch.bincount(draws, minlength=6).double()
+    draws = sample_indices(probs.expand(10_000, 6))
+    counts = torch.bincount(draws, minlength=6)
     assert counts[2] == 0 and counts[5] == 0
-    expected = probs.double() * 10_000
-    visible = probs > 0
-    chi2 = (((counts - expected) ** 2)[visible] / expected[visible]).sum().item()
-    assert chi2 < 16.27, chi2  # chi-square, 3 degrees of freedom, p = 0.001
+    chi2 = chi_square(counts, probs)
+    assert chi2 < CHI2_999[3], chi2
 
 
-def test_rows_zeroed_by_dropout_fall_back_to_undropped_probabilities():
-    fallback = torch.tensor([[0.0, 0.5, 0.5, 0.0]]).expand(5_000, 4)
-    dropped = torch.zeros(5_000, 4)
-    draws = sample_indices(dropped, fallback)
-    assert set(draws.tolist()) <= {1, 2}
+@pytest.mark.parametrize("dropout", [0.0, 0.5])
+def test_training_draws_inside_attend_follow_the_scaled_softmax(dropout):
+    """Many queries with the same scores, through the module's training path: the drawn keys follow
+    P = softmax(q k^T / sqrt(d_k)) (Eq. 1-2, 4-5), written out here, with and without attention dropout (which acts
+    after the draw). Scores chosen so that the sqrt(d_k) scale, a missing softmax or an argmax would each fail."""
+    torch.manual_seed(0)
+    attn = HardRetrievalAttention(HardRetrievalConfig(**tiny_kwargs(attention_dropout=dropout)), "cross", 0).train()
+    d = attn.head_dim  # 8
+    k = torch.zeros(1, 1, 5, d)
+    k[0, 0, :, 0] = torch.tensor([0.0, 1.0, 2.0, 3.0, 4.0])
+    q = torch.zeros(20_000, 1, 1, d)
+    q[..., 0] = 1.0
+    v = torch.arange(5.0).view(1, 1, 5, 1).expand(1, 1, 5, d).clone() + 1  # value row i holds i + 1
+    out = attn.attend(q, k.expand(20_000, 1, 5, d), v.expand(20_000, 1, 5, d), None, False)[:, 0, 0, 0]
+    if dropout:
+        kept = out != 0
+        assert abs(kept.float().mean().item() - (1 - dropout)) < 0.02  # dropped rows are zero, kept ones scaled
+        out = out[kept] * (1 - dropout)
+    counts = torch.bincount(out.round().long() - 1, minlength=5)
+    probs = torch.softmax(k[0, 0, :, 0] / math.sqrt(d), -1)
+    chi2 = chi_square(counts, probs)
+    assert chi2 < CHI2_999[4], (chi2, counts.tolist(), probs.tolist())
 
 
 def test_training_path_with_heavy_dropout_never_samples_masked_positions():
     config = HardRetrievalConfig(**tiny_kwargs(attention_dropout=0.9))
     attn = HardRetrievalAttention(config, "decoder", 0).train()
     torch.manual_seed(0)
-    q, k, v = (torch.randn(64, 4, 6, 8) for _ in range(3))
-    v = torch.arange(6.0).view(1, 1, 6, 1).expand(64, 4, 6, 8).clone()  # value row i holds i: output reveals index
+    q, k = (torch.randn(64, 4, 6, 8) for _ in range(2))
+    v = torch.arange(1.0, 7.0).view(1, 1, 6, 1).expand(64, 4, 6, 8).clone()  # value row i holds i + 1
     key_padding = torch.ones(64, 1, 1, 6, dtype=torch.bool)
     key_padding[:, :, :, 4:] = False  # positions 4, 5 are padding
     for _ in range(20):
-        out = attn.attend(q, k, v, key_padding, causal=True)
-        index = out[..., 0]
-        query_pos = torch.arange(6).view(1, 1, 6)
-        assert (index <= query_pos).all(), "future position sampled"
-        assert (index < 4).all(), "padding position sampled"
+        out = attn.attend(q, k, v, key_padding, causal=True)[..., 0]
+        kept = out != 0  # attention dropout zeroes a retrieved row (scaled by 10 otherwise)
+        index = (out * 0.1).round().long() - 1
+        query_pos = torch.arange(6).view(1, 1, 6).expand_as(index)
+        assert (index[kept] <= query_pos[kept]).all(), "future position sampled"
+        assert (index[kept] < 4).all(), "padding position sampled"
 
 
 def test_inference_argmax_equals_training_probability_argmax():
