@@ -1,23 +1,30 @@
 """benchmarks/pretrained_hard.py: a tiny MarianMTModel trained by the reproduce recipe, converted to soft (translating
-exactly as the source), hard retrieval and hc-sa, fine-tuned and scored at several step counts, timed, recorded."""
+exactly as the source), hard retrieval and hc-sa, fine-tuned and scored at several step counts, timed, recorded. And
+the README's quick start (pretrained Marian -> fine-tuned hard retrieval -> Hub), run as written on a tiny local
+MarianMTModel with the uploads faked."""
 
 import importlib.util
 import json
 import os
+import re
+import shlex
 
 import pytest
 import sacrebleu
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
+from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, MarianConfig, MarianMTModel
 
 import hf_hardattn  # noqa: F401
-from hf_hardattn import reproduce
+from hf_hardattn import cli, reproduce
+from hf_hardattn.tokenization import train_tokenizer
 from hf_hardattn.training import translate
 
+from test_pipelines_hub import hub  # noqa: F401  (fixture: HfApi uploads recorded, nothing leaves)
 from test_reproduce import DE, EN
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "pretrained_hard.py")
+README = os.path.join(os.path.dirname(__file__), "..", "README.md")
 
 
 def load_script():
@@ -127,3 +134,74 @@ def test_a_source_without_a_model_is_refused(run, tmp_path, capsys):
         run["script"].parse_args(["--source", str(tmp_path)])
     error = capsys.readouterr().err
     assert "--source" in error and "no config.json" in error
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# README quick start
+# ---------------------------------------------------------------------------------------------------------------
+def quick_start_blocks():
+    """The fenced code blocks of README.md's quick start, as (language, code)."""
+    with open(README, encoding="utf-8") as handle:
+        text = handle.read()
+    section = text.split("### Quick start: from a pretrained Marian / BART checkpoint")[1].split("\n### ")[0]
+    return re.findall(r"```(\w+)\n(.*?)```", section, flags=re.S)
+
+
+def test_readme_quick_start_runs_as_written(hub, tmp_path, monkeypatch):  # noqa: F811
+    """Every command of the quick start, in order, in a folder holding a tiny MarianMTModel + tokenizer
+    (``opus-mt-en-de``) and ``data/train.{en,de}``; only ``max_steps=300`` becomes 2. Route 1 ends with a fine-tuned
+    hard_retrieval_transformer (changed by training; its upload: weights, remote code, tokenizer), route 2 with a
+    fine-tuned MarianMTModel that decodes with hard retrieval again once reloaded with the attention implementation."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train.en").write_text("\n".join(EN * 4) + "\n")
+    (tmp_path / "data" / "train.de").write_text("\n".join(DE * 4) + "\n")
+    tokenizer = train_tokenizer(["data/train.en", "data/train.de"], vocab_size=200)
+    torch.manual_seed(0)
+    source = MarianMTModel(MarianConfig(
+        vocab_size=len(tokenizer), d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=64,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
+        decoder_start_token_id=tokenizer.pad_token_id, activation_function="swish", scale_embedding=True))
+    source.save_pretrained("opus-mt-en-de")
+    tokenizer.save_pretrained("opus-mt-en-de")
+
+    blocks = quick_start_blocks()
+    assert [language for language, _ in blocks] == ["bash", "python", "python"]
+    threads = torch.get_num_threads()
+    try:
+        for language, code in blocks:
+            if language == "bash":
+                for line in code.strip().splitlines():
+                    argv = shlex.split(line)
+                    assert argv[0] == "hf-hardattn"
+                    assert cli.main(argv[1:]) == 0
+            else:
+                assert code.count("max_steps=300") == 1
+                exec(compile(code.replace("max_steps=300", "max_steps=2"), "README.md quick start", "exec"), {})
+    finally:
+        torch.set_num_threads(threads)
+
+    converted = load_file(tmp_path / "opus-hard" / "model.safetensors")
+    tuned = AutoModelForSeq2SeqLM.from_pretrained("opus-hard-ft")
+    assert tuned.config.model_type == "hard_retrieval_transformer"
+    assert (tuned.config.decoder_attention, tuned.config.cross_attention) == ("hard_retrieval", "hard_retrieval")
+    assert any(not torch.equal(tensor, tuned.state_dict()[key]) for key, tensor in converted.items())
+    route1, model2, tokenizer2 = hub.commits
+    assert {"model.safetensors", "modeling_hardattn.py", "tokenizer.json", "README.md"} <= set(route1["files"])
+    assert route1["repo_id"] == model2["repo_id"] == tokenizer2["repo_id"] == "you/opus-mt-en-de-hard"
+    assert "model.safetensors" in model2["files"] and "tokenizer.json" in tokenizer2["files"]
+
+    # route 2: the saved MarianMTModel, reloaded with the attention implementation, decodes as the same weights
+    # converted to hard_retrieval_transformer (and not as they decode soft)
+    stock = MarianMTModel.from_pretrained("opus-mt-hard-ft", attn_implementation="hard_retrieval").eval()
+    hard = hf_hardattn.convert("opus-mt-hard-ft", "hard_retrieval_transformer").eval()
+    soft = MarianMTModel.from_pretrained("opus-mt-hard-ft").eval()
+    batch = tokenizer(EN[:4], return_tensors="pt", padding=True)
+    labels = tokenizer(text_target=DE[:4], return_tensors="pt", padding=True)["input_ids"]
+    with torch.no_grad():
+        logits = {name: model(**batch, labels=labels).logits for name, model in
+                  dict(stock=stock, hard=hard, soft=soft).items()}
+    torch.testing.assert_close(logits["stock"], logits["hard"], atol=1e-4, rtol=0)
+    assert not torch.allclose(logits["stock"], logits["soft"], atol=1e-3)
