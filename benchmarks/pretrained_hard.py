@@ -2,8 +2,8 @@
 
 The workflow of a user with an opus-mt checkpoint, measured on Multi30k en-de. ``--source`` is a MarianMTModel (or
 BART / mBART / M2M100) folder holding its tokenizer, by default the ``marian`` row trained by ``python
-benchmarks/reproduce.py --task multi30k --preset cpu --rows marian --minutes 300 --max-steps 1500 --output-dir
-outputs/reproduce/multi30k-cpu-bf16-1500steps-marian``. Scored (BLEU of beam 4 on test_2016_flickr, as the
+benchmarks/reproduce.py --task multi30k --preset cpu --rows marian --threads 2 --output-dir
+outputs/reproduce/multi30k-cpu-bf16-35min-marian`` (the ``cpu`` preset: 35 minutes of bf16 training). Scored (BLEU of beam 4 on test_2016_flickr, as the
 reproduction table scores):
 
 * ``source``: the source model itself;
@@ -51,7 +51,7 @@ from hf_hardattn.gaussian import GaussianConfig
 from hf_hardattn.reproduce import PRESETS, batch_size_for, evaluate, load_task
 from hf_hardattn.training import check_bf16, decode_speed, machine, tokenize_dataset, train_seq2seq, translate
 
-DEFAULT_SOURCE = "outputs/reproduce/multi30k-cpu-bf16-1500steps-marian/models/marian"
+DEFAULT_SOURCE = "outputs/reproduce/multi30k-cpu-bf16-35min-marian/models/marian"
 ROLES = ("encoder_attention", "decoder_attention", "cross_attention")
 TARGETS = {  # row name -> (model_type, attention kinds); hard_retrieval_transformer's defaults are decoder self + cross
     "hard": ("hard_retrieval_transformer", dict(decoder_attention="hard_retrieval", cross_attention="hard_retrieval")),

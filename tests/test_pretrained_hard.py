@@ -205,3 +205,15 @@ def test_readme_quick_start_runs_as_written(hub, tmp_path, monkeypatch):  # noqa
                   dict(stock=stock, hard=hard, soft=soft).items()}
     torch.testing.assert_close(logits["stock"], logits["hard"], atol=1e-4, rtol=0)
     assert not torch.allclose(logits["stock"], logits["soft"], atol=1e-3)
+
+
+def test_recovery_is_the_first_step_count_within_half_a_bleu_of_soft():
+    """By hand: soft 30.0; the hard rows at 50, 100, 200, 300 steps score 29.0, 29.49, 29.5, 31.0 -> 200 (29.5 is
+    within 0.5, 29.49 is not); rows of other targets do not count; none within 0.5 -> None."""
+    script = load_script()
+    rows = {"soft": dict(steps=0, score=30.0), "hard": dict(steps=0, score=20.0),
+            "hard_ft300": dict(steps=300, score=31.0), "hard_ft50": dict(steps=50, score=29.0),
+            "hard_ft200": dict(steps=200, score=29.5), "hard_ft100": dict(steps=100, score=29.49),
+            "soft_ft50": dict(steps=50, score=35.0), "hc_sa_ft50": dict(steps=50, score=10.0)}
+    assert script.recovery(rows, "hard", 30.0) == 200
+    assert script.recovery(rows, "hc_sa", 30.0) is None
