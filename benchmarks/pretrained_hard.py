@@ -3,8 +3,8 @@
 The workflow of a user with an opus-mt checkpoint, measured on Multi30k en-de. ``--source`` is a MarianMTModel (or
 BART / mBART / M2M100) folder holding its tokenizer, by default the ``marian`` row trained by ``python
 benchmarks/reproduce.py --task multi30k --preset cpu --rows marian --threads 2 --output-dir
-outputs/reproduce/multi30k-cpu-bf16-35min-marian`` (the ``cpu`` preset: 35 minutes of bf16 training). Scored (BLEU of beam 4 on test_2016_flickr, as the
-reproduction table scores):
+outputs/reproduce/multi30k-cpu-bf16-35min-marian`` (the ``cpu`` preset: 35 minutes of bf16 training). Scored (BLEU
+of beam 4 on test_2016_flickr, as the reproduction table scores):
 
 * ``source``: the source model itself;
 * ``soft``: ``hf_hardattn.convert(source, "soft_transformer")``, which must translate exactly as the source (the JSON
@@ -242,7 +242,8 @@ def parse_args(argv):
         parser.error(f"--source {args.source!r} is not a model folder (no config.json); train one with "
                      f"benchmarks/reproduce.py --rows marian (see this script's help)")
     rows = ["source", "soft", *args.targets, *(f"{t}_ft{max(args.steps)}" for t in args.targets)]
-    args.speed_models = args.speed_models or [name for name in dict.fromkeys(rows) if name != f"soft_ft{max(args.steps)}"]
+    args.speed_models = args.speed_models or [name for name in dict.fromkeys(rows)
+                                              if name != f"soft_ft{max(args.steps)}"]
     unknown = [name for name in args.speed_models if name not in rows]
     if unknown:
         parser.error(f"--speed-models {unknown} are not rows of this run; allowed: {rows}")

@@ -63,7 +63,8 @@ def run(tmp_path_factory):
 
 def test_every_row_is_scored_and_recorded(run):
     stored = run["stored"]
-    names = ["source", "soft", "hard", "hard_ft1", "hard_ft2", "soft_ft1", "soft_ft2", "hc_sa", "hc_sa_ft1", "hc_sa_ft2"]
+    names = ["source", "soft", "hard", "hard_ft1", "hard_ft2", "soft_ft1", "soft_ft2", "hc_sa", "hc_sa_ft1",
+             "hc_sa_ft2"]
     assert list(stored["rows"]) == names
     assert stored["command"].startswith("python benchmarks/pretrained_hard.py --source ")
     assert stored["machine"]["threads"] == torch.get_num_threads()
