@@ -90,8 +90,8 @@ def test_every_row_is_scored_and_recorded(run):
         forced = json.load(handle)["speed"]["models"]
     assert set(forced) == {"source", "soft", "hard", "hard_ft1"} and list(forced_only) == ["source", "soft", "hard",
                                                                                           "hard_ft1"]
-    assert all(s["test_set_sentences_per_s"] is None and s["test_set_rounds"] == [] and s["forced_sentences_per_s"] > 0
-               for s in forced.values())
+    assert all(s["test_set_sentences_per_s"] is None and s["test_set_rounds"] == [] for s in forced.values())
+    assert all(s["forced_sentences_per_s"] > 0 for s in forced.values())
     table = (run["root"] / "results" / "run.md").read_text()
     assert "| hard_ft2 | hard_retrieval_transformer | 2 |" in table and stored["command"] in table
     assert "| soft_ft2 | soft_transformer | 2 |" in table
