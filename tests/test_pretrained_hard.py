@@ -83,9 +83,9 @@ def test_every_row_is_scored_and_recorded(run):
     speed = stored["speed"]["models"]
     assert set(speed) == {"source", "soft", "hard", "hc_sa", "hard_ft2", "hc_sa_ft2"}
     assert all(s["test_set_sentences_per_s"] > 0 and s["forced_sentences_per_s"] > 0 for s in speed.values())
-    forced_only = run["script"].main(script_argv(run["root"], run["data"], run["root"] / "out_forced",
-                                                 run["root"] / "results" / "forced", "--steps", "1", "--targets", "hard",
-                                                 "--speed-rounds", "1", "--speed-forced-only"))
+    forced_only = run["script"].main(script_argv(
+        run["root"], run["data"], run["root"] / "out_forced", run["root"] / "results" / "forced", "--steps", "1",
+        "--targets", "hard", "--speed-rounds", "1", "--speed-forced-only"))
     with open(run["root"] / "results" / "forced.json") as handle:
         forced = json.load(handle)["speed"]["models"]
     assert set(forced) == {"source", "soft", "hard", "hard_ft1"} and list(forced_only) == ["source", "soft", "hard",
