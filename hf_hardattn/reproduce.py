@@ -18,6 +18,9 @@ Presets
       (or a GPU): elsewhere its GEMMs run ~100x slower than fp32, so the preset refuses to start and
       ``--precision fp32`` trains in fp32 instead. Rows trained for a number of minutes compare only with rows of
       the same machine and precision: every row stores its ``machine`` (CPU, bf16 support, threads, torch, GPU).
+    * ``small``: for a shared or slow CPU. Multi30k: the nouns ``cpu`` sizes (d_model 128, 2+2 layers, 4 heads, FFN
+      512), BPE 8k, ~1k-token batches, fp32, Adam lr 1e-3, 200 warm-up steps then linear decay to 0 at the end of
+      20 minutes per row (run with ``--threads 1`` on shared cores). Nouns: the same as ``cpu``.
     * ``base``: the papers' Transformer-base sizes (d_model 512, 6+6, 8 heads, FFN 2048) for a GPU, by steps.
     * ``tiny``: d_model 32, a few steps, a few test sentences: checks the pipeline in seconds, learns nothing.
 
@@ -41,7 +44,7 @@ import sys
 import time
 
 TASKS = ("multi30k", "nouns")
-PRESET_NAMES = ("cpu", "base", "tiny")
+PRESET_NAMES = ("cpu", "small", "base", "tiny")
 
 
 @dataclasses.dataclass
@@ -104,6 +107,12 @@ TINY = Recipe(dims=dict(d_model=32, encoder_layers=1, decoder_layers=1, encoder_
               minutes=None, max_steps=3, max_tokens=256, learning_rate=1e-3, warmup_steps=2, eval_batch_size=8,
               eval_size=8, max_length=32, max_examples=2000)
 PRESETS["multi30k"]["tiny"] = TINY
+# "small": for a shared or slow CPU (on 2 cores shared with other jobs, 2026-11-25, the cpu preset's marian row made
+# 95 steps in 35 minutes, BLEU 0.02): the nouns cpu preset's sizes, ~1k-token batches, fp32, 20 minutes per row
+PRESETS["multi30k"]["small"] = dataclasses.replace(
+    PRESETS["multi30k"]["cpu"], dims=dict(PRESETS["nouns"]["cpu"].dims), rnn=dict(PRESETS["nouns"]["cpu"].rnn),
+    minutes=20.0, max_tokens=1024, learning_rate=1e-3, warmup_steps=200, bf16=False)
+PRESETS["nouns"]["small"] = PRESETS["nouns"]["cpu"]  # already that size
 PRESETS["nouns"]["tiny"] = dataclasses.replace(TINY, tokenizer=dict(kind="char", vocab_size=300, min_frequency=1))
 
 
