@@ -2,9 +2,10 @@
 
 The workflow of a user with an opus-mt checkpoint, measured on Multi30k en-de. ``--source`` is a MarianMTModel (or
 BART / mBART / M2M100) folder holding its tokenizer, by default the ``marian`` row trained by ``python
-benchmarks/reproduce.py --task multi30k --preset cpu --rows marian --threads 2 --output-dir
-outputs/reproduce/multi30k-cpu-bf16-35min-marian`` (the ``cpu`` preset: 35 minutes of bf16 training). Scored (BLEU
-of beam 4 on test_2016_flickr, as the reproduction table scores):
+benchmarks/reproduce.py --task multi30k --preset small --rows marian --threads 1 --output-dir
+outputs/reproduce/multi30k-small-marian`` (the ``small`` preset: d_model 128, 20 minutes of fp32 training; on an idle
+machine ``--preset cpu`` gives the d_model-256 35-minute row, then pass ``--preset cpu`` here too). Scored (BLEU of
+beam 4 on test_2016_flickr, as the reproduction table scores):
 
 * ``source``: the source model itself;
 * ``soft``: ``hf_hardattn.convert(source, "soft_transformer")``, which must translate exactly as the source (the JSON
@@ -26,9 +27,10 @@ random state restored), so the score at N does not depend on the other N asked f
 Decoding speed, at the end and in this one process: every model of ``--speed-models`` decodes the test set at beam 4
 (batch 64, free length: what the BLEU run decodes) and a batch of 64 test sentences with the length forced to 30 new
 tokens (``training.decode_speed``), model after model, for ``--speed-rounds`` rounds; the medians are reported,
-with the load averages seen before and after.
+with the load averages seen before and after. ``--speed-forced-only`` skips the test-set rounds (then each row's
+test-set speed is the one timing of its scoring run).
 
-    python benchmarks/pretrained_hard.py --threads 2 --results benchmarks/results/pretrained_hard_NAME
+    python benchmarks/pretrained_hard.py --threads 1 --results benchmarks/results/pretrained_hard_NAME
 
 Writes RESULTS.json (every row, the command, the machine) and RESULTS.md (the tables); the fine-tuned models (with
 the tokenizer) go to ``--output-dir``/models.
@@ -51,7 +53,7 @@ from hf_hardattn.gaussian import GaussianConfig
 from hf_hardattn.reproduce import PRESETS, batch_size_for, evaluate, load_task
 from hf_hardattn.training import check_bf16, decode_speed, machine, tokenize_dataset, train_seq2seq, translate
 
-DEFAULT_SOURCE = "outputs/reproduce/multi30k-cpu-bf16-35min-marian/models/marian"
+DEFAULT_SOURCE = "outputs/reproduce/multi30k-small-marian/models/marian"
 ROLES = ("encoder_attention", "decoder_attention", "cross_attention")
 TARGETS = {  # row name -> (model_type, attention kinds); hard_retrieval_transformer's defaults are decoder self + cross
     "hard": ("hard_retrieval_transformer", dict(decoder_attention="hard_retrieval", cross_attention="hard_retrieval")),
@@ -210,7 +212,7 @@ def parse_args(argv):
                                                                  "holding its tokenizer")
     parser.add_argument("--data", default=None, help="a folder of {train,test_2016_flickr}.{en,de}[.gz] (default "
                                                      "../shared/data/multi30k)")
-    parser.add_argument("--preset", choices=sorted(PRESETS["multi30k"]), default="cpu",
+    parser.add_argument("--preset", choices=sorted(PRESETS["multi30k"]), default="small",
                         help="the Multi30k recipe whose batches, precision, label smoothing and scoring are used")
     parser.add_argument("--precision", choices=("bf16", "fp32"), default=None, help="override the preset's")
     parser.add_argument("--eval-size", type=int, default=None, help="override the preset's number of test examples")
