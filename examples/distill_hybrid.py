@@ -4,14 +4,21 @@ decoding speed (hybrid paper, Sec. 2.2 and Table 2) on Multi30k En-De.
 Stages:
 1. joint BPE tokenizer; soft Transformer teacher trained with MLE;
 2. hybrid student pre-trained with MLE on the original data (the paper's first stage);
-3. sequence-level KD: the teacher translates the training sources (beam search, resumable shards);
-4. the student is fine-tuned on the distilled data with Eq. 1 (NLL + lambda * KL(teacher || student) per token);
-5. BLEU (sacrebleu, beam 4) of teacher, hybrid (MLE) and hybrid + KD, and their decoding speed (beam 4, 30 forced
-   tokens, same test batch).
+3. sequence-level KD data: the teacher translates the training sources (beam search, resumable shards); the
+   original targets are kept as references;
+4. the MLE student is fine-tuned with the stage-2 objective of each ``--kd-scheme`` (``hf_hardattn.distill``),
+   each from the same MLE checkpoint and with the same budget: ``eq1_sequence`` (default, the paper's Eq. 1:
+   reference NLL + lambda * NLL of the teacher's beam output, Kim & Rush's sequence-level KL), ``eq1_word`` (Eq. 1
+   with the per-token KL along the reference), ``sequence_word`` (not Eq. 1: the teacher's output replaces the
+   reference, NLL + lambda * per-token KL along it; this script's scheme before #42), ``sequence_only`` (not Eq. 1:
+   MLE on the teacher's outputs only);
+5. BLEU (sacrebleu, beam 4) of teacher, hybrid (MLE) and each hybrid + KD, and their decoding speed (beam 4, 30
+   forced tokens, same test batch).
 
     python examples/distill_hybrid.py                 # small models, CPU, about 30 minutes
     python examples/distill_hybrid.py --max-steps 5 --train-examples 200 --test-examples 20   # smoke test
     python examples/distill_hybrid.py --paper         # paper sizes: 6-6 teacher d512; hybrid 6-1, GRU 1024 (GPU)
+    python examples/distill_hybrid.py --kd-scheme sequence_word eq1_sequence --kd-steps 200   # side by side
 
 Needs the Multi30k files (``hf_hardattn.data.multi30k``: $HF_HARDATTN_MULTI30K or ../shared/data/multi30k).
 """
@@ -24,14 +31,13 @@ import os
 import time
 
 import torch
-from transformers import DataCollatorForSeq2Seq, PrinterCallback, ProgressCallback, Seq2SeqTrainingArguments
 
 from hf_hardattn import (HybridConfig, HybridForConditionalGeneration, SoftTransformerConfig,
                          SoftTransformerForConditionalGeneration)
 from hf_hardattn.data import multi30k
-from hf_hardattn.distill import DistillationTrainer, translate_dataset
+from hf_hardattn.distill import KD_SCHEME_LABELS, KD_SCHEMES, train_kd_stage, translate_dataset
 from hf_hardattn.tokenization import train_tokenizer
-from hf_hardattn.training import ProgressBar, TimeBudget, bleu, decode_speed, tokenize_dataset, train_seq2seq
+from hf_hardattn.training import bleu, decode_speed, machine, tokenize_dataset, train_seq2seq
 
 SIZES = {
     # small: trains visibly in minutes on 2 CPU cores
@@ -56,28 +62,17 @@ def special_ids(tokenizer):
                 eos_token_id=tokenizer.eos_token_id, decoder_start_token_id=tokenizer.bos_token_id)
 
 
-def kd_finetune(student, teacher, tokenizer, train, args, output_dir):
-    """Eq. 1 fine-tuning (DistillationTrainer) with the same optimiser recipe as train_seq2seq."""
-    steps = args.max_steps if args.max_steps is not None else 10**9
-    training_args = Seq2SeqTrainingArguments(
-        output_dir=output_dir, per_device_train_batch_size=args.batch_size, learning_rate=args.kd_learning_rate,
-        adam_beta1=0.9, adam_beta2=0.98, adam_epsilon=1e-9, max_grad_norm=1.0, lr_scheduler_type="constant_with_warmup",
-        warmup_steps=min(100, steps), max_steps=steps, logging_steps=25, save_strategy="no", report_to=[],
-        train_sampling_strategy="group_by_length", dataloader_num_workers=0, disable_tqdm=True,
-        use_cpu=not torch.cuda.is_available(), seed=args.seed,
-    )
-    budget = TimeBudget(args.kd_minutes)
-    trainer = DistillationTrainer(
-        model=student.train(), args=training_args, train_dataset=train, processing_class=tokenizer,
-        data_collator=DataCollatorForSeq2Seq(tokenizer, model=student, label_pad_token_id=-100),
-        teacher_model=teacher, kd_lambda=args.kd_lambda, callbacks=[budget],
-    )
-    trainer.remove_callback(PrinterCallback)
-    trainer.remove_callback(ProgressCallback)
-    trainer.add_callback(ProgressBar(budget, desc="KD (Eq. 1) hybrid"))
-    trainer.train()
-    student.eval()
-    return trainer
+def kd_finetune(student, teacher, tokenizer, distilled, scheme, args, output_dir):
+    """Stage 2 with ``scheme`` (hf_hardattn.distill.train_kd_stage), the same optimiser recipe for every scheme:
+    constant learning rate after a short warm-up, ``--kd-minutes`` and/or ``--kd-steps``."""
+    steps = args.kd_steps if args.kd_steps is not None else args.max_steps
+    runs_teacher, has_lambda = KD_SCHEMES[scheme][2:]
+    return train_kd_stage(student, tokenizer, distilled, kd_scheme=scheme,
+                          kd_lambda=args.kd_lambda if has_lambda else None,
+                          teacher_model=teacher if runs_teacher else None, max_length=64, output_dir=output_dir,
+                          minutes=args.kd_minutes, max_steps=steps, batch_size=args.batch_size,
+                          learning_rate=args.kd_learning_rate, lr_scheduler="constant_with_warmup",
+                          warmup_steps=min(100, steps or 100), seed=args.seed, logging_steps=25)
 
 
 def main(argv=None):
@@ -94,6 +89,9 @@ def main(argv=None):
     parser.add_argument("--learning-rate", type=float, default=1e-3)
     parser.add_argument("--kd-learning-rate", type=float, default=3e-4)
     parser.add_argument("--kd-lambda", type=float, default=1.0, help="lambda of Eq. 1 (paper: 1)")
+    parser.add_argument("--kd-scheme", nargs="+", default=["eq1_sequence"], choices=list(KD_SCHEMES),
+                        help="stage-2 objective(s), each fine-tuned from the same MLE student (hf_hardattn.distill)")
+    parser.add_argument("--kd-steps", type=int, default=None, help="stage-2 steps (default: --max-steps)")
     parser.add_argument("--rnn-attention", default="additive", choices=["additive", "dot", "multihead"])
     parser.add_argument("--kd-beams", type=int, default=4, help="teacher beam for sequence-level KD")
     parser.add_argument("--threads", type=int, default=None)
@@ -144,15 +142,23 @@ def main(argv=None):
     # -- 3. sequence-level KD data (resumable: rerunning skips finished shards) ----------------------------------------
     distilled = translate_dataset(teacher, tokenizer, train_raw, os.path.join(args.output_dir, "kd_data"),
                                   num_beams=args.kd_beams, batch_size=64, shard_size=1000, max_new_tokens=64)
-    kd_train = tokenize_dataset(distilled, tokenizer, max_length=64)
 
-    # -- 4. Eq. 1 fine-tuning on the distilled data --------------------------------------------------------------------
-    trainer = kd_finetune(student, teacher, tokenizer, kd_train, args, os.path.join(args.output_dir, "trainer", "kd"))
-    student.save_pretrained(os.path.join(args.output_dir, "hybrid_kd"))
-    log(f"KD fine-tuning: {trainer.state.global_step} steps, last parts {trainer.kd_parts}")
+    # -- 4. stage 2 from the same MLE student, one run per scheme -----------------------------------------------------
+    models = {"teacher (soft Transformer)": teacher, "hybrid (MLE)": mle_student}
+    stage2 = {}
+    for scheme in dict.fromkeys(args.kd_scheme):
+        student = HybridForConditionalGeneration.from_pretrained(os.path.join(args.output_dir, "hybrid_mle"))
+        torch.manual_seed(args.seed)
+        start = time.perf_counter()
+        trainer = kd_finetune(student, teacher, tokenizer, distilled, scheme, args,
+                              os.path.join(args.output_dir, "trainer", f"kd_{scheme}"))
+        student.save_pretrained(os.path.join(args.output_dir, f"hybrid_kd_{scheme}"))
+        stage2[scheme] = dict(steps=trainer.state.global_step, minutes=round((time.perf_counter() - start) / 60, 2),
+                              last_parts=trainer.kd_parts, label=KD_SCHEME_LABELS[scheme])
+        log(f"KD fine-tuning ({scheme}): {stage2[scheme]}")
+        models[f"hybrid + KD ({scheme})"] = student.eval()
 
     # -- 5. BLEU + speed -----------------------------------------------------------------------------------------------
-    models = {"teacher (soft Transformer)": teacher, "hybrid (MLE)": mle_student, "hybrid + KD": student}
     batch = tokenizer(test["source"][:32], padding=True, return_tensors="pt")
     results = {}
     for name, model in models.items():
@@ -169,7 +175,7 @@ def main(argv=None):
     for name, r in results.items():
         log(f"| {name} | {r['layers']} | {r['params'] / 1e6:.1f}M | {r['bleu']} | {r['sentences_per_s']} | "
             f"{r['sentences_per_s'] / base:.2f}x |")
-    summary = dict(settings=vars(args), results=results, minutes=round((time.perf_counter() - start_all) / 60, 1))
+    summary = dict(settings=vars(args), machine=machine(), results=results, stage2=stage2, minutes=round((time.perf_counter() - start_all) / 60, 1))
     with open(os.path.join(args.output_dir, "results.json"), "w") as handle:
         json.dump(summary, handle, indent=2)
     log(f"\ntotal {summary['minutes']} min; saved models, KD data and results.json in {args.output_dir}")

@@ -26,6 +26,14 @@ ATTENTION_KINDS = {
     "gaussian": ("encoder", "decoder", "cross"),
     "recurrent": ("cross",),
 }
+# The settings a kind reads from any config that uses it (a plain HardAttnConfig too, where the kind's defaults apply):
+# such keys are no unknown keys there. Kept equal to the variants' own config fields by a test.
+KIND_SETTINGS = {
+    "gaussian": ("gaussian_implementation", "gaussian_sigma", "gaussian_window", "length_ratio", "cross_attention_heads",
+                 "encoder_offsets", "decoder_offsets", "cross_offsets"),
+    "recurrent": ("recurrent_variant", "continuity_window", "continuity_lambda", "coverage_lambda",
+                  "recurrent_context_norm"),
+}
 ROLES = {  # role -> (config field, field holding the number of layers of that role)
     "encoder": ("encoder_attention", "encoder_layers"),
     "decoder": ("decoder_attention", "decoder_layers"),
@@ -136,10 +144,17 @@ class HardAttnConfig(PreTrainedConfig):
 
     def check_unknown_keys(self, kwargs):
         """A key that is no field of this config is kept by transformers as an attribute nothing reads: one that is
-        close to a field (a misspelling, ``cross_atention``) is an error naming both, any other a warning."""
+        close to a field (a misspelling, ``cross_atention``) is an error naming both, any other a warning. The
+        settings of a kind the config uses (``KIND_SETTINGS``, e.g. ``length_ratio`` with Gaussian cross-attention)
+        are read by that kind and pass."""
         fields = set(self.__dataclass_fields__)
+        used = set()
+        for role in ROLES.values():
+            value = getattr(self, role[0], None)
+            used.update([value] if isinstance(value, str) else list(value or []))
+        read = {key for kind in used for key in KIND_SETTINGS.get(kind, ())}
         for key in kwargs:
-            if key in fields or key in self.KNOWN_EXTRA_KEYS:
+            if key in fields or key in self.KNOWN_EXTRA_KEYS or key in read:
                 continue
             close = difflib.get_close_matches(key, fields, n=1, cutoff=0.85)
             if close:

@@ -158,8 +158,9 @@ def _target_classes(model_type):
             f"`model_type`={model_type!r} cannot be converted to: its decoder is a GRU, which no weight of a "
             f"Transformer decoder maps to (only the encoder would be kept). Distil it instead, with the converted soft model as "
             f"teacher: `hf-hardattn convert SRC TEACHER --model-type soft_transformer`, then `hf-hardattn distill "
-            f"--teacher TEACHER --data DATA --out KD` and train the {model_type} model on KD's targets "
-            f"(examples/distill_hybrid.py; word-level KD: hf_hardattn.distill.DistillationTrainer). Allowed "
+            f"--teacher TEACHER --data DATA --out KD` and train the {model_type} model with the references and KD's "
+            f"targets (the hybrid paper's two stages and Eq. 1: hf_hardattn.distill.train_two_stage; "
+            f"examples/distill_hybrid.py). Allowed "
             f"`model_type`: {sorted(set(types) - set(GRU_DECODER_TYPES))}.")
     if model_type not in types:
         raise ValueError(f"`model_type` must be one of {sorted(set(types) - set(GRU_DECODER_TYPES))}, got "

@@ -2,6 +2,10 @@
 
 * :func:`load_parallel` reads a sentence-aligned pair of files ``{split}.{src}`` / ``{split}.{tgt}`` (or ``.gz``);
 * :func:`multi30k` is ``load_parallel`` on the Multi30k En-De folder (``train``, ``val``, ``test_2016_flickr``);
+* :func:`load_split` reads a user's split from one spec string (what ``hf-hardattn train --train/--validation/--test``
+  take): a file prefix (``PREFIX.{src}`` / ``PREFIX.{tgt}``, fairseq's convention), a TSV file with a header, a JSON
+  Lines file, or a ``datasets`` dataset (``hf:NAME[:CONFIG]:SPLIT``, or a folder saved by ``save_to_disk``), with
+  named columns or transformers' ``{"translation": {src: ..., tgt: ...}}`` rows (run_translation.py's format);
 * :func:`german_nouns` builds a small, offline character-level task from the ``german-nouns`` package (Wiktionary
   noun paradigms): inflect a lemma for a case and number.
 
@@ -58,6 +62,103 @@ def load_parallel(folder, split: str, src: str = "en", tgt: str = "de") -> datas
         raise ValueError(f"load_parallel: {paths[src]} has {len(source)} lines but {paths[tgt]} has {len(target)}; "
                          "the files must be sentence-aligned.")
     return datasets.Dataset.from_dict({"source": source, "target": target})
+
+
+def _pairs_from_rows(rows, where, source_column, target_column, src, tgt):
+    """(sources, targets) from dict rows: named columns, else columns named by the languages, else a "translation"
+    dict keyed by the languages."""
+    sources, targets = [], []
+    for number, row in enumerate(rows, 1):
+        if not isinstance(row, dict):
+            raise ValueError(f"{where}: row {number} is a {type(row).__name__}, not an object with named columns.")
+        if source_column or target_column or (src in row and tgt in row):
+            pair = (row.get(source_column or src), row.get(target_column or tgt))
+            names = (source_column or src, target_column or tgt)
+        elif isinstance(row.get("translation"), dict):
+            pair = (row["translation"].get(src), row["translation"].get(tgt))
+            names = (f"translation.{src}", f"translation.{tgt}")
+        else:
+            raise ValueError(f"{where}: row {number} has neither the columns {src!r} / {tgt!r} (or --source-column / "
+                             f"--target-column) nor a 'translation' object; its keys: {sorted(row)}.")
+        for name, value in zip(names, pair):
+            if not isinstance(value, str):
+                raise ValueError(f"{where}: row {number} has no text in column {name!r} (got {value!r}).")
+        sources.append(pair[0])
+        targets.append(pair[1])
+    return sources, targets
+
+
+def load_split(spec: str, src: str, tgt: str, source_column: str | None = None, target_column: str | None = None,
+               allow_empty: bool = False) -> datasets.Dataset:
+    """One split of the user's data as a Dataset with columns "source" and "target", from ``spec``:
+
+    * ``PREFIX``: the files ``PREFIX.{src}`` and ``PREFIX.{tgt}`` (each optionally ``.gz``), one sentence a line;
+    * ``FILE.tsv[.gz]``: tab-separated with a header row; the columns ``source_column`` / ``target_column``
+      (default: the columns named ``src`` / ``tgt``);
+    * ``FILE.jsonl[.gz]``: one JSON object a line, with those columns or a ``"translation"`` object keyed by language;
+    * ``hf:NAME[:CONFIG]:SPLIT``: ``datasets.load_dataset(NAME, CONFIG, split=SPLIT)`` (offline: a local path or the
+      cache), same columns; a folder written by ``Dataset.save_to_disk`` loads too.
+
+    Refused with the spec named: a spec that matches none of these, files of different lengths, a row without text,
+    an empty sentence on either side (unless ``allow_empty``), no rows at all. Nothing is dropped or cut silently."""
+    if not isinstance(spec, str) or not spec:
+        raise ValueError(f"the data spec must be a non-empty string, got {spec!r}.")
+    lower = spec.lower()
+    if lower.endswith((".tsv", ".tsv.gz")):
+        if not os.path.isfile(spec):
+            raise FileNotFoundError(f"{spec!r}: no such TSV file.")
+        lines = _read_lines(spec)
+        reader = csv.DictReader(lines, delimiter="\t", quoting=csv.QUOTE_NONE)
+        sources, targets = _pairs_from_rows(reader, spec, source_column, target_column, src, tgt)
+    elif lower.endswith((".jsonl", ".jsonl.gz")):
+        import json
+
+        if not os.path.isfile(spec):
+            raise FileNotFoundError(f"{spec!r}: no such JSON Lines file.")
+        rows = []
+        for number, line in enumerate(_read_lines(spec), 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as error:
+                    raise ValueError(f"{spec!r}: line {number} is not JSON ({error}).") from error
+        sources, targets = _pairs_from_rows(rows, spec, source_column, target_column, src, tgt)
+    elif spec.startswith("hf:") or os.path.isfile(os.path.join(spec, "dataset_info.json")):
+        if spec.startswith("hf:"):
+            parts = spec[3:].split(":")
+            if len(parts) not in (2, 3) or not all(parts):
+                raise ValueError(f"{spec!r}: a datasets spec is hf:NAME:SPLIT or hf:NAME:CONFIG:SPLIT.")
+            name, config, split = parts[0], (parts[1] if len(parts) == 3 else None), parts[-1]
+            try:
+                dataset = datasets.load_dataset(name, config, split=split)
+            except Exception as error:  # datasets raises many kinds (offline, missing config, ...)
+                raise ValueError(f"{spec!r}: datasets.load_dataset({name!r}, {config!r}, split={split!r}) failed: "
+                                 f"{' '.join(str(error).split())[:300]}") from error
+        else:
+            dataset = datasets.load_from_disk(spec)
+        sources, targets = _pairs_from_rows(iter(dataset), spec, source_column, target_column, src, tgt)
+    else:
+        paths = {lang: next((p for p in (f"{spec}.{lang}", f"{spec}.{lang}.gz") if os.path.isfile(p)), None)
+                 for lang in (src, tgt)}
+        if None in paths.values():
+            missing = [f"{spec}.{lang}[.gz]" for lang, path in paths.items() if path is None]
+            raise FileNotFoundError(
+                f"{spec!r} is not a data spec: no {', '.join(missing)}; allowed: PREFIX (PREFIX.{src} and "
+                f"PREFIX.{tgt}, one sentence a line, .gz allowed), FILE.tsv, FILE.jsonl, hf:NAME[:CONFIG]:SPLIT, or a "
+                f"save_to_disk folder.")
+        sources, targets = _read_lines(paths[src]), _read_lines(paths[tgt])
+        if len(sources) != len(targets):
+            raise ValueError(f"{paths[src]} has {len(sources)} lines but {paths[tgt]} has {len(targets)}; the files "
+                             f"must be sentence-aligned.")
+    if not sources:
+        raise ValueError(f"{spec!r} holds no sentence pairs.")
+    if not allow_empty:
+        for number, (source, target) in enumerate(zip(sources, targets), 1):
+            if not source.strip() or not target.strip():
+                side = "source" if not source.strip() else "target"
+                raise ValueError(f"{spec!r}: pair {number} has an empty {side} sentence; remove it (empty pairs are "
+                                 f"never dropped silently).")
+    return datasets.Dataset.from_dict({"source": sources, "target": targets})
 
 
 def default_multi30k_root() -> str:

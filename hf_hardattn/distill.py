@@ -1,16 +1,39 @@
-"""Knowledge distillation from a Transformer teacher into a (hybrid) student (hybrid paper, Sec. 2.2).
+"""Knowledge distillation from a Transformer teacher into a (hybrid) student (hybrid paper, Sec. 2.2, Eq. 1).
 
-* Sequence-level KD (Kim & Rush, 2016): :func:`translate_dataset` translates the source side of a dataset with any
-  teacher ``AutoModelForSeq2SeqLM`` (beam search, batched, tqdm progress bar) and writes a distilled dataset whose
-  "target" is the teacher's output (the original target is kept as "reference"). Work is written shard by shard
-  (atomic renames), so an interrupted run resumes without redoing finished shards.
-  CLI: ``hf-hardattn distill --teacher DIR --data FOLDER --split train --out DIR`` (or ``python -m
-  hf_hardattn.distill ...``).
-* Word-level KD, the paper's Eq. 1: :class:`DistillationTrainer`, a ``Seq2SeqTrainer`` whose loss per target token is
-  NLL(y_t) + lambda * KL(P_teacher(. | y_<t, x) || P_student(. | y_<t, x)) (lambda = 1 in the paper; Eq. 1 maximises
-  log-likelihood minus lambda * KL, we minimise the negation), normalised by the number of target tokens. The
-  teacher is frozen (eval mode, ``requires_grad=False``, run under ``torch.no_grad``). Student and teacher must share
-  the tokenizer (same vocabulary and special token ids); anything else raises a ValueError.
+The paper trains in two stages: (1) MLE on the bilingual data; (2) fine-tuning with Eq. 1, with the teacher fixed:
+
+    L(theta_s) = sum_n log P(y^(n) | x^(n); theta_s) - lambda sum_n KL(P(y | x^(n); theta_t) || P(y | x^(n); theta_s))
+
+(lambda = 1; we minimise -L). The KL between the two distributions over whole sequences is intractable, so it is
+approximated; the paper calls its KD sequence-level (Kim & Rush, 2016). ``kd_scheme`` names the objective of stage 2:
+
+* ``"eq1_sequence"`` (default, the paper's choice): Eq. 1 with Kim & Rush's sequence-level approximation.
+  KL(P_t || P_s) = -H(P_t) - E_{y ~ P_t} log P_s(y); the entropy does not depend on the student, and P_t is replaced
+  by a point mass on the teacher's beam output y_hat, so KL ~ -log P_s(y_hat) + const and the loss is
+  NLL(reference) + lambda * NLL(y_hat) (:func:`sequence_kd_loss`).
+* ``"eq1_word"``: Eq. 1 with a word-level approximation: the KL summed over the positions of the reference,
+  sum_t KL(P_t(. | y_<t, x) || P_s(. | y_<t, x)) along the reference prefix y_<t (:func:`kd_loss`; the teacher
+  model runs during training).
+* ``"sequence_word"``: not Eq. 1: the teacher's beam output replaces the reference (no reference term), loss
+  NLL(y_hat) + lambda * the word-level KL along y_hat's prefix. ``examples/distill_hybrid.py`` used this before
+  #42 (its reported "hybrid + KD" row).
+* ``"sequence_only"``: not Eq. 1: pure sequence-level KD, ordinary training (the model's own loss, with its label
+  smoothing) on the teacher's beam outputs only. The ``hybrid_*_kd`` rows of ``benchmarks/reproduce.py``, which also
+  skip stage 1 (they train from scratch).
+
+Every loss is a sum over target tokens divided by the number of target tokens of the batch's ``labels`` (the
+reference for the Eq. 1 schemes; under gradient accumulation, ``num_items_in_batch``). The Eq. 1 schemes use the
+plain likelihood (no label smoothing), as Eq. 1.
+
+* :func:`translate_dataset`: the sequence-level KD data: the teacher's beam outputs ("target") beside the original
+  targets ("reference"); resumable shards. CLI: ``hf-hardattn distill --teacher DIR --data FOLDER --split train
+  --out DIR`` (or ``python -m hf_hardattn.distill ...``).
+* :func:`tokenize_kd_dataset`: that dataset -> the model inputs a scheme needs.
+* :class:`DistillationTrainer`: a ``Seq2SeqTrainer`` with the scheme's loss; the teacher (``eq1_word`` and
+  ``sequence_word``) is frozen (eval mode, ``requires_grad=False``, run under ``torch.no_grad``) and must share the
+  student's tokenizer.
+* :func:`train_two_stage`: the paper's schedule (MLE on the references, then the scheme); :func:`train_kd_stage`:
+  stage 2 alone.
 
 Tooling (not runtime code): may import datasets / tqdm.
 """
@@ -24,18 +47,55 @@ import os
 import sys
 
 import torch
-from transformers import Seq2SeqTrainer
+
+from .training import Seq2SeqLengthTrainer, tokenize_dataset, train_seq2seq
+
+from .safe_io import write_json_atomic
 
 MANIFEST = "kd_manifest.json"
 
+# scheme -> (uses the reference, uses the teacher's beam output, runs the teacher model, has lambda)
+KD_SCHEMES = {
+    "eq1_sequence": (True, True, False, True),
+    "eq1_word": (True, False, True, True),
+    "sequence_word": (False, True, True, True),
+    "sequence_only": (False, True, False, False),
+}
+DEFAULT_KD_SCHEME = "eq1_sequence"
+KD_SCHEME_LABELS = {
+    "eq1_sequence": "Eq. 1 (reference NLL + lambda * NLL of the teacher's beam output: sequence-level KL)",
+    "eq1_word": "Eq. 1 (reference NLL + lambda * per-token KL along the reference: word-level KL)",
+    "sequence_word": "not Eq. 1: teacher's beam output NLL + lambda * per-token KL along it (no reference term)",
+    "sequence_only": "sequence-level KD only, not Eq. 1 (trained on the teacher's beam outputs, no reference term)",
+}
+
+
+def check_kd_scheme(kd_scheme) -> str:
+    if kd_scheme not in KD_SCHEMES:
+        raise ValueError(f"`kd_scheme` must be one of {list(KD_SCHEMES)}, got {kd_scheme!r}.")
+    return kd_scheme
+
 
 # ----------------------------------------------------------------------------------------------------------------
-# Eq. 1 loss
+# Losses
 # ----------------------------------------------------------------------------------------------------------------
+def _wide(logits):
+    """fp32 for half-precision logits (bf16 autocast), float64 kept."""
+    return logits if logits.dtype == torch.float64 else logits.float()
+
+
+def _token_nll(logits, labels):
+    """-log P(y_t) per position (0 where labels == -100)."""
+    log_probs = torch.log_softmax(_wide(logits), dim=-1)
+    nll = -log_probs.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return torch.where(labels != -100, nll, 0.0)
+
+
 def kd_loss(student_logits, teacher_logits, labels, kd_lambda: float = 1.0, num_items_in_batch=None,
             return_parts: bool = False):
-    """Eq. 1, negated and per token: sum over target tokens (labels != -100) of
-    -log P_s(y_t) + kd_lambda * KL(P_t || P_s), divided by ``num_items_in_batch`` (or the number of target tokens).
+    """Word-level KD (``eq1_word`` on reference labels, ``sequence_word`` on the teacher's output): sum over target
+    tokens (labels != -100) of -log P_s(y_t) + kd_lambda * KL(P_t(. | y_<t, x) || P_s(. | y_<t, x)), divided by
+    ``num_items_in_batch`` (or the number of target tokens).
 
     KL(P_t || P_s) = sum_v P_t(v) (log P_t(v) - log P_s(v)); terms with P_t(v) = 0 count 0. With ``return_parts``
     also returns the (normalised) NLL and KL sums."""
@@ -47,15 +107,33 @@ def kd_loss(student_logits, teacher_logits, labels, kd_lambda: float = 1.0, num_
             "`teacher_model` must share the student's tokenizer/vocabulary (same vocabulary size)."
         )
     mask = labels != -100
-    log_student = torch.log_softmax(student_logits.float(), dim=-1)
-    log_teacher = torch.log_softmax(teacher_logits.float(), dim=-1)
-    nll = -log_student.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    log_student = torch.log_softmax(_wide(student_logits), dim=-1)
+    log_teacher = torch.log_softmax(_wide(teacher_logits).to(log_student.dtype), dim=-1)
+    nll = _token_nll(student_logits, labels)
     p_teacher = log_teacher.exp()
     kl = torch.where(p_teacher > 0, p_teacher * (log_teacher - log_student), 0.0).sum(-1)
     denominator = mask.sum() if num_items_in_batch is None else num_items_in_batch
+    # an all-ignored batch (every label -100) gives 0, not 0 / 0 = NaN
+    denominator = denominator.clamp(min=1) if isinstance(denominator, torch.Tensor) else max(denominator, 1)
     nll_sum, kl_sum = nll[mask].sum() / denominator, kl[mask].sum() / denominator
     loss = nll_sum + kd_lambda * kl_sum
     return (loss, nll_sum, kl_sum) if return_parts else loss
+
+
+def sequence_kd_loss(reference_logits, labels, teacher_output_logits, teacher_labels, kd_lambda: float = 1.0,
+                     num_items_in_batch=None, return_parts: bool = False):
+    """Eq. 1, negated, with the sequence-level approximation of its KL (``eq1_sequence``):
+    sum_n [-log P_s(y^(n) | x^(n)) + kd_lambda * -log P_s(y_hat^(n) | x^(n))] with y the reference (``labels``) and
+    y_hat the teacher's beam output (``teacher_labels``), both as token sums, divided by ``num_items_in_batch`` (or
+    the number of reference tokens), so that lambda weighs the two sentence-level sums as in Eq. 1. With
+    ``return_parts`` also returns the (normalised) reference NLL and the KD term (its NLL of y_hat)."""
+    if not kd_lambda >= 0:
+        raise ValueError(f"`kd_lambda` must be >= 0, got {kd_lambda!r}.")
+    denominator = (labels != -100).sum() if num_items_in_batch is None else num_items_in_batch
+    reference = _token_nll(reference_logits, labels).sum() / denominator
+    kd_term = _token_nll(teacher_output_logits, teacher_labels).sum() / denominator
+    loss = reference + kd_lambda * kd_term
+    return (loss, reference, kd_term) if return_parts else loss
 
 
 def _special_ids(config):
@@ -84,47 +162,162 @@ def check_compatible(student, teacher, student_tokenizer=None, teacher_tokenizer
                              f"vocabularies (e.g. {differing}); KD needs one shared tokenizer.")
 
 
-class DistillationTrainer(Seq2SeqTrainer):
-    """``Seq2SeqTrainer`` with the hybrid paper's Eq. 1 objective: NLL + ``kd_lambda`` * KL(teacher || student) per
-    target token. Extra arguments: ``teacher_model`` (required; frozen here), ``kd_lambda`` (default 1.0),
-    ``teacher_tokenizer`` (optional; compared with ``processing_class``). Use it like ``Seq2SeqTrainer`` (the data
-    collator may or may not build ``decoder_input_ids``; both models get the same ones). The last training step's
-    loss parts are in ``trainer.kd_parts`` ({"nll", "kl"})."""
+# ----------------------------------------------------------------------------------------------------------------
+# Data and trainer
+# ----------------------------------------------------------------------------------------------------------------
+def tokenize_kd_dataset(distilled, tokenizer, kd_scheme: str = DEFAULT_KD_SCHEME, max_length: int = 128):
+    """The model inputs of ``kd_scheme`` from a :func:`translate_dataset` dataset ("source", "target" = the
+    teacher's beam output, "reference" = the original target): ``labels`` are the reference for the Eq. 1 schemes
+    (``eq1_sequence`` adds ``teacher_labels``, the teacher's output) and the teacher's output for the others."""
+    uses_reference, uses_output, _, _ = KD_SCHEMES[check_kd_scheme(kd_scheme)]
+    if uses_reference and "reference" not in distilled.column_names:
+        raise ValueError(f"`kd_scheme`={kd_scheme!r} needs the reference translations (a 'reference' column, as "
+                         f"translate_dataset writes when the data has targets); columns: {distilled.column_names}.")
+    data = tokenize_dataset(distilled, tokenizer, max_length=max_length,
+                            target_column="reference" if uses_reference else "target")
+    if uses_reference and uses_output:
+        outputs = tokenizer(text_target=list(distilled["target"]), max_length=max_length, truncation=True)
+        data = data.add_column("teacher_labels", outputs["input_ids"])
+    return data
 
-    def __init__(self, *args, teacher_model=None, kd_lambda: float = 1.0, teacher_tokenizer=None, **kwargs):
-        if teacher_model is None:
-            raise ValueError("`teacher_model` is required (a seq2seq model sharing the student's tokenizer).")
+
+class _PadTeacherLabels:
+    """Wraps a data collator: pads ``teacher_labels`` with -100 on the right (the collator pads the rest)."""
+
+    def __init__(self, collator):
+        self.collator = collator
+
+    def __call__(self, features):
+        features = [dict(f) for f in features]
+        rows = [list(f.pop("teacher_labels")) for f in features]
+        batch = self.collator(features)
+        width = max(len(r) for r in rows)
+        batch["teacher_labels"] = torch.tensor([r + [-100] * (width - len(r)) for r in rows], dtype=torch.long)
+        return batch
+
+
+def _pad_right(labels, width):
+    return torch.nn.functional.pad(labels, (0, width - labels.shape[1]), value=-100)
+
+
+class DistillationTrainer(Seq2SeqLengthTrainer):
+    """``Seq2SeqTrainer`` (length-grouped, :class:`~hf_hardattn.training.Seq2SeqLengthTrainer`) whose loss is the
+    ``kd_scheme`` objective of stage 2 (module docstring; default ``"eq1_sequence"``, the paper's Eq. 1).
+
+    Extra arguments: ``kd_scheme``; ``kd_lambda`` (default 1.0, the paper's; refused for ``sequence_only``, which
+    has no lambda); ``teacher_model`` (required by ``eq1_word`` / ``sequence_word``, which run it; refused by the
+    other schemes, which read the teacher's beam outputs from the data); ``teacher_tokenizer`` (optional; compared
+    with ``processing_class``). The training data comes from :func:`tokenize_kd_dataset` with the same scheme
+    (``eq1_sequence`` batches carry ``teacher_labels``). The last training step's loss parts are in
+    ``trainer.kd_parts`` ({"nll", "kd"}: the NLL of ``labels`` and the lambda-free KD term)."""
+
+    def __init__(self, *args, kd_scheme: str = DEFAULT_KD_SCHEME, teacher_model=None, kd_lambda=None,
+                 teacher_tokenizer=None, **kwargs):
+        _, _, runs_teacher, has_lambda = KD_SCHEMES[check_kd_scheme(kd_scheme)]
+        if runs_teacher and teacher_model is None:
+            raise ValueError(f"`teacher_model` is required for `kd_scheme`={kd_scheme!r} (a seq2seq model sharing "
+                             "the student's tokenizer).")
+        if not runs_teacher and teacher_model is not None:
+            raise ValueError(f"`teacher_model` is not used by `kd_scheme`={kd_scheme!r}: it reads the teacher's beam "
+                             "outputs from the data (translate_dataset); pass teacher_model=None, or use 'eq1_word' "
+                             "/ 'sequence_word' to run the teacher during training.")
+        if not has_lambda and kd_lambda is not None:
+            raise ValueError(f"`kd_lambda` has no role in `kd_scheme`={kd_scheme!r} (plain training on the teacher's "
+                             f"outputs); got {kd_lambda!r}, pass None.")
+        if kd_lambda is None:
+            kd_lambda = 1.0
         if not (isinstance(kd_lambda, (int, float)) and kd_lambda >= 0):
             raise ValueError(f"`kd_lambda` must be a number >= 0, got {kd_lambda!r}.")
         super().__init__(*args, **kwargs)
-        check_compatible(self.model, teacher_model, self.processing_class, teacher_tokenizer)
-        self.kd_lambda = float(kd_lambda)
-        self.teacher_model = teacher_model.to(self.args.device).eval()
-        self.teacher_model.requires_grad_(False)
-        self.kd_parts = {}
+        self.kd_scheme, self.kd_lambda, self.kd_parts = kd_scheme, float(kd_lambda), {}
+        self.teacher_model = None
+        if runs_teacher:
+            check_compatible(self.model, teacher_model, self.processing_class, teacher_tokenizer)
+            self.teacher_model = teacher_model.to(self.args.device).eval()
+            self.teacher_model.requires_grad_(False)
+        if kd_scheme == "eq1_sequence":
+            self.data_collator = _PadTeacherLabels(self.data_collator)
+
+    def _set_signature_columns_if_needed(self):
+        super()._set_signature_columns_if_needed()
+        if "teacher_labels" not in self._signature_columns:  # keep the column for the collator / loss
+            self._signature_columns.append("teacher_labels")
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if "labels" not in inputs:
-            raise ValueError("DistillationTrainer needs `labels` in every batch (the data targets of Eq. 1).")
+            raise ValueError("DistillationTrainer needs `labels` in every batch (tokenize_kd_dataset).")
+        if self.kd_scheme == "sequence_only":  # ordinary training on the teacher's outputs: the model's own loss
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         inputs = dict(inputs)
         labels = inputs.pop("labels")
-        if inputs.get("decoder_input_ids") is None:
-            inputs["decoder_input_ids"] = self.accelerator.unwrap_model(model).prepare_decoder_input_ids_from_labels(
-                labels)
-        outputs = model(**inputs, use_cache=False)
-        self.teacher_model.eval()  # stays frozen even if someone called .train() on it
-        with torch.no_grad():
-            teacher_logits = self.teacher_model(**inputs, use_cache=False).logits
+        teacher_labels = inputs.pop("teacher_labels", None)
+        prepare = self.accelerator.unwrap_model(model).prepare_decoder_input_ids_from_labels
         # The Trainer divides by the accumulation steps itself unless the model takes loss kwargs (then
         # num_items_in_batch is the token count of the whole accumulated batch): normalise to match.
         scaled = self.model_accepts_loss_kwargs and num_items_in_batch is not None
-        loss, nll, kl = kd_loss(outputs.logits, teacher_logits.to(outputs.logits.device), labels, self.kd_lambda,
-                                num_items_in_batch if scaled else None, return_parts=True)
+        items = num_items_in_batch if scaled else None
+        if self.kd_scheme == "eq1_sequence":
+            if teacher_labels is None:
+                raise ValueError("`kd_scheme`='eq1_sequence' needs `teacher_labels` (the teacher's beam outputs) in "
+                                 "every batch: build the data with tokenize_kd_dataset(..., 'eq1_sequence').")
+            # one forward over [references; teacher outputs], the source batch repeated
+            width = max(labels.shape[1], teacher_labels.shape[1])
+            both = torch.cat([_pad_right(labels, width), _pad_right(teacher_labels, width)])
+            inputs.pop("decoder_input_ids", None)
+            inputs = {k: torch.cat([v, v]) if torch.is_tensor(v) else v for k, v in inputs.items()}
+            outputs = model(**inputs, decoder_input_ids=prepare(both), use_cache=False)
+            ref_logits, out_logits = outputs.logits.split(labels.shape[0])
+            loss, nll, kd = sequence_kd_loss(ref_logits, both[: labels.shape[0]], out_logits,
+                                             both[labels.shape[0]:], self.kd_lambda, items, return_parts=True)
+        else:  # eq1_word (labels: reference) / sequence_word (labels: the teacher's output)
+            if inputs.get("decoder_input_ids") is None:
+                inputs["decoder_input_ids"] = prepare(labels)
+            outputs = model(**inputs, use_cache=False)
+            self.teacher_model.eval()  # stays frozen even if someone called .train() on it
+            with torch.no_grad():
+                teacher_logits = self.teacher_model(**inputs, use_cache=False).logits
+            loss, nll, kd = kd_loss(outputs.logits, teacher_logits.to(outputs.logits.device), labels,
+                                    self.kd_lambda, items, return_parts=True)
         if scaled and self.args.average_tokens_across_devices:
             loss = loss * (self.accelerator.num_processes // self.get_tp_size())
-        self.kd_parts = {"nll": nll.detach().item(), "kl": kl.detach().item()}
+        self.kd_parts = {"nll": nll.detach().item(), "kd": kd.detach().item()}
         outputs["loss"] = loss
         return (loss, outputs) if return_outputs else loss
+
+
+def train_kd_stage(student, tokenizer, distilled, kd_scheme: str = DEFAULT_KD_SCHEME, kd_lambda=None,
+                   teacher_model=None, teacher_tokenizer=None, max_length: int = 128,
+                   output_dir: str = "outputs/kd", **train_kwargs):
+    """Stage 2: train ``student`` on ``distilled`` (:func:`translate_dataset`) with the ``kd_scheme`` objective
+    (:class:`DistillationTrainer`); ``train_kwargs`` go to :func:`~hf_hardattn.training.train_seq2seq` (minutes,
+    max_steps, learning_rate, lr_scheduler, bf16, ...). Returns the trainer."""
+    check_kd_scheme(kd_scheme)
+    data = tokenize_kd_dataset(distilled, tokenizer, kd_scheme, max_length=max_length)
+    return train_seq2seq(student, tokenizer, data, output_dir=output_dir, trainer_class=DistillationTrainer,
+                         trainer_kwargs=dict(kd_scheme=kd_scheme, kd_lambda=kd_lambda, teacher_model=teacher_model,
+                                             teacher_tokenizer=teacher_tokenizer), **train_kwargs)
+
+
+def train_two_stage(student, tokenizer, distilled, kd_scheme: str = DEFAULT_KD_SCHEME, kd_lambda=None,
+                    teacher_model=None, teacher_tokenizer=None, mle: dict | None = None, kd: dict | None = None,
+                    max_length: int = 128, output_dir: str = "outputs/kd"):
+    """The paper's two-stage training (Sec. 2.2): stage 1 maximises the likelihood of the bilingual data (the
+    "reference" column of ``distilled``; the model's own loss), stage 2 fine-tunes the same student with the
+    ``kd_scheme`` objective (default Eq. 1, :func:`train_kd_stage`). ``mle`` / ``kd``: keyword arguments of
+    :func:`~hf_hardattn.training.train_seq2seq` for each stage (its budget, learning rate, ...); ``mle=None`` skips
+    stage 1 (a student trained with MLE already, or the old rows' ``sequence_only`` from scratch). Returns (stage-1
+    trainer or None, stage-2 trainer)."""
+    check_kd_scheme(kd_scheme)
+    first = None
+    if mle is not None:
+        if "reference" not in distilled.column_names:
+            raise ValueError("stage 1 (`mle`) trains on the bilingual data: `distilled` needs its 'reference' column "
+                             f"(translate_dataset of a dataset with targets); columns: {distilled.column_names}.")
+        references = tokenize_dataset(distilled, tokenizer, max_length=max_length, target_column="reference")
+        first = train_seq2seq(student, tokenizer, references, output_dir=os.path.join(str(output_dir), "mle"), **mle)
+    second = train_kd_stage(student, tokenizer, distilled, kd_scheme, kd_lambda, teacher_model, teacher_tokenizer,
+                            max_length, os.path.join(str(output_dir), "kd"), **(kd or {}))
+    return first, second
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -176,8 +369,7 @@ def translate_dataset(teacher, tokenizer, dataset, output_dir, source_column: st
             raise ValueError(f"`output_dir`={str(output_dir)!r} holds a distillation run with other {changed}; use a "
                              "new output_dir (or delete it) to translate with these settings.")
     else:
-        with open(manifest_path, "w") as handle:
-            json.dump(manifest, handle, indent=2)
+        write_json_atomic(manifest_path, manifest)  # a kill never leaves half a manifest (resume would fail on it)
 
     shards = range(0, len(sources), shard_size)
 
@@ -225,16 +417,19 @@ def add_distill_arguments(parser: argparse.ArgumentParser):
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--data", help="folder with {split}.{src}[.gz] / {split}.{tgt}[.gz] line-aligned files")
     source.add_argument("--dataset", help="a datasets.save_to_disk folder with 'source' (and 'target') columns")
-    parser.add_argument("--split", default="train")
-    parser.add_argument("--src", default="en")
-    parser.add_argument("--tgt", default="de")
+    parser.add_argument("--split", default="train", help="split of --data to translate (default train)")
+    parser.add_argument("--src", default="en", help="source language suffix of the --data files (default en)")
+    parser.add_argument("--tgt", default="de", help="target language suffix (kept as the reference; default de)")
     parser.add_argument("--out", required=True, help="output folder (shards, manifest, dataset/)")
-    parser.add_argument("--num-beams", type=int, default=4)
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--shard-size", type=int, default=1000)
-    parser.add_argument("--max-new-tokens", type=int, default=None)
+    parser.add_argument("--num-beams", type=int, default=4, help="the teacher's beam size (default 4)")
+    parser.add_argument("--batch-size", type=int, default=64, help="sentences per generate() call (default 64)")
+    parser.add_argument("--shard-size", type=int, default=1000,
+                        help="sentences per shard written (an interrupted run resumes at the first missing shard)")
+    parser.add_argument("--max-new-tokens", type=int, default=None,
+                        help="output limit (default: 1.5 x the batch's source length + 10)")
     parser.add_argument("--max-examples", type=int, default=None, help="translate only the first N rows")
-    parser.add_argument("--trust-remote-code", action="store_true")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="allow a teacher folder's own modeling code (not needed for hf_hardattn models)")
 
 
 def run_distill(args):
@@ -244,7 +439,11 @@ def run_distill(args):
     from . import MODEL_CLASSES  # noqa: F401  (registers the hf_hardattn model types)
     from .data import load_parallel
 
-    teacher = AutoModelForSeq2SeqLM.from_pretrained(args.teacher, trust_remote_code=args.trust_remote_code).eval()
+    try:
+        teacher = AutoModelForSeq2SeqLM.from_pretrained(args.teacher, trust_remote_code=args.trust_remote_code).eval()
+    except (OSError, ValueError) as error:
+        raise ValueError(f"--teacher={args.teacher!r} does not load as a seq2seq model (a saved folder, or a Hub id "
+                         f"with HF_HUB_OFFLINE=0): {' '.join(str(error).split())[:200]}") from error
     if torch.cuda.is_available():
         teacher = teacher.cuda()
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.teacher)
@@ -269,8 +468,9 @@ def main(argv=None) -> int:
     return 0
 
 
-__all__ = ["kd_loss", "check_compatible", "DistillationTrainer", "translate_dataset", "add_distill_arguments",
-           "run_distill"]
+__all__ = ["KD_SCHEMES", "DEFAULT_KD_SCHEME", "check_kd_scheme", "kd_loss", "sequence_kd_loss", "check_compatible",
+           "tokenize_kd_dataset", "DistillationTrainer", "train_kd_stage", "train_two_stage", "translate_dataset",
+           "add_distill_arguments", "run_distill"]
 
 if __name__ == "__main__":
     sys.exit(main())

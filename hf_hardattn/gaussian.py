@@ -12,9 +12,20 @@ normal density over key positions (Eq. 2):
   (footnote 5); padded keys get weight 0;
 * offsets are given per head (and optionally per layer); a shorter pattern is repeated to fill the heads
   (footnote 12: "we duplicate heads"): encoder (l, r) = (-1, +1), decoder (l, c) = (-1, 0), cross (-1, 0, +1);
-* implementations (Sec. 6.3): ``full`` (the density over every position, the paper's main one), ``conv`` (the
-  density truncated to a window, window 3 -> kernel [0.242, 0.399, 0.242]) and ``index`` (binary kernel: each head
-  copies the value row at its centre).
+* implementations (Sec. 6.3): ``full`` (the density over every position, the paper's main one: a dense [Tq, Tk]
+  weight matrix times the values), ``conv`` (the density truncated to a window, window 3 -> kernel
+  [0.242, 0.399, 0.242]) and ``index`` (binary kernel: each head copies the value row at its centre). ``conv`` and
+  ``index`` never build a [Tq, Tk] matrix: per head, out[i] = sum_{|d| <= r} w(d) V[f(i) + d] (a banded combination
+  of W = 2r + 1 gathered value rows, r = (window - 1) / 2 for conv, 0 for index), each tap cut at the sentence
+  borders, in the future (decoder) and on padding, never renormalised (``band`` and ``banded``).
+* attention dropout (training) is applied to the weights that exist: ``full`` drops entries of the dense matrix,
+  ``conv`` / ``index`` drop each tap of the band, independently with probability p, and scale the kept ones by
+  1 / (1 - p). That is the same distribution of outcomes as dropout on the dense matrix (whose entries off the band
+  are 0 whatever the draw), from other random numbers.
+* ``length_ratio`` (gamma, Sec. 3.2) is None until fitted (:func:`fit_length_ratio`) or given; hard-coded
+  cross-attention refuses to run without it (a silent gamma of 1 puts the heads on the wrong source words whenever
+  source and target lengths differ). Configs saved by earlier versions hold a number (the old default 1.0
+  included) and load and run as before; an unfitted config saves null and refuses again after loading.
 
 Cached decoding (``HardAttnCache``): a step only reads the keys within the heads' reach: ``conv`` its window,
 ``index`` its centre, ``full`` the positions whose density is >= 1e-6 of the peak (|d| <= sigma * sqrt(2 ln 1e6),
@@ -50,7 +61,7 @@ FULL_CUTOFF = 1e-6
 # HardAttnConfig, where the defaults below apply)
 # ----------------------------------------------------------------------------------------------------------------
 def _setting(config, name):
-    defaults = dict(gaussian_implementation="full", gaussian_sigma=1.0, gaussian_window=3, length_ratio=1.0,
+    defaults = dict(gaussian_implementation="full", gaussian_sigma=1.0, gaussian_window=3, length_ratio=None,
                     cross_attention_heads=None, **{OFFSET_FIELDS[r]: DEFAULT_OFFSETS[r] for r in OFFSET_FIELDS})
     return getattr(config, name, defaults[name])
 
@@ -85,10 +96,10 @@ def check_gaussian_settings(config):
     if not _is_int(window) or window < 1 or window % 2 == 0:
         raise ValueError(f"`gaussian_window` must be an odd integer >= 1 (the paper uses 3), got {window!r}.")
     gamma = _setting(config, "length_ratio")
-    if not _is_number(gamma) or not gamma > 0 or not math.isfinite(gamma):
+    if gamma is not None and (not _is_number(gamma) or not gamma > 0 or not math.isfinite(gamma)):
         raise ValueError(
-            f"`length_ratio` (gamma = mean source length / mean target length) must be a positive finite number, "
-            f"got {gamma!r}."
+            f"`length_ratio` (gamma = mean source length / mean target length) must be None (not fitted yet) or a "
+            f"positive finite number, got {gamma!r}."
         )
     heads = _setting(config, "cross_attention_heads")
     if heads is not None and (not _is_int(heads) or heads < 1 or config.d_model % heads):
@@ -183,16 +194,17 @@ class GaussianAttention(nn.Module):
         self.offsets = head_offsets(config, role, layer_idx)
         self.sigma = float(_setting(config, "gaussian_sigma"))
         self.implementation = _setting(config, "gaussian_implementation")
-        self.gamma = float(_setting(config, "length_ratio"))
+        gamma = _setting(config, "length_ratio")
+        self.gamma = None if gamma is None else float(gamma)  # None: not fitted, refused by forward (cross only)
         self.dropout = config.attention_dropout
-        # how far from its centre a head reads during cached decoding (Sec. 6.3 for conv / index)
+        # how far from its centre a head reads (Sec. 6.3 for conv / index; full: during cached decoding only)
         self.radius = {"full": cutoff_radius(self.sigma), "conv": (_setting(config, "gaussian_window") - 1) // 2,
                        "index": 0}[self.implementation]
         # decoder self-attention: value rows of earlier positions a cached step can still reach
         self.lookback = self.radius - min(self.offsets) if role == "decoder" else 0
         self.v_proj = nn.Linear(d_model, d_model)
         self.out_proj = nn.Linear(d_model, d_model)
-        self._weights = {}  # memo of the (constant) weight matrices
+        self._weights = {}  # memo of the (constant) weight matrices and bands
 
     def extra_repr(self):
         return (f"role={self.role}, implementation={self.implementation}, offsets={self.offsets}, sigma={self.sigma}"
@@ -221,29 +233,33 @@ class GaussianAttention(nn.Module):
             weights = weights * (distance.abs() <= self.radius)
         return weights
 
+    def _memo(self, key, compute):
+        """The memoised constant for ``key``; a traced graph computes its constants and leaves the memo alone."""
+        if is_tracing():
+            return compute()
+        found = self._weights.get(key)
+        if found is None:
+            if len(self._weights) > 256:
+                self._weights.clear()
+            found = self._weights[key] = compute()
+        return found
+
     def weights(self, query_start: int, query_length: int, key_start: int, key_length: int, device, dtype):
         """[H, Tq, Tk] weights of queries at positions query_start + [0, Tq) over keys at key_start + [0, Tk), cut at
         the current position for decoder self-attention and never renormalised (footnote 5)."""
-        causal = self.role == "decoder"
         relative = not self.is_cross  # self-attention weights depend only on key - query positions
-        memo_key = ((key_start - query_start) if relative else (query_start, key_start), query_length, key_length,
-                    device, dtype)
-        tracing = is_tracing()  # a traced graph computes them (constants) and leaves the memo alone
-        weights = None if tracing else self._weights.get(memo_key)
-        if weights is None:
+
+        def compute():
             q_pos = torch.arange(query_start, query_start + query_length, device=device)
             k_pos = torch.arange(key_start, key_start + key_length, device=device)
             distance = k_pos.to(torch.float64)[None, None, :] - self.centres(q_pos)[:, :, None]
             weights = self.kernel(distance)
-            if causal:
+            if self.role == "decoder":
                 weights = weights * (k_pos[None, :] <= q_pos[:, None])
-            weights = weights.to(dtype)
-            if tracing:
-                return weights
-            if len(self._weights) > 256:
-                self._weights.clear()
-            self._weights[memo_key] = weights
-        return weights
+            return weights.to(dtype)
+
+        return self._memo(("dense", (key_start - query_start) if relative else (query_start, key_start),
+                           query_length, key_length, device, dtype), compute)
 
     def shifted_weights(self, query_start: int, query_length: int, shift: torch.Tensor, key_length: int, device,
                         dtype):
@@ -253,6 +269,32 @@ class GaussianAttention(nn.Module):
         k_pos = torch.arange(key_length, device=device, dtype=torch.float64)
         distance = k_pos - shift.to(torch.float64)[:, None, None, None] - self.centres(q_pos)[None, :, :, None]
         return self.kernel(distance).to(dtype)
+
+    def band(self, query_start: int, query_length: int, key_start: int, key_length: int, device, dtype,
+             shift: torch.Tensor = None):
+        """The taps of ``conv`` / ``index`` (Sec. 6.3): ``(index, weight)``, each [1 (or B with ``shift``), Tq, H, W].
+        Tap d in [-r, r] of head h for query i reads key f(i) + d (+ the row's left padding ``shift[b]``), at
+        ``index`` (counted from ``key_start``), with weight kernel(d) (conv: N(d; 0, sigma^2), index: 1), or 0 where
+        that key is outside the sentence (outside [key_start, key_start + Tk)) or, for decoder self-attention, after
+        the query (Eq. 2 cut, not renormalised, footnote 5). A 0-weight tap's index is clamped into range."""
+        relative = not self.is_cross
+
+        def compute():
+            q_pos = torch.arange(query_start, query_start + query_length, device=device)
+            taps = torch.arange(-self.radius, self.radius + 1, device=device, dtype=torch.float64)
+            keys = self.centres(q_pos).T[None, :, :, None] + taps  # [1, Tq, H, W] key position f(i) + d
+            if shift is not None:
+                keys = keys + shift.to(torch.float64)[:, None, None, None]
+            local = keys - key_start
+            weight = self.kernel(taps) * ((local >= 0) & (local < key_length))
+            if self.role == "decoder":
+                weight = weight * (keys <= q_pos.to(torch.float64)[:, None, None])
+            return local.clamp(0, key_length - 1).long(), weight.to(dtype)
+
+        if shift is not None:
+            return compute()
+        return self._memo(("band", (key_start - query_start) if relative else (query_start, key_start),
+                           query_length, key_length, device, dtype), compute)
 
     # -- values ----------------------------------------------------------------------------------------------
     def _split(self, x: torch.Tensor) -> torch.Tensor:
@@ -292,12 +334,61 @@ class GaussianAttention(nn.Module):
         low, high = min(max(first, 0), source_length), min(max(last + 1, 0), source_length)
         return values[:, :, low:max(high, low)], query_start, low
 
+    # -- the two computations --------------------------------------------------------------------------------
+    def dense(self, values, mask, query_start, key_start, query_length, shift):
+        """``full``: Eq. 2 as a matrix product, weights [B or 1, H, Tq, Tk] @ values [B, H, Tk, hd]."""
+        batch, _, key_length, _ = values.shape
+        if shift is None:
+            weights = self.weights(query_start, query_length, key_start, key_length, values.device, values.dtype)
+        else:
+            weights = self.shifted_weights(query_start, query_length, shift, key_length, values.device, values.dtype)
+        if mask is not None:  # padded (or otherwise hidden) keys contribute nothing; no renormalisation
+            weights = torch.where(mask, weights, weights.new_zeros(()))
+        if self.training and self.dropout > 0:
+            weights = F.dropout(weights.expand(batch, *weights.shape[-3:]), self.dropout, True)
+        return (weights @ values).transpose(1, 2), lambda: weights.expand(batch, *weights.shape[-3:])
+
+    def banded(self, values, mask, query_start, key_start, query_length, shift):
+        """``conv`` / ``index`` (Sec. 6.3): per head, out[i] = sum_d w(d) V[f(i) + d] over the W taps of :meth:`band`:
+        W value rows gathered per query and combined, memory and time linear in Tq (no [Tq, Tk] matrix)."""
+        batch, heads, key_length, head_dim = values.shape
+        if key_length == 0:  # cached cross-attention past the end of the source: no key within reach
+            zeros = values.new_zeros(batch, query_length, heads, head_dim)
+            return zeros, lambda: values.new_zeros(batch, heads, query_length, 0)
+        index, weight = self.band(query_start, query_length, key_start, key_length, values.device, values.dtype,
+                                  shift)
+        width = index.shape[-1]
+        index, weight = index.expand(batch, -1, -1, -1), weight.expand(batch, -1, -1, -1)
+        if mask is not None:  # a tap on a padded (hidden) key: 0, not renormalised
+            visible = mask.expand(batch, heads, query_length, key_length).transpose(1, 2)  # [B, Tq, H, Tk], a view
+            weight = weight * torch.gather(visible, 3, index)
+        if self.training and self.dropout > 0:  # each tap kept (x 1/(1-p)) or dropped: dense dropout's distribution
+            weight = F.dropout(weight, self.dropout, True)
+        # row (b, k, h) of the values in [B, Tk, H, hd] order (a view of v_proj's output when not cached)
+        rows = (torch.arange(batch, device=index.device)[:, None, None, None] * key_length + index) * heads \
+            + torch.arange(heads, device=index.device)[:, None]
+        gathered = values.transpose(1, 2).reshape(-1, head_dim).index_select(0, rows.reshape(-1))
+        out = (gathered.view(batch, query_length, heads, width, head_dim) * weight[..., None]).sum(3)
+
+        def dense_weights():  # [B, H, Tq, Tk], only for output_attentions
+            return values.new_zeros(batch, query_length, heads, key_length).scatter_add_(3, index, weight) \
+                .transpose(1, 2)
+
+        return out, dense_weights
+
     # -- forward ---------------------------------------------------------------------------------------------
     def forward(self, hidden, memory=None, mask=None, causal=False, cache=None, output_attentions=False):
         """[B, Tq, d]; with ``output_attentions``, ``(output, weights [B, H, Tq, Tk])``: the fixed weights over all Tk
         keys (every earlier position for decoder self-attention, the whole source for cross-attention), as the kind
         used them: not renormalised, 0 on padding, after attention dropout in training, and 0 on the keys that cached
-        decoding skips (beyond the heads' reach, see the module docstring)."""
+        decoding skips (beyond the heads' reach, see the module docstring). ``conv`` / ``index`` build this matrix
+        only when asked."""
+        if self.is_cross and self.gamma is None:
+            raise ValueError(
+                "`length_ratio` (gamma of the hard-coded cross-attention, Sec. 3.2: mean source length / mean target "
+                "length of the training data) was never set: fit it with fit_length_ratio(model, dataset, tokenizer) "
+                "before training or generating, or give it in the config (length_ratio=...)."
+            )
         batch, query_length, _ = hidden.shape
         shift = leading_padding(mask) if self.is_cross else None  # self-attention weights are relative: no shift
         if self.is_cross:
@@ -305,25 +396,18 @@ class GaussianAttention(nn.Module):
         else:
             values, query_start, key_start = self.self_values(hidden, cache)
         key_length = values.shape[2]
-        if shift is None:
-            weights = self.weights(query_start, query_length, key_start, key_length, values.device, values.dtype)
-        else:
-            weights = self.shifted_weights(query_start, query_length, shift, key_length, values.device, values.dtype)
-        if mask is not None:  # padded (or otherwise hidden) keys contribute nothing; no renormalisation
-            if mask.shape[-1] != 1:
-                total = mask.shape[-1]
-                start = key_start if self.is_cross else total - key_length
-                mask = mask[..., start:start + key_length]
-            weights = torch.where(mask, weights, weights.new_zeros(()))
-        if self.training and self.dropout > 0:
-            weights = F.dropout(weights.expand(batch, *weights.shape[-3:]), self.dropout, True)
-        out = weights @ values  # Eq. 2: [B, H, Tq, hd]
-        out = self.out_proj(out.transpose(1, 2).reshape(batch, query_length, self.num_heads * self.head_dim))
+        if mask is not None and mask.shape[-1] != 1:  # the mask's columns of the keys read
+            total = mask.shape[-1]
+            start = key_start if self.is_cross else total - key_length
+            mask = mask[..., start:start + key_length]
+        compute = self.dense if self.implementation == "full" else self.banded
+        out, weights = compute(values, mask, query_start, key_start, query_length, shift)  # [B, Tq, H, hd]
+        out = self.out_proj(out.reshape(batch, query_length, self.num_heads * self.head_dim))
         if not output_attentions:
             return out
         keys = memory.shape[1] if self.is_cross else query_start + query_length
         shown = values.new_zeros(batch, self.num_heads, query_length, keys)
-        shown[..., key_start:key_start + key_length] = weights
+        shown[..., key_start:key_start + key_length] = weights()
         return out, shown
 
 
@@ -334,15 +418,17 @@ class GaussianConfig(HardAttnConfig):
     r"""Transformer with hard-coded Gaussian attention (default: the paper's hc-sa).
 
     Args (besides :class:`HardAttnConfig`'s):
-        gaussian_implementation: ``"full"`` (Eq. 2 over every position), ``"conv"`` (density truncated to
-            ``gaussian_window`` positions) or ``"index"`` (each head copies the value at its centre), Sec. 6.3.
+        gaussian_implementation: ``"full"`` (Eq. 2 over every position, a [Tq, Tk] weight matrix), ``"conv"``
+            (density truncated to ``gaussian_window`` positions) or ``"index"`` (each head copies the value at its
+            centre), Sec. 6.3; conv and index combine gathered value rows, with no [Tq, Tk] matrix.
         gaussian_sigma: standard deviation of every head (paper: 1).
         gaussian_window: odd window of ``conv`` (paper: 3 -> kernel [0.242, 0.399, 0.242]).
         encoder_offsets / decoder_offsets / cross_offsets: per-head centre offsets, one pattern for all layers or
             one per layer; repeated to fill the heads. Self: f(i) = i + o; cross: f(i) = floor(length_ratio * i + o).
             Decoder offsets must be <= 0 (causal).
-        length_ratio: gamma = mean source length / mean target length of the training data (Sec. 3.2); set it
-            with :func:`fit_length_ratio`.
+        length_ratio: gamma = mean source length / mean target length of the training data (Sec. 3.2); None (the
+            default) = not fitted: hard-coded cross-attention (hc-all) then refuses to run. Set it with
+            :func:`fit_length_ratio` or give it; configs that use no Gaussian cross-attention ignore it.
         cross_attention_heads: heads of every cross-attention sub-layer (None = ``decoder_attention_heads``); sh-x
             uses 1 (a single full-width learned head).
 
@@ -359,7 +445,7 @@ class GaussianConfig(HardAttnConfig):
     encoder_offsets: list[int] | list[list[int]] | tuple = DEFAULT_OFFSETS["encoder"]
     decoder_offsets: list[int] | list[list[int]] | tuple = DEFAULT_OFFSETS["decoder"]
     cross_offsets: list[int] | list[list[int]] | tuple = DEFAULT_OFFSETS["cross"]
-    length_ratio: float | int = 1.0
+    length_ratio: float | int | None = None
     cross_attention_heads: int | None = None
 
     def check(self):
@@ -371,7 +457,8 @@ class GaussianConfig(HardAttnConfig):
         """The paper's configurations (Table 2), with any field overridden:
 
         * ``"hc-sa"``: Gaussian encoder and decoder self-attention, learned (soft) cross-attention;
-        * ``"hc-all"``: cross-attention hard-coded too (set ``length_ratio``, e.g. with :func:`fit_length_ratio`);
+        * ``"hc-all"``: cross-attention hard-coded too (``length_ratio`` must be set before it runs: give it, or
+          call :func:`fit_length_ratio` on the training data);
         * ``"sh-x"``: Gaussian self-attention; cross-attention only in the last decoder layer, with one learned
           full-width head (the other decoder layers have no cross-attention sub-layer).
         Sizes default to Transformer-base (the paper's WMT setting); its IWSLT setting is d_model=288,
@@ -434,7 +521,10 @@ class GaussianForConditionalGeneration(HardAttnForConditionalGeneration):
         "source / target length), cut at the sentence borders and not renormalised; no query or key projections, "
         "learned value and output projections. Presets: hc-sa (hard-coded self-attention, learned cross-attention), "
         "hc-all (everything hard-coded), sh-x (hard-coded self-attention and a single learned cross-attention head "
-        "in the last decoder layer only). Implementations: full, conv (truncated window) and index (Sec. 6.3)."
+        "in the last decoder layer only). Implementations: full (a fixed weight matrix times the values), conv (the "
+        "density truncated to a window) and index (each head copies one value row), Sec. 6.3; conv and index gather "
+        "the value rows each head reads, with no query-by-key matrix. hc-all needs length_ratio (gamma), fitted on the "
+        "training data with fit_length_ratio or given; without it the model refuses to train or generate."
     )
     card_citation = (
         "Weiqiu You, Simeng Sun, Mohit Iyyer. Hard-Coded Gaussian Attention for Neural Machine Translation. ACL 2020."

@@ -420,8 +420,12 @@ class HybridForConditionalGeneration(HybridPreTrainedModel, HardAttnForCondition
         "the previous word and an attention context over the encoder output). The attention is additive, dot-product "
         "or multi-head (`rnn_attention`); source keys/values are pre-computed once per sentence and the GRU's hidden "
         "projection is fused with the attention query projection. The GRU state lives in the cache and is reordered "
-        "for beam search. Trained with MLE, then fine-tuned with knowledge distillation from a Transformer teacher "
-        "(Eq. 1: NLL + lambda * KL(teacher || student), `hf_hardattn.distill`)."
+        "for beam search. The paper trains it in two stages: MLE on the bilingual data, then Eq. 1 (the likelihood of "
+        "the references minus lambda * KL(teacher || student), a fixed Transformer teacher, lambda = 1). "
+        "`hf_hardattn.distill.train_two_stage` runs both; its default `kd_scheme=\"eq1_sequence\"` approximates the "
+        "KL at sequence level (Kim & Rush: the NLL of the teacher's beam output), `\"eq1_word\"` per token along the "
+        "reference; `\"sequence_only\"` (the teacher's outputs only, not Eq. 1) produced the reproduction "
+        "table's `hybrid_*_kd` rows."
     )
     card_citation = (
         "Chengyi Wang, Shuangzhi Wu, Shujie Liu. Accelerating Transformer Decoding via a Hybrid of Self-attention and "

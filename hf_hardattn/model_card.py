@@ -1,10 +1,12 @@
 """Model cards written next to every saved hf_hardattn model (README.md with Hub metadata).
 
-Runtime code shipped with saved models: flat, standard library only.
+Runtime code shipped with saved models: flat, standard library and same-folder imports only.
 """
 
 import json
 import os
+
+from .safe_io import write_text_atomic
 
 RESULTS_FILE = "hardattn_results.json"  # optional: a variant's measured results, shown in the card
 # pyproject.toml's lower bound (a test keeps the two equal). Releases before it copy only the direct relative imports
@@ -102,6 +104,5 @@ def write_model_card(model, save_directory, results: dict | None = None) -> str:
         with open(path) as handle:
             results = json.load(handle)
     card = render_model_card(model, results)
-    with open(os.path.join(str(save_directory), "README.md"), "w") as handle:
-        handle.write(card)
+    write_text_atomic(os.path.join(str(save_directory), "README.md"), card)  # a kill never leaves half a card
     return card

@@ -18,6 +18,7 @@ import copy
 import inspect
 import math
 import os
+import shutil
 import tempfile
 from typing import Any, NamedTuple
 
@@ -36,8 +37,9 @@ from transformers.utils import logging
 from transformers.utils.hub import hf_api
 
 from .configuration_hardattn import ROLES, HardAttnConfig
-from .model_card import write_model_card
+from .model_card import RESULTS_FILE, write_model_card
 from .packed_linear import DEFAULT_MAX_ROWS, pack_linears, unpack_linears
+from .safe_io import atomic_folder, stale_weights, target_folder, verify_folder, write_checksums
 
 # transformers 5.24 renamed the decoding cache from `past_key_values` to `cache`: generate() passes `cache=` and model
 # outputs carry `.cache`; earlier 5.x releases use `past_key_values` for both. forward() accepts either name, and
@@ -488,10 +490,23 @@ def smoothed_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, label_smo
 
 def token_mean(total: torch.Tensor, labels: torch.Tensor, num_items_in_batch=None) -> torch.Tensor:
     """A summed token loss divided by ``num_items_in_batch`` (given by the Trainer under gradient accumulation, so
-    accumulated micro-batches give exactly the loss of one large batch) or else by the non-ignored (-100) labels."""
-    if num_items_in_batch is not None:
-        return total / num_items_in_batch
-    return total / (labels != -100).sum().clamp(min=1)
+    accumulated micro-batches give exactly the loss of one large batch) or else by the non-ignored (-100) labels.
+    A batch without any (every label -100) gives a loss of 0 and zero gradients, not 0 / 0 = NaN."""
+    count = (labels != -100).sum() if num_items_in_batch is None else num_items_in_batch
+    return total / (count.clamp(min=1) if isinstance(count, torch.Tensor) else max(count, 1))
+
+
+def check_finite_logits(logits: torch.Tensor, model) -> None:
+    """FloatingPointError if inference ``logits`` hold NaN or +inf (-inf is a legitimate log-probability): generate()
+    would otherwise go on emitting tokens chosen from NaN scores (greedy and beam search pick pad with a NaN score,
+    sampling stops in torch.multinomial). One reduction over the logits (amax propagates NaN) and one sync per
+    forward, a cost far below the output projection's."""
+    if not bool(logits.detach().amax() < math.inf):
+        raise FloatingPointError(
+            f"{type(model).__name__} ({model.config.model_type}) computed NaN or +inf scores at inference: its weights "
+            f"or activations have overflowed, so no token it would emit means anything. Check the weights for NaN/inf "
+            f"(a diverged training run: lower the learning rate, keep gradient clipping, train in fp32 or bf16 rather "
+            f"than fp16) and the inputs (`inputs_embeds`).")
 
 
 class SoftAttention(nn.Module):
@@ -1026,24 +1041,46 @@ class HardAttnPreTrainedModel(PreTrainedModel):
     PUSH_ARGUMENTS = ("repo_id", "commit_message", "commit_description", "private", "revision", "create_pr", "tags")
 
     def save_pretrained(self, save_directory, *args, push_to_hub: bool = False, tokenizer=None, **kwargs):
-        """``PreTrainedModel.save_pretrained`` (safetensors, config, remote code) plus a model card (README.md) and
-        the ``tokenizer`` when given. With ``push_to_hub=True`` the files it writes go to the Hub in one commit, as in
-        transformers, but with this card: ``repo_id`` (default: the folder's name) and ``push_to_hub``'s arguments
-        (``commit_message``, ``commit_description``, ``private``, ``token``, ``revision``, ``create_pr``, ``tags``)."""
+        """``PreTrainedModel.save_pretrained`` (safetensors, config, remote code) plus a model card (README.md), the
+        sha256 of the weights (``hardattn_checksums.json``, checked by ``from_pretrained``) and the ``tokenizer`` when
+        given. The files are written into a new sibling folder that then replaces ``save_directory`` in one step
+        (``safe_io.atomic_folder``): a process killed at any point of the save leaves the old or the new complete
+        model, and the folder's other files are kept. With ``push_to_hub=True`` the files it writes go to the Hub in
+        one commit, as in transformers, but with this card: ``repo_id`` (default: the folder's name) and
+        ``push_to_hub``'s arguments (``commit_message``, ``commit_description``, ``private``, ``token``,
+        ``revision``, ``create_pr``, ``tags``)."""
         if tokenizer is not None and not hasattr(tokenizer, "save_pretrained"):
             raise TypeError(f"`tokenizer` must be a tokenizer with save_pretrained(), got {type(tokenizer).__name__}")
         hub = {key: kwargs.pop(key) for key in self.PUSH_ARGUMENTS if key in kwargs} if push_to_hub else {}
+        if not kwargs.get("is_main_process", True):  # another rank's call: transformers' own (it writes nothing)
+            return super().save_pretrained(save_directory, *args, **kwargs)
+        final = target_folder(save_directory)
         # transformers' rule: push the files this call (re)writes, not older ones in the folder
-        before = self._get_files_timestamps(save_directory) if os.path.isdir(save_directory) else {}
-        super().save_pretrained(save_directory, *args, **kwargs)
-        if not kwargs.get("is_main_process", True):
-            return
-        write_model_card(self, save_directory)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(save_directory)
+        before = self._get_files_timestamps(final) if os.path.isdir(final) else {}
+        with atomic_folder(final, drop=stale_weights(kwargs.get("variant"))) as staging:
+            super().save_pretrained(staging, *args, **kwargs)
+            results = os.path.join(final, RESULTS_FILE)
+            if os.path.isfile(results):  # the card shows the folder's results
+                shutil.copy2(results, os.path.join(staging, RESULTS_FILE))
+            write_model_card(self, staging)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(staging)
+            write_checksums(staging)
         if push_to_hub:
             repo_id = hub.pop("repo_id", os.path.basename(os.path.normpath(str(save_directory))))
-            self._upload_to_hub(save_directory, repo_id, before, token=kwargs.get("token"), **hub)
+            self._upload_to_hub(final, repo_id, before, token=kwargs.get("token"), **hub)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, verify_checksums: bool = True, **kwargs):
+        """``PreTrainedModel.from_pretrained``; a local folder is checked first: a truncated or malformed safetensors
+        file, or one whose sha256 differs from the one ``save_pretrained`` recorded (``hardattn_checksums.json``),
+        raises ``safe_io.CorruptFileError`` naming the file (``verify_checksums=False`` skips the sha256, not the
+        header check). Hub downloads are not re-hashed here."""
+        if pretrained_model_name_or_path is not None:
+            folder = os.path.join(os.fspath(pretrained_model_name_or_path), kwargs.get("subfolder") or "")
+            if os.path.isdir(folder):
+                verify_folder(folder, checksums=verify_checksums)
+        return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
 
     def push_to_hub(self, repo_id: str, *, commit_message=None, commit_description=None, private=None, token=None,
                     revision=None, create_pr: bool = False, max_shard_size="50GB", tags=None, tokenizer=None):
@@ -1220,6 +1257,8 @@ class HardAttnForConditionalGeneration(HardAttnPreTrainedModel, GenerationMixin)
         )
         logits = self.output_logits(decoded.last_hidden_state, encoder_hidden_states=encoder_outputs.last_hidden_state,
                                     attention_mask=attention_mask)
+        if not self.training and not is_tracing():
+            check_finite_logits(logits, self)
         loss = self.compute_loss(logits, labels, num_items_in_batch) if labels is not None else None
         output = Seq2SeqLMOutput(
             loss=loss, logits=logits, decoder_hidden_states=decoded.hidden_states,

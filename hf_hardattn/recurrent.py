@@ -40,20 +40,29 @@ from torch import nn
 from transformers import initialization as init
 
 from .configuration_hardattn import HardAttnConfig
-from .modeling_hardattn import HardAttnForConditionalGeneration, SoftAttention
+from .modeling_hardattn import HardAttnForConditionalGeneration, SoftAttention, is_tracing
 
 RECURRENT_VARIANTS = (
     "concat_context", "concat_weight", "concat_accumulated",  # Sec. 3.2, Eq. 2-4
     "expand_1", "expand_2", "expand_3", "expand_4",  # Sec. 3.3, Eq. 5-8
     "continuity", "coverage",  # Sec. 3.4, Eq. 9-11
 )
-DEFAULTS = dict(recurrent_variant="expand_1", continuity_window=5, continuity_lambda=0.5, coverage_lambda=0.5)
+DEFAULTS = dict(recurrent_variant="expand_1", continuity_window=5, continuity_lambda=0.5, coverage_lambda=0.5,
+                recurrent_context_norm=False)
+CONTEXT_VARIANTS = ("expand_1", "expand_2", "expand_3")  # those that carry the context itself (Eq. 5-7)
 
 
-def check_recurrent_settings(recurrent_variant, continuity_window, continuity_lambda, coverage_lambda):
+def check_recurrent_settings(recurrent_variant, continuity_window, continuity_lambda, coverage_lambda,
+                             recurrent_context_norm=False):
     """ValueError naming the field and its allowed values for any bad recurrent setting."""
     if recurrent_variant not in RECURRENT_VARIANTS:
         raise ValueError(f"`recurrent_variant` must be one of {RECURRENT_VARIANTS}, got {recurrent_variant!r}.")
+    if not isinstance(recurrent_context_norm, bool):
+        raise ValueError(f"`recurrent_context_norm` must be True or False, got {recurrent_context_norm!r}.")
+    if recurrent_context_norm and recurrent_variant not in CONTEXT_VARIANTS:
+        raise ValueError(f"`recurrent_context_norm`=True normalises the previous context of Eq. 5-7; allowed with "
+                         f"`recurrent_variant` in {CONTEXT_VARIANTS}, got {recurrent_variant!r} (its state is a "
+                         f"softmax weight or energy and stays bounded).")
     if isinstance(continuity_window, bool) or not isinstance(continuity_window, int) or continuity_window < 0:
         raise ValueError(f"`continuity_window` (k of Eq. 9) must be an integer >= 0, got {continuity_window!r}.")
     number = (int, float)
@@ -85,6 +94,7 @@ class RecurrentCrossAttention(SoftAttention):
         self.variant = settings["recurrent_variant"]
         self.window, self.continuity_lambda = settings["continuity_window"], float(settings["continuity_lambda"])
         self.coverage_lambda = float(settings["coverage_lambda"])
+        self.context_norm = settings["recurrent_context_norm"]
         heads, dim, d_model = self.num_heads, self.head_dim, config.d_model
         self.d_model = d_model
         if self.variant == "concat_context":
@@ -148,8 +158,11 @@ class RecurrentCrossAttention(SoftAttention):
 
     # -- per-forward precomputation -----------------------------------------------------------------------------------
     def previous_pair(self, context):
-        """(g_k, g_v) [B, H, d_k] from the previous context (Eq. 5-8)."""
+        """(g_k, g_v) [B, H, d_k] from the previous context (Eq. 5-8); with ``recurrent_context_norm``, from its
+        parameter-free layer norm (over d for Eq. 5/6, over each head's d_k for Eq. 7)."""
         batch = context.shape[0]
+        if self.context_norm:
+            context = F.layer_norm(context, context.shape[-1:])
         if self.variant in ("expand_1", "expand_2"):
             projection = self.kv_proj if self.variant == "expand_1" else self.g_proj  # Eq. 5 / Eq. 6
             g_k, g_v = projection(context).view(batch, 2, self.num_heads, self.head_dim).unbind(1)
@@ -206,6 +219,32 @@ class RecurrentCrossAttention(SoftAttention):
             context = self.out_proj(context.reshape(context.shape[0], self.d_model))
         return context, {"context": context}, weights
 
+    def check_bounded(self, context, q, k, v):
+        """The guard of the unnormalised recursion of Eq. 5-7: c_i is a linear function of c_{i-1} (through W_v and the
+        output projection), so with large weights it grows geometrically across target positions (on a tiny model:
+        1e16 within 12 steps at weight std 1, overflow in fp32 at std 3), and long before it overflows, cached
+        decoding and the parallel forward part by float rounding. Raises FloatingPointError naming the variant and the
+        fixes when the last carried context is non-finite or exceeds the largest source value it is mixed with by more
+        than 1 / eps of its dtype (8e6 in fp32: the source then no longer counts at that precision). Costs one
+        reduction over the [B, d] context per forward; the values are read only when it exceeds 1e3. Non-finite
+        queries, keys or values (a cause upstream) are left to the model's check of its logits."""
+        top = context.detach().abs().amax()
+        if bool(top <= 1e3):  # the usual case
+            return
+        scale = v.detach().abs().amax()
+        if bool(top <= scale / torch.finfo(context.dtype).eps) or not all(bool(torch.isfinite(t).all()) for t in (q, k, v)):
+            return
+        fix = ("set `recurrent_context_norm=True` (layer-normalises the carried context; a departure from the paper's "
+               "equation, so the model must be trained with it)" if not self.context_norm else
+               "(the context is already normalised: the weights themselves have diverged)")
+        raise FloatingPointError(
+            f"recurrent cross-attention (recurrent_variant={self.variant!r}, decoder layer {self.layer_idx}): the "
+            f"previous context carried from step to step reached max |c| = {float(top):.3g} against max |v| = "
+            f"{float(scale):.3g} for the source values ({context.dtype}). Eq. {5 + CONTEXT_VARIANTS.index(self.variant)} "
+            f"feeds c_(i-1) back unnormalised and it grows geometrically when the weights are large (a diverging "
+            f"training run, a learning rate too high, fp16), so the outputs are meaningless or about to overflow. "
+            f"Fixes: lower the learning rate or keep gradient clipping, train in fp32 or bf16 rather than fp16, or {fix}.")
+
     def forward(self, hidden, memory=None, mask=None, causal=False, cache=None, output_attentions=False):
         """[B, T, d]; with ``output_attentions``, ``(output, weights)``: the weights each position attended with,
         after the variant's re-scaling (continuity, coverage) or query change (Eq. 2-4) and attention dropout,
@@ -240,6 +279,8 @@ class RecurrentCrossAttention(SoftAttention):
             outputs.append(out)
             step_weights.append(weights)
         self.store_state(cache, state)
+        if "context" in state and not is_tracing():
+            self.check_bounded(state["context"], q, k, v)
 
         out = torch.stack(outputs, 1 if self.variant in ("expand_1", "expand_2") else 2)
         if self.variant.startswith("expand"):
@@ -269,6 +310,12 @@ class RecurrentConfig(HardAttnConfig):
         continuity_window: window size k of Eq. 9 (integer >= 0; paper: 5).
         continuity_lambda: lambda of Eq. 9, in (0, 1] (paper: 0.5).
         coverage_lambda: lambda of Eq. 10, finite and >= 0 (paper: 0.5).
+        recurrent_context_norm: False (the paper, default) or True: ``expand_1``-``expand_3`` build the extra
+            pair from LN(c_{i-1}), a parameter-free layer norm of the previous context, instead of c_{i-1} itself
+            (Eq. 5-7 use it as is). Eq. 5-7 are a linear recursion through c_{i-1} that large weights make grow
+            geometrically over target positions (to inf, or to values where cached decoding and the parallel forward
+            part by float rounding); normalised, the context stays bounded. Either way a non-finite context raises a
+            FloatingPointError naming the variant.
         cross_attention: "recurrent" in every layer by default; a per-layer list (e.g. ["soft", "recurrent", ...])
             selects the layers that use it.
     """
@@ -279,11 +326,12 @@ class RecurrentConfig(HardAttnConfig):
     continuity_window: int = 5
     continuity_lambda: float | int = 0.5
     coverage_lambda: float | int = 0.5
+    recurrent_context_norm: bool = False
 
     def check(self):
         super().check()
         check_recurrent_settings(self.recurrent_variant, self.continuity_window, self.continuity_lambda,
-                                 self.coverage_lambda)
+                                 self.coverage_lambda, self.recurrent_context_norm)
 
 
 class RecurrentForConditionalGeneration(HardAttnForConditionalGeneration):

@@ -25,7 +25,12 @@ Presets
     * ``tiny``: d_model 32, a few steps, a few test sentences: checks the pipeline in seconds, learns nothing.
 
 Rows (``--rows``, default all): see :data:`ROWS`. A row that decodes another row's model differently (e.g.
-``soft_decoded_hard``) or learns from its translations (``hybrid_*_kd``) runs that row first. Finished rows are
+``soft_decoded_hard``) or learns from its translations (``hybrid_*_kd``, ``hybrid_*_kd_eq1``) runs that row first.
+KD rows name their stage-2 objective (``hf_hardattn.distill`` ``kd_scheme``): ``hybrid_*_kd`` are sequence-level KD
+only, not the hybrid paper's Eq. 1 (``sequence_only``: trained from scratch on the soft row's beam-4 translations,
+no reference term, no MLE stage); ``hybrid_*_kd_eq1`` are Eq. 1 with the paper's two stages (``eq1_sequence``: MLE
+on the references for the first half of the row's budget, then reference NLL + lambda * NLL of the teacher's
+translation, lambda 1, for the second half; each stage runs the preset's schedule on its half). Finished rows are
 stored in ``reproduce_TASK_PRESET.json`` in the output folder and skipped on a rerun (``--force`` redoes them), so a
 run can be interrupted and resumed, and two processes may run disjoint sets of rows into the same folder (e.g. one
 thread each for the small nouns models; train the tokenizer first). Every row stores the command that produced it,
@@ -42,6 +47,8 @@ import os
 import shlex
 import sys
 import time
+
+from .safe_io import atomic_folder, write_json_atomic, write_text_atomic
 
 TASKS = ("multi30k", "nouns")
 PRESET_NAMES = ("cpu", "small", "base", "tiny")
@@ -101,8 +108,8 @@ PRESETS = {
             max_length=64),
     },
 }
-TINY = Recipe(dims=dict(d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
-                        decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, dropout=0.1),
+TINY = Recipe(dims=dict(d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+                        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, dropout=0.1),
               rnn=dict(rnn_hidden_size=32, rnn_embedding_size=32), tokenizer=dict(kind="bpe", vocab_size=300),
               minutes=None, max_steps=3, max_tokens=256, learning_rate=1e-3, warmup_steps=2, eval_batch_size=8,
               eval_size=8, max_length=32, max_examples=2000)
@@ -127,8 +134,14 @@ class Row:
     build: object = None  # (ctx) -> model, for a trained row
     source: str | None = None  # a row whose trained model this row decodes differently ...
     derive: object = None  # ... with derive(model) -> model
-    kd: bool = False  # train on the soft teacher's beam-4 translations (sequence-level KD)
+    kd_scheme: str | None = None  # hf_hardattn.distill kd_scheme: learn from the soft teacher's beam-4 translations
+    two_stage: bool = False  # with kd_scheme: MLE on the references for half the budget first (the paper's stage 1)
     tasks: tuple = TASKS
+    baseline: str = "soft"  # the row the paper's direction compares with (the table's "vs" column)
+
+    @property
+    def kd(self) -> bool:
+        return self.kd_scheme is not None
 
 
 def _special(tokenizer):
@@ -240,24 +253,29 @@ ROWS = [
     Row("soft_decoded_hard", "hard retrieval, Table 4", "a clear drop (paper: 27.55 -> 26.30)",
         source="soft", derive=_with_attention(decoder_attention=HARD, cross_attention=HARD)),
     Row("hard_decoded_soft", "hard retrieval, Table 4", "no drop (paper: 27.73 -> 27.80)",
-        source="hard_self_cross", derive=_with_attention(decoder_attention="soft", cross_attention="soft")),
+        source="hard_self_cross", derive=_with_attention(decoder_attention="soft", cross_attention="soft"),
+        baseline="hard_self_cross"),
     Row("hc_sa", "hard-coded Gaussian, Table 2", "about equal to soft", build=_gaussian("hc-sa")),
     Row("hc_all", "hard-coded Gaussian, Table 2", "far below soft", build=_gaussian("hc-all")),
     Row("sh_x", "hard-coded Gaussian, Table 2", "1-3 BLEU below soft", build=_gaussian("sh-x")),
     *[Row(f"hybrid_{a}", "hybrid, Tables 2-3", "below the Transformer teacher", build=_hybrid(a))
       for a in ("additive", "dot", "multihead")],
-    *[Row(f"hybrid_{a}_kd", "hybrid + KD, Tables 2-3", "close to the soft teacher, above hybrid without KD",
-          build=_hybrid(a), kd=True) for a in ("additive", "dot", "multihead")],
+    *[Row(f"hybrid_{a}_kd", "hybrid + KD, Tables 2-3; here sequence-level KD only, not Eq. 1 (teacher outputs "
+          "from scratch: no reference term, no MLE stage)", "close to the soft teacher, above hybrid without KD",
+          build=_hybrid(a), kd_scheme="sequence_only") for a in ("additive", "dot", "multihead")],
+    *[Row(f"hybrid_{a}_kd_eq1", "hybrid + KD, Tables 2-3: Eq. 1, two stages (MLE half the budget, then reference "
+          "NLL + NLL of the teacher's output)", "close to the soft teacher, above hybrid without KD",
+          build=_hybrid(a), kd_scheme="eq1_sequence", two_stage=True) for a in ("additive", "dot", "multihead")],
     Row("beam_joint_rnn_k6", "beam-joint, Table 1 (the paper's GRU setting)", "above hybrid_additive (soft)",
-        build=_beam_joint("rnn", joint_k=6)),
-    Row("beam_joint_rnn_k6_decoded_k1", "beam-joint, Table 2", "close to K=6",
-        source="beam_joint_rnn_k6", derive=_inference_k(1)),
+        build=_beam_joint("rnn", joint_k=6), baseline="hybrid_additive"),
+    Row("beam_joint_rnn_k6_decoded_k1", "beam-joint, Table 2", "below K=6, still above hybrid_additive (soft)",
+        source="beam_joint_rnn_k6", derive=_inference_k(1), baseline="hybrid_additive"),
     Row("beam_joint_k6", "beam-joint in the last Transformer layer (the paper's future work)", "above soft",
         build=_beam_joint("transformer", joint_k=6)),
-    Row("beam_joint_k6_decoded_k1", "beam-joint, Table 2", "close to K=6",
+    Row("beam_joint_k6_decoded_k1", "beam-joint, Table 2", "below K=6, still above soft",
         source="beam_joint_k6", derive=_inference_k(1)),
-    Row("full_joint_rnn", "full-joint, Table 1", "above soft", build=_beam_joint("rnn", full_joint=True),
-        tasks=("nouns",)),
+    Row("full_joint_rnn", "full-joint, Table 1", "above hybrid_additive (soft), below beam_joint_rnn_k6",
+        build=_beam_joint("rnn", full_joint=True), tasks=("nouns",), baseline="hybrid_additive"),
     *[Row(f"recurrent_{v}", "recurrent cross-attention, Table 2", "about equal to soft", build=_recurrent(v))
       for v in ("concat_context", "concat_weight", "concat_accumulated", "expand_1", "continuity", "coverage")],
 ]
@@ -338,37 +356,61 @@ def batch_size_for(recipe: Recipe, train_tok) -> tuple[float, int]:
     return per_sentence, max(1, round(recipe.max_tokens / per_sentence))
 
 
+def _losses(trainer):
+    return [log["loss"] for log in trainer.state.log_history if "loss" in log]
+
+
 def train_row(row: Row, ctx, model, train_tok) -> dict:
     from .training import train_seq2seq
 
     recipe, args = ctx["recipe"], ctx["args"]
+
+    def budget(minutes, max_steps):
+        return dict(max_steps=max_steps, minutes=minutes, batch_size=ctx["batch_size"],
+                    learning_rate=recipe.learning_rate, warmup_steps=recipe.warmup_steps,
+                    lr_scheduler=recipe.lr_scheduler, bf16=recipe.bf16, seed=args.seed, logging_steps=50,
+                    progress=not args.quiet)
+
+    start = time.perf_counter()
+    if row.kd_scheme is not None:
+        from .distill import train_two_stage
+
+        if row.two_stage:  # the row's budget, split in half: stage 1 MLE, stage 2 the KD scheme
+            first_steps = None if recipe.max_steps is None else max(1, recipe.max_steps // 2)
+            second_steps = None if recipe.max_steps is None else max(1, recipe.max_steps - first_steps)
+            half = None if recipe.minutes is None else recipe.minutes / 2
+            mle, kd = budget(half, first_steps), budget(half, second_steps)
+        else:
+            mle, kd = None, budget(recipe.minutes, recipe.max_steps)
+        first, second = train_two_stage(model, ctx["tokenizer"], kd_data(ctx), kd_scheme=row.kd_scheme, mle=mle,
+                                        kd=kd, max_length=recipe.max_length,
+                                        output_dir=os.path.join(ctx["out"], "trainer", row.name))
+        stages = {"mle": first.state.global_step if first is not None else 0, "kd": second.state.global_step}
+        losses = (_losses(first) if first is not None else []) + _losses(second)
+        return dict(train_minutes=round((time.perf_counter() - start) / 60, 2), steps=sum(stages.values()),
+                    kd_scheme=row.kd_scheme, stages=stages, first_loss=losses[0] if losses else None,
+                    last_loss=losses[-1] if losses else None, teacher="soft")
     extra = {}
     if row.name == "marian":  # MarianMTModel's own loss has no label smoothing: the Trainer's LabelSmoother does it
         extra["label_smoothing_factor"] = recipe.label_smoothing
-    start = time.perf_counter()
     trainer = train_seq2seq(model, ctx["tokenizer"], train_tok, output_dir=os.path.join(ctx["out"], "trainer", row.name),
-                            max_steps=recipe.max_steps, minutes=recipe.minutes,
-                            batch_size=ctx["batch_size"], learning_rate=recipe.learning_rate,
-                            warmup_steps=recipe.warmup_steps, lr_scheduler=recipe.lr_scheduler,
-                            bf16=recipe.bf16, seed=args.seed, logging_steps=50, progress=not args.quiet, **extra)
-    losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
+                            **budget(recipe.minutes, recipe.max_steps), **extra)
+    losses = _losses(trainer)
     return dict(train_minutes=round((time.perf_counter() - start) / 60, 2), steps=trainer.state.global_step,
                 first_loss=losses[0] if losses else None, last_loss=losses[-1] if losses else None)
 
 
 def kd_data(ctx):
-    """The soft teacher's beam-4 translations of the training sources (resumable, cached in the output folder)."""
+    """The soft teacher's beam-4 translations of the training sources ("target") beside the references
+    ("reference"), as strings (resumable, cached in the output folder)."""
     from .distill import translate_dataset
-    from .training import tokenize_dataset
 
-    if "kd_tok" not in ctx:
+    if "kd_data" not in ctx:
         teacher = load_model(ctx, "soft")
-        distilled = translate_dataset(teacher, ctx["tokenizer"], ctx["train"], os.path.join(ctx["out"], "kd_data"),
-                                      num_beams=4, batch_size=ctx["recipe"].eval_batch_size,
-                                      max_length=ctx["recipe"].max_length, progress=not ctx["args"].quiet)
-        ctx["kd_tok"] = tokenize_dataset(distilled.remove_columns(["reference"]), ctx["tokenizer"],
-                                         max_length=ctx["recipe"].max_length)
-    return ctx["kd_tok"]
+        ctx["kd_data"] = translate_dataset(teacher, ctx["tokenizer"], ctx["train"], os.path.join(ctx["out"], "kd_data"),
+                                           num_beams=4, batch_size=ctx["recipe"].eval_batch_size,
+                                           max_length=ctx["recipe"].max_length, progress=not ctx["args"].quiet)
+    return ctx["kd_data"]
 
 
 def model_dir(ctx, name):
@@ -399,10 +441,7 @@ def run_row(row: Row, ctx) -> dict:
     else:
         torch.manual_seed(args.seed)
         model = row.build(ctx)
-        train_tok = kd_data(ctx) if row.kd else ctx["train_tok"]
-        result.update(train_row(row, ctx, model, train_tok))
-        if row.kd:
-            result["teacher"] = "soft"
+        result.update(train_row(row, ctx, model, ctx["train_tok"]))
     result["params"] = sum(p.numel() for p in model.parameters())
     result["model_type"] = model.config.model_type
     result.update(evaluate(ctx["task"], model, ctx["tokenizer"], ctx["test"], recipe))
@@ -410,8 +449,11 @@ def run_row(row: Row, ctx) -> dict:
     os.makedirs(folder, exist_ok=True)
     if hasattr(model, "card_title"):  # hf_hardattn models: the card shows the table (refreshed in write_outputs)
         write_card_results(folder, row.name, row_table(ctx["task"], ctx["preset"], {row.name: result}))
-    model.save_pretrained(folder)
-    ctx["tokenizer"].save_pretrained(folder)
+    if hasattr(model, "card_title"):  # hf_hardattn models: one atomic save of weights, card and tokenizer
+        model.save_pretrained(folder, tokenizer=ctx["tokenizer"])
+    else:  # marian: transformers' own save
+        model.save_pretrained(folder)
+        ctx["tokenizer"].save_pretrained(folder)
     return result
 
 
@@ -419,15 +461,21 @@ def run_row(row: Row, ctx) -> dict:
 # Tables
 # ----------------------------------------------------------------------------------------------------------------
 def row_table(task, preset, results: dict) -> str:
+    """The markdown table of ``results``; its "ours vs" column puts each row's score difference to the row the paper's
+    direction compares with (``Row.baseline``, soft unless said) beside that direction, so that a claim that failed
+    reads as such in the table itself."""
     metric = "BLEU" if task == "multi30k" else "exact match %"
-    lines = [f"| row | {metric} | sentences/s (beam 4) | training min | steps | parameters | paper | paper's direction |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
+    lines = [f"| row | {metric} | sentences/s (beam 4) | training min | steps | parameters | paper | paper's direction "
+             f"| ours vs |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | --- | --- | --- |"]
     for row in ROWS:  # the paper columns come from the row's current definition, not from when it was run
         if row.name in results:
             r = results[row.name]
             trained = f"(= {r['decoded_from']})" if r.get("decoded_from") else f"{r['train_minutes']:.1f}"
+            base = results.get(row.baseline)
+            versus = f"{r['score'] - base['score']:+.2f} vs {row.baseline}" if base and row.baseline != row.name else ""
             lines.append(f"| {row.name} | {r['score']:.2f} | {r['sentences_per_s']:.1f} | {trained} | {r['steps']} | "
-                         f"{r['params']:,} | {row.paper} | {row.expect} |")
+                         f"{r['params']:,} | {row.paper} | {row.expect} | {versus} |")
     return "\n".join(lines)
 
 
@@ -436,8 +484,7 @@ def write_card_results(folder, name, table):
 
     text = (f"This model is row `{name}` of the reproduction table (`benchmarks/reproduce.py`, one recipe for every "
             f"variant):\n\n{table}")
-    with open(os.path.join(folder, RESULTS_FILE), "w") as handle:
-        json.dump({"table": text}, handle, indent=2)
+    write_json_atomic(os.path.join(folder, RESULTS_FILE), {"table": text})
 
 
 def refresh_cards(ctx, table):
@@ -475,11 +522,8 @@ def write_outputs(ctx):
     for folder in {ctx["out"], ctx["args"].results_dir} - {None}:
         os.makedirs(folder, exist_ok=True)
         stem = os.path.join(folder, f"reproduce_{task}_{preset}")
-        with open(stem + ".json.tmp", "w") as handle:
-            json.dump(payload, handle, indent=1)
-        os.replace(stem + ".json.tmp", stem + ".json")  # atomic: a reader never sees half a file
-        with open(stem + ".md", "w") as handle:
-            handle.write(f"# {task}, preset {preset}\n\n{table}\n")
+        write_json_atomic(stem + ".json", payload)  # atomic: a reader (or a killed run's successor) never sees half
+        write_text_atomic(stem + ".md", f"# {task}, preset {preset}\n\n{table}\n")
     refresh_cards(ctx, table)
     return table
 
@@ -502,8 +546,9 @@ RECIPE_OVERRIDES = ("minutes", "max_steps", "learning_rate", "eval_size")  # fla
 
 
 def add_arguments(parser: argparse.ArgumentParser):
-    parser.add_argument("--task", choices=TASKS, default="multi30k")
-    parser.add_argument("--preset", choices=PRESET_NAMES, default="cpu")
+    parser.add_argument("--task", choices=TASKS, default="multi30k", help="which table: Multi30k en-de or German nouns")
+    parser.add_argument("--preset", choices=PRESET_NAMES, default="cpu",
+                        help="recipe and sizes (cpu: the tables; base: Transformer-base, GPU; tiny: tests)")
     parser.add_argument("--rows", nargs="+", default=None, metavar="ROW",
                         help=f"rows to run (default: all of the task's); choices: {' '.join(ROW_NAMES)}")
     parser.add_argument("--data", default=None, help="multi30k: a folder of {train,test_2016_flickr}.{en,de}[.gz] "
@@ -519,7 +564,7 @@ def add_arguments(parser: argparse.ArgumentParser):
                                                            "outputs/reproduce/TASK-PRESET)")
     parser.add_argument("--results-dir", default=None, help="also write reproduce_TASK_PRESET.{json,md} here")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="random seed of every row (default 0)")
     parser.add_argument("--force", action="store_true", help="rerun rows that are already in results.json")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
 
@@ -572,7 +617,8 @@ def run(args) -> dict:
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     else:
         tokenizer = train_tokenizer(train, **recipe.tokenizer)
-        tokenizer.save_pretrained(tokenizer_dir)
+        with atomic_folder(tokenizer_dir) as staging:  # a killed save leaves no half tokenizer for the next run to load
+            tokenizer.save_pretrained(staging)
     train_tok = tokenize_dataset(train, tokenizer, max_length=recipe.max_length)
     per_sentence, batch_size = batch_size_for(recipe, train_tok)
     ctx = dict(args=args, task=args.task, preset=args.preset, recipe=recipe, out=out, train=train, test=test,

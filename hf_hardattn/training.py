@@ -12,9 +12,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
+import json
 import math
 import os
 import platform
+import re
+import shutil
 import statistics
 import time
 
@@ -29,6 +34,13 @@ from transformers import (
     Seq2SeqTrainingArguments,
     TrainerCallback,
 )
+from transformers.trainer_pt_utils import LengthGroupedSampler
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from transformers.utils import logging
+
+from .safe_io import CorruptFileError, verify_folder
+
+logger = logging.get_logger(__name__)
 
 SCHEDULES = ("inverse_sqrt", "linear", "constant_with_warmup", "cosine")
 
@@ -124,6 +136,23 @@ class ProgressBar(TrainerCallback):
             self.bar = None
 
 
+class EpochLengthGroupedSampler(LengthGroupedSampler):
+    """transformers' ``LengthGroupedSampler`` whose order depends on (seed, epoch) only (``set_epoch``, called by the
+    Trainer every epoch), like accelerate's seedable random sampler: with the global RNG, a run resumed from a
+    checkpoint would draw another order for the epoch it resumes in than the uninterrupted run drew."""
+
+    def __init__(self, batch_size: int, lengths: list, seed: int):
+        super().__init__(batch_size, lengths=lengths)
+        self.seed, self.epoch = seed, 0
+
+    def set_epoch(self, epoch: int):
+        self.epoch = int(epoch)
+
+    def __iter__(self):
+        self.generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        return super().__iter__()
+
+
 class Seq2SeqLengthTrainer(Seq2SeqTrainer):
     """``Seq2SeqTrainer`` whose ``group_by_length`` batches group examples by max(source, target) length (the
     count of a token-based batch) instead of the source length alone: with source-only grouping a batch's targets
@@ -134,10 +163,19 @@ class Seq2SeqLengthTrainer(Seq2SeqTrainer):
         if (self.args.train_sampling_strategy != "group_by_length" or getattr(self, "example_lengths", None) is None
                 or dataset is None or len(dataset) != len(self.example_lengths)):
             return super()._get_train_sampler(train_dataset)
-        from transformers.trainer_pt_utils import LengthGroupedSampler
+        seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
+        return EpochLengthGroupedSampler(self.args.train_batch_size * self.args.gradient_accumulation_steps,
+                                         lengths=self.example_lengths, seed=seed)
 
-        return LengthGroupedSampler(self.args.train_batch_size * self.args.gradient_accumulation_steps,
-                                    lengths=self.example_lengths)
+    def _save_checkpoint(self, model, trial):
+        """transformers' checkpoint save, into a folder that does not exist yet: a run resumed from an earlier step
+        rewrites the checkpoints after it, and writing into the old folder would mix its files (a complete-looking
+        trainer_state.json) with a new save that a kill left half done. The old one is removed first; this run
+        writes it again. (The Trainer writes trainer_state.json last, which :func:`checkpoint_problem` relies on.)"""
+        folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        if self.args.should_save and os.path.isdir(folder):
+            shutil.rmtree(folder)
+        return super()._save_checkpoint(model, trial)
 
     def create_scheduler(self, num_training_steps, optimizer=None):
         """With ``time_decay`` (a :func:`time_decay_schedule` factor) the learning rate follows wall-clock time
@@ -206,6 +244,127 @@ def check_bf16(bf16: bool, name: str = "bf16", fix: str = "Pass bf16=False (fp32
             f"AMX): its bf16 GEMMs run ~100x slower than fp32. {fix}.")
 
 
+TRAINER_STATE = "trainer_state.json"  # written last by transformers' Trainer._save_checkpoint (5.10 - 5.24)
+_CHECKPOINT = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
+
+
+def checkpoint_problem(path) -> str | None:
+    """Why the Trainer checkpoint folder ``path`` cannot be resumed from, or None when it is complete. The Trainer
+    writes the weights, then optimizer, scheduler and RNG states, then ``trainer_state.json``: a save killed before
+    the end has no (or a truncated) trainer_state.json. Weights that fail their safetensors header or the sha256
+    ``save_pretrained`` recorded count as incomplete too."""
+    path = os.fspath(path)
+    state_path = os.path.join(path, TRAINER_STATE)
+    if not os.path.isfile(state_path):
+        return f"no {TRAINER_STATE} (the Trainer writes it last: the save was interrupted)"
+    try:
+        with open(state_path, encoding="utf-8") as handle:
+            step = json.load(handle)["global_step"]
+    except (ValueError, KeyError, TypeError) as error:
+        return f"{TRAINER_STATE} is truncated or malformed ({type(error).__name__}: {error})"
+    match = _CHECKPOINT.match(os.path.basename(os.path.normpath(path)))
+    if match and int(match.group(1)) != step:
+        return f"{TRAINER_STATE} is for step {step}, not {match.group(1)}"
+    # (training_args.bin is the Trainer's, not weights)
+    if not any(name.endswith(".safetensors") or (name.startswith("pytorch_model") and name.endswith(".bin"))
+               for name in os.listdir(path)):
+        return "no model weights"
+    try:
+        verify_folder(path)
+    except CorruptFileError as error:
+        return str(error)
+    return None
+
+
+def checkpoints(output_dir) -> list:
+    """(step, path) of every ``checkpoint-N`` folder in ``output_dir``, by step."""
+    if not os.path.isdir(output_dir):
+        return []
+    found = [(int(m.group(1)), os.path.join(output_dir, name)) for name in os.listdir(output_dir)
+             if (m := _CHECKPOINT.match(name)) and os.path.isdir(os.path.join(output_dir, name))]
+    return sorted(found)
+
+
+def last_complete_checkpoint(output_dir) -> str | None:
+    """The complete checkpoint (see :func:`checkpoint_problem`) of ``output_dir`` with the highest step, or None.
+    Unlike transformers' ``get_last_checkpoint``, which returns the highest ``checkpoint-N`` even when a kill left it
+    half written."""
+    for _, path in reversed(checkpoints(output_dir)):
+        problem = checkpoint_problem(path)
+        if problem is None:
+            return path
+        logger.warning(f"Skipping checkpoint {path}: {problem}.")
+    return None
+
+
+def resolve_checkpoint(resume_from_checkpoint, output_dir) -> str | None:
+    """The checkpoint folder ``train_seq2seq(resume_from_checkpoint=...)`` resumes from: None/False none, True the
+    last complete one in ``output_dir``, a path that folder (it must be complete). Interrupted checkpoints after the
+    one resumed from are removed (transformers' rotation would otherwise keep them as the newest and delete
+    complete ones); this run writes them again."""
+    if resume_from_checkpoint is None or resume_from_checkpoint is False:
+        return None
+    if resume_from_checkpoint is True:
+        path = last_complete_checkpoint(output_dir)
+        if path is None:
+            found = [os.path.basename(p) for _, p in checkpoints(output_dir)]
+            raise ValueError(f"`resume_from_checkpoint`=True: no complete checkpoint in `output_dir` {output_dir!r} "
+                             f"(checkpoint folders: {found or 'none'}); allowed: True with a complete checkpoint there, "
+                             f"a checkpoint path, or False.")
+    elif isinstance(resume_from_checkpoint, (str, os.PathLike)):
+        path = os.fspath(resume_from_checkpoint)
+        if not os.path.isdir(path):
+            raise ValueError(f"`resume_from_checkpoint`={path!r} is not a folder; allowed: a checkpoint folder "
+                             f"(checkpoint-N), True (the last complete one in `output_dir`) or False.")
+        problem = checkpoint_problem(path)
+        if problem is not None:
+            raise ValueError(f"`resume_from_checkpoint`={path!r} is not a complete checkpoint: {problem}. Pass True to "
+                             f"resume from the last complete one in `output_dir`.")
+    else:
+        raise ValueError(f"`resume_from_checkpoint` must be True, False, None or a checkpoint path, got "
+                         f"{resume_from_checkpoint!r}.")
+    match = _CHECKPOINT.match(os.path.basename(os.path.normpath(path)))
+    if match and os.path.isdir(output_dir) and os.path.samefile(os.path.dirname(os.path.abspath(path)), output_dir):
+        for step, other in checkpoints(output_dir):
+            if step > int(match.group(1)) and checkpoint_problem(other) is not None:
+                logger.warning(f"Removing the interrupted checkpoint {other} (resuming from {path}).")
+                shutil.rmtree(other)
+    return path
+
+
+# Seq2SeqTrainingArguments fields that train_seq2seq sets from a parameter of its own (pass that one instead)
+RENAMED_ARGUMENTS = {"per_device_train_batch_size": "batch_size", "lr_scheduler_type": "lr_scheduler",
+                     "num_train_epochs": "epochs", "train_sampling_strategy": "group_by_length"}
+
+
+def _value(option):
+    return getattr(option, "value", option)  # transformers' enums (SaveStrategy.STEPS) or their strings
+
+
+def training_arguments(output_dir, batch_size, eval_ds, eval_steps, fixed: dict, extra: dict):
+    """``Seq2SeqTrainingArguments`` of :func:`train_seq2seq`: ``fixed`` (set from its parameters), then the recipe's
+    defaults, each overridden by the caller's ``extra`` keywords (any other Seq2SeqTrainingArguments field)."""
+    fields = {field.name for field in dataclasses.fields(Seq2SeqTrainingArguments) if field.init}
+    for name in extra:
+        if name in RENAMED_ARGUMENTS:
+            raise ValueError(f"`{name}` is set by train_seq2seq's own `{RENAMED_ARGUMENTS[name]}`: pass "
+                             f"{RENAMED_ARGUMENTS[name]}=... instead.")
+        if name not in fields:
+            close = difflib.get_close_matches(name, sorted(fields), n=3)
+            raise ValueError(f"`{name}` is neither a parameter of train_seq2seq nor a Seq2SeqTrainingArguments field"
+                             + (f"; did you mean {close}?" if close else "."))
+    save_strategy = _value(extra.get("save_strategy", "steps" if "save_steps" in extra else "no"))
+    if save_strategy == "no" and "save_steps" in extra:
+        raise ValueError(f"`save_steps`={extra['save_steps']!r} asks for checkpoints, but `save_strategy`='no'; "
+                         f"allowed: save_strategy 'steps' (the default when save_steps is given), 'epoch' or 'best'.")
+    defaults = dict(
+        per_device_eval_batch_size=batch_size, adam_beta1=0.9, adam_beta2=0.98, adam_epsilon=1e-9,
+        eval_strategy="steps" if (eval_ds is not None and eval_steps) else "no", save_strategy=save_strategy,
+        report_to=[], dataloader_num_workers=0, disable_tqdm=True, use_cpu=not torch.cuda.is_available(),
+    )
+    return Seq2SeqTrainingArguments(output_dir=str(output_dir), **fixed, **{**defaults, **extra})
+
+
 def train_seq2seq(
     model,
     tokenizer,
@@ -227,6 +386,10 @@ def train_seq2seq(
     max_grad_norm: float = 1.0,
     weight_decay: float = 0.0,
     callbacks=None,
+    compute_metrics=None,
+    trainer_class=None,
+    trainer_kwargs: dict | None = None,
+    resume_from_checkpoint=None,
     **training_args,
 ) -> Seq2SeqTrainer:
     """Train ``model`` on ``train_ds`` (a tokenized Dataset, see :func:`tokenize_dataset`) and return the
@@ -242,7 +405,18 @@ def train_seq2seq(
     ValueError on CPUs without native bf16 matrix products, see :func:`check_bf16`); the returned model runs in its
     own precision again.
     ``group_by_length`` batches sentences of similar max(source, target) length (little padding; an
-    approximation of the papers' token-based batches, see :class:`Seq2SeqLengthTrainer`). Extra keyword arguments go to ``Seq2SeqTrainingArguments``.
+    approximation of the papers' token-based batches, see :class:`Seq2SeqLengthTrainer`). ``compute_metrics`` goes to
+    the Trainer (its evaluations). ``trainer_class`` (a :class:`Seq2SeqLengthTrainer` subclass, e.g.
+    ``hf_hardattn.distill.DistillationTrainer``) with its own ``trainer_kwargs`` replaces the plain trainer.
+
+    Other keyword arguments are ``Seq2SeqTrainingArguments`` fields and override the recipe's defaults (e.g.
+    ``save_strategy``, ``report_to``, ``adam_beta2``); the fields set from this function's own parameters
+    (``per_device_train_batch_size`` = ``batch_size``, ``lr_scheduler_type``, ``num_train_epochs``,
+    ``train_sampling_strategy``) are refused with the parameter to use. Checkpoints: none by default;
+    ``save_steps=N`` saves one every N steps (``save_strategy`` "steps"). ``resume_from_checkpoint``: True resumes
+    from the last *complete* checkpoint in ``output_dir`` (one that a kill left half written is skipped, see
+    :func:`checkpoint_problem`), a path from that checkpoint; the run then ends with the weights an uninterrupted run
+    would have (same data order and RNG states; with ``minutes``, the time budget starts again).
     """
     if max_steps is not None and (not isinstance(max_steps, int) or max_steps < 1):
         raise ValueError(f"`max_steps` must be a positive integer or None, got {max_steps!r}.")
@@ -255,37 +429,24 @@ def train_seq2seq(
                          "end of the time budget), so it needs one of them.")
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"`batch_size` must be a positive integer, got {batch_size!r}.")
+    if trainer_class is not None and not (isinstance(trainer_class, type)
+                                          and issubclass(trainer_class, Seq2SeqLengthTrainer)):
+        raise ValueError(f"`trainer_class` must be a subclass of Seq2SeqLengthTrainer, got {trainer_class!r}.")
     check_bf16(training_args.get("bf16", False))
+    for name, dataset in (("train_ds", train_ds), ("eval_ds", eval_ds)):
+        if dataset is not None and hasattr(dataset, "__len__") and len(dataset) == 0:
+            raise ValueError(f"`{name}` is empty (0 examples); allowed: a tokenized dataset with at least one example"
+                             + (" (or eval_ds=None)." if name == "eval_ds" else "."))
     steps = max_steps if max_steps is not None else (10**9 if minutes is not None else -1)
 
-    args = Seq2SeqTrainingArguments(
-        output_dir=str(output_dir),
-        per_device_train_batch_size=batch_size,
-        per_device_eval_batch_size=batch_size,
-        learning_rate=learning_rate,
-        adam_beta1=0.9,
-        adam_beta2=0.98,
-        adam_epsilon=1e-9,
-        weight_decay=weight_decay,
-        max_grad_norm=max_grad_norm,
-        lr_scheduler_type=lr_scheduler,
-        warmup_steps=warmup_steps,
-        max_steps=steps,
-        num_train_epochs=epochs,
-        seed=seed,
-        logging_steps=logging_steps,
-        eval_strategy="steps" if (eval_ds is not None and eval_steps) else "no",
-        eval_steps=eval_steps,
-        save_strategy="no",
-        report_to=[],
-        train_sampling_strategy="group_by_length" if group_by_length else "random",
-        dataloader_num_workers=0,
-        disable_tqdm=True,
-        use_cpu=not torch.cuda.is_available(),
-        **training_args,
-    )
+    fixed = dict(per_device_train_batch_size=batch_size, learning_rate=learning_rate, weight_decay=weight_decay,
+                 max_grad_norm=max_grad_norm, lr_scheduler_type=lr_scheduler, warmup_steps=warmup_steps,
+                 max_steps=steps, num_train_epochs=epochs, seed=seed, logging_steps=logging_steps,
+                 eval_steps=eval_steps, train_sampling_strategy="group_by_length" if group_by_length else "random")
+    args = training_arguments(output_dir, batch_size, eval_ds, eval_steps, fixed, training_args)
+    resume = resolve_checkpoint(resume_from_checkpoint, args.output_dir)
     budget = TimeBudget(minutes) if minutes is not None else None
-    trainer = Seq2SeqLengthTrainer(
+    trainer = (trainer_class or Seq2SeqLengthTrainer)(
         model=model.train(),
         args=args,
         train_dataset=train_ds,
@@ -293,6 +454,8 @@ def train_seq2seq(
         processing_class=tokenizer,
         data_collator=DataCollatorForSeq2Seq(tokenizer, model=model, label_pad_token_id=-100),
         callbacks=list(callbacks or []),
+        compute_metrics=compute_metrics,
+        **(trainer_kwargs or {}),
     )
     trainer.example_lengths = example_lengths(train_ds) if group_by_length else None
     if lr_scheduler in ("linear", "cosine") and max_steps is None:
@@ -303,7 +466,7 @@ def train_seq2seq(
         trainer.add_callback(budget)
     if progress:
         trainer.add_callback(ProgressBar(budget, desc=f"train {type(model).__name__}"))
-    trainer.train()
+    trainer.train(resume_from_checkpoint=resume)
     # accelerate runs bf16/fp16 training by wrapping model.forward in autocast and leaves the wrapper on the model:
     # without removing it, the trained model would go on decoding (and being scored) in bf16
     trainer.model = trainer.accelerator.unwrap_model(trainer.model, keep_fp32_wrapper=False)
@@ -332,10 +495,11 @@ def default_max_new_tokens(input_ids: torch.Tensor) -> int:
 
 @torch.no_grad()
 def translate(model, tokenizer, sources, num_beams: int = 4, batch_size: int = 64, max_new_tokens: int | None = None,
-              max_length: int = 128, progress: bool = False, **generate_kwargs) -> list[str]:
+              max_length: int = 128, progress: bool = False, do_sample: bool = False, **generate_kwargs) -> list[str]:
     """Decoded outputs of ``model.generate`` for every string of ``sources`` (in order). The inputs are sorted by
     length and batched (little padding); ``max_new_tokens`` defaults to 1.5 x the batch's source length + 10. No
-    sources give no outputs."""
+    sources give no outputs. ``do_sample=True`` samples (with ``num_beams`` > 1: beam sampling); other
+    ``generate()`` keywords (``top_k``, ``top_p``, ``temperature``, ...) pass through."""
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"`batch_size` must be a positive integer, got {batch_size!r}.")
     if not isinstance(num_beams, int) or num_beams < 1:
@@ -353,7 +517,7 @@ def translate(model, tokenizer, sources, num_beams: int = 4, batch_size: int = 6
                              total=math.ceil(len(sources) / batch_size), disable=not progress):
         batch = batch.to(model.device)
         limit = max_new_tokens or default_max_new_tokens(batch["input_ids"])
-        generated = model.generate(**batch, num_beams=num_beams, do_sample=False, max_new_tokens=limit,
+        generated = model.generate(**batch, num_beams=num_beams, do_sample=do_sample, max_new_tokens=limit,
                                    **generate_kwargs)
         for i, text in zip(index, tokenizer.batch_decode(generated, skip_special_tokens=True)):
             outputs[i] = text.strip()
@@ -426,4 +590,4 @@ def decode_speed(model, input_ids, attention_mask=None, num_beams: int = 1, new_
 
 
 __all__ = ["tokenize_dataset", "train_seq2seq", "translate", "bleu", "accuracy", "decode_speed", "TimeBudget",
-           "ProgressBar"]
+           "ProgressBar", "checkpoint_problem", "last_complete_checkpoint"]

@@ -111,6 +111,21 @@ def test_unknown_config_key_warns_naming_it():
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the keys transformers itself passes warn nothing
         SoftTransformerConfig(**tiny_kwargs(attn_implementation="eager", output_attentions=True))
+        # a kind's settings in a plain config that uses the kind are read by it: no warning
+        SoftTransformerConfig(**tiny_kwargs(cross_attention="gaussian", length_ratio=1.2, gaussian_sigma=0.5))
+        SoftTransformerConfig(**tiny_kwargs(cross_attention=["soft", "recurrent"], recurrent_variant="coverage"))
+    with pytest.warns(UserWarning, match=r"`length_ratio` is not a field"):  # ... but warn where no kind reads them
+        SoftTransformerConfig(**tiny_kwargs(length_ratio=1.2))
+
+
+def test_kind_settings_are_the_variants_own_fields():
+    from hf_hardattn import HardAttnConfig
+    from hf_hardattn.configuration_hardattn import KIND_SETTINGS
+    from hf_hardattn.recurrent import DEFAULTS
+
+    own = set(GaussianConfig.__dataclass_fields__) - set(HardAttnConfig.__dataclass_fields__)
+    assert set(KIND_SETTINGS["gaussian"]) == own, own ^ set(KIND_SETTINGS["gaussian"])
+    assert set(KIND_SETTINGS["recurrent"]) == set(DEFAULTS)
 
 
 def test_gaussian_offsets_beyond_every_sentence_are_refused():

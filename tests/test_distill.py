@@ -1,5 +1,7 @@
-"""Knowledge distillation (hybrid paper, Sec. 2.2): the Eq. 1 loss against a hand computation, its trainer (frozen
-teacher, KL = 0 for student == teacher, clear errors), and resumable sequence-level KD translation."""
+"""Knowledge distillation (hybrid paper, Sec. 2.2): every `kd_scheme`'s stage-2 loss against a hand computation on
+tiny float64 models (Eq. 1 with the sequence-level KL: reference NLL + lambda * NLL of the teacher's output; with the
+word-level KL: reference NLL + lambda * per-token KL), the two-stage schedule (MLE, then the scheme), the trainer
+(frozen teacher, KL = 0 for student == teacher, clear errors), and resumable sequence-level KD translation."""
 
 import copy
 import math
@@ -12,7 +14,8 @@ from common import EOS, collate, copy_task, fitted, tiny_kwargs, toy_tokenizer
 from hf_hardattn import (HybridConfig, HybridForConditionalGeneration, SoftTransformerConfig,
                          SoftTransformerForConditionalGeneration)
 from hf_hardattn import distill
-from hf_hardattn.distill import DistillationTrainer, kd_loss, translate_dataset
+from hf_hardattn.distill import (DistillationTrainer, kd_loss, sequence_kd_loss, tokenize_kd_dataset,
+                                 train_two_stage, translate_dataset)
 
 
 def soft(**kw):
@@ -51,14 +54,200 @@ def test_kd_loss_equals_hand_computation():
     assert torch.isfinite(kd_loss(student, masked, labels))
 
 
-def _trainer(student, teacher, tmp_path, steps=0, **kw):
+# ----------------------------------------------------------------------------------------------------------------
+# kd_scheme: each stage-2 loss against a hand computation (float64 tiny models)
+# ----------------------------------------------------------------------------------------------------------------
+SOURCES = ["t5 t6 t7", "t9 t8 t11 t12", "t13 t14"]
+REFERENCES = ["t7 t6 t5", "t12 t11 t8 t9", "t14 t13"]
+TEACHER_OUT = ["t7 t6", "t12 t11 t8 t9 t10", "t14 t13 t15 t16"]  # other lengths than the references
+
+
+def _distilled():
+    import datasets
+
+    return datasets.Dataset.from_dict({"source": SOURCES, "target": TEACHER_OUT, "reference": REFERENCES})
+
+
+def _ids(text):
+    return toy_tokenizer()(text_target=text)["input_ids"]
+
+
+def _sentence_log_probs(model, source, target):
+    """[log P(y_t | y_<t, x) as a list of rows of python floats] for one sentence, run alone (no padding), with the
+    decoder input shifted right by hand."""
+    x = torch.tensor([toy_tokenizer()(source)["input_ids"]])
+    y = _ids(target)
+    decoder_input = torch.tensor([[model.config.decoder_start_token_id] + y[:-1]])
+    with torch.no_grad():
+        logits = model(input_ids=x, attention_mask=torch.ones_like(x), decoder_input_ids=decoder_input).logits[0]
+    rows = []
+    for t in range(len(y)):
+        row = logits[t].tolist()
+        top = max(row)
+        log_z = top + math.log(sum(math.exp(v - top) for v in row))
+        rows.append([v - log_z for v in row])
+    return y, rows
+
+
+def _nll(model, source, target):
+    y, rows = _sentence_log_probs(model, source, target)
+    return -sum(rows[t][y[t]] for t in range(len(y)))
+
+
+def _stage2_trainer(student, tmp_path, kd_scheme, **kw):
+    tokenizer = toy_tokenizer()
+    args = Seq2SeqTrainingArguments(output_dir=str(tmp_path / kd_scheme), per_device_train_batch_size=4, max_steps=1,
+                                    report_to=[], use_cpu=True, disable_tqdm=True, save_strategy="no")
+    return DistillationTrainer(model=student, args=args, processing_class=tokenizer, kd_scheme=kd_scheme,
+                               train_dataset=tokenize_kd_dataset(_distilled(), tokenizer, kd_scheme),
+                               data_collator=DataCollatorForSeq2Seq(tokenizer, model=student), **kw)
+
+
+def _stage2_batch(trainer):
+    """The three rows through the trainer's own collator (pads references and teacher outputs)."""
+    return trainer.data_collator([trainer.train_dataset[i] for i in range(3)])
+
+
+@pytest.mark.parametrize("kd_lambda", [None, 0.7])
+def test_eq1_sequence_loss_is_reference_nll_plus_lambda_teacher_output_nll(tmp_path, kd_lambda):
+    """Eq. 1 with the sequence-level KL (the default scheme): sum_n NLL(reference_n) + lambda * sum_n
+    NLL(teacher output_n), over the number of reference tokens; lambda defaults to the paper's 1."""
+    torch.manual_seed(0)
+    student = hybrid().double().eval()
+    kw = {} if kd_lambda is None else dict(kd_lambda=kd_lambda)
+    trainer = _stage2_trainer(student, tmp_path, "eq1_sequence", **kw)
+    assert trainer.kd_scheme == "eq1_sequence" == distill.DEFAULT_KD_SCHEME
+    batch = _stage2_batch(trainer)
+    assert batch["labels"].shape[1] == max(len(_ids(r)) for r in REFERENCES)
+    assert batch["teacher_labels"].shape[1] == max(len(_ids(r)) for r in TEACHER_OUT)
+    with torch.no_grad():
+        loss = trainer.compute_loss(student, batch)
+    lam = 1.0 if kd_lambda is None else kd_lambda
+    reference = sum(_nll(student, x, y) for x, y in zip(SOURCES, REFERENCES))
+    kd_term = sum(_nll(student, x, y) for x, y in zip(SOURCES, TEACHER_OUT))
+    tokens = sum(len(_ids(y)) for y in REFERENCES)
+    assert loss.dtype == torch.float64
+    assert loss.item() == pytest.approx((reference + lam * kd_term) / tokens, rel=1e-10)
+    assert trainer.kd_parts["nll"] == pytest.approx(reference / tokens, rel=1e-10)
+    assert trainer.kd_parts["kd"] == pytest.approx(kd_term / tokens, rel=1e-10)
+
+
+@pytest.mark.parametrize("kd_scheme", ["eq1_word", "sequence_word"])
+def test_word_level_schemes_equal_the_hand_kl(tmp_path, kd_scheme):
+    """eq1_word: NLL(reference) + lambda * sum_t KL(P_teacher(. | y_<t) || P_student(. | y_<t)) along the reference;
+    sequence_word: the same along the teacher's output (no reference term)."""
+    torch.manual_seed(0)
+    student = hybrid().double().eval()
+    teacher = fitted(soft(), steps=40).double().eval()
+    trainer = _stage2_trainer(student, tmp_path, kd_scheme, teacher_model=teacher, kd_lambda=0.7)
+    with torch.no_grad():
+        loss = trainer.compute_loss(student, _stage2_batch(trainer))
+    targets = REFERENCES if kd_scheme == "eq1_word" else TEACHER_OUT
+    total, tokens = 0.0, 0
+    for x, y_text in zip(SOURCES, targets):
+        y, log_ps = _sentence_log_probs(student, x, y_text)
+        _, log_pt = _sentence_log_probs(teacher, x, y_text)
+        for t in range(len(y)):
+            kl = sum(math.exp(log_pt[t][v]) * (log_pt[t][v] - log_ps[t][v]) for v in range(len(log_ps[t])))
+            total += -log_ps[t][y[t]] + 0.7 * kl
+            tokens += 1
+    assert trainer.kd_parts["kd"] > 0.05  # the KL term is not vanishing
+    assert loss.item() == pytest.approx(total / tokens, rel=1e-10)
+
+
+def test_sequence_only_is_the_models_own_loss_on_the_teacher_outputs(tmp_path):
+    torch.manual_seed(0)
+    student = hybrid().double().eval()
+    trainer = _stage2_trainer(student, tmp_path, "sequence_only")
+    batch = _stage2_batch(trainer)
+    assert "teacher_labels" not in batch
+    assert [[i for i in row if i != -100] for row in batch["labels"].tolist()] == [_ids(y) for y in TEACHER_OUT]
+    with torch.no_grad():
+        loss = trainer.compute_loss(student, batch)
+        own = student(**batch).loss  # label smoothing of the config included, as the old hybrid_*_kd rows
+    assert student.config.label_smoothing > 0 and loss.item() == pytest.approx(own.item(), rel=1e-12)
+
+
+def test_sequence_kd_loss_function_by_hand():
+    ref = torch.tensor([[[1.0, 0.0, -1.0], [0.5, 2.0, 0.0]]], dtype=torch.float64)
+    out = torch.tensor([[[0.0, 3.0, 1.0], [2.0, 0.0, 1.0], [1.0, 1.0, 0.0]]], dtype=torch.float64)
+    labels, teacher_labels = torch.tensor([[0, 1]]), torch.tensor([[1, 0, -100]])
+
+    def nll(row, i):
+        return -(row[i] - math.log(sum(math.exp(v) for v in row)))
+
+    reference = nll(ref[0, 0].tolist(), 0) + nll(ref[0, 1].tolist(), 1)
+    kd_term = nll(out[0, 0].tolist(), 1) + nll(out[0, 1].tolist(), 0)
+    loss = sequence_kd_loss(ref, labels, out, teacher_labels, kd_lambda=0.3)
+    assert loss.item() == pytest.approx((reference + 0.3 * kd_term) / 2, rel=1e-12)
+    assert sequence_kd_loss(ref, labels, out, teacher_labels, 0.3, num_items_in_batch=5).item() == pytest.approx(
+        (reference + 0.3 * kd_term) / 5, rel=1e-12)
+    assert sequence_kd_loss(ref, labels, out, teacher_labels).item() == pytest.approx(  # lambda = 1 (the paper)
+        (reference + kd_term) / 2, rel=1e-12)
+
+
+def test_two_stage_schedule_runs_mle_then_the_kd_scheme(tmp_path, monkeypatch):
+    """Sec. 2.2: stage 1 is plain MLE on the references (the model's own loss), stage 2 fine-tunes the same student
+    with Eq. 1 on references + teacher outputs; both stages move the weights."""
+    seen = []
+    real = distill.train_seq2seq
+
+    def recording(model, tokenizer, data, **kw):
+        before = [p.detach().clone() for p in model.parameters()]
+        stage = "kd" if kw.get("trainer_class") is DistillationTrainer else "mle"
+        trainer = real(model, tokenizer, data, **kw)
+        moved = any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+        seen.append((stage, sorted(data.column_names), [list(r) for r in data["labels"]], moved, type(trainer)))
+        return trainer
+
+    monkeypatch.setattr(distill, "train_seq2seq", recording)
+    student = hybrid()
+    step = dict(max_steps=2, batch_size=3, learning_rate=1e-2, warmup_steps=0, progress=False)
+    first, second = train_two_stage(student, toy_tokenizer(), _distilled(), mle=step, kd=step,
+                                    output_dir=str(tmp_path / "two"))
+    refs, outs = [_ids(y) for y in REFERENCES], [_ids(y) for y in TEACHER_OUT]
+    assert [s[0] for s in seen] == ["mle", "kd"]
+    assert seen[0][1] == ["attention_mask", "input_ids", "labels"] and seen[0][2] == refs
+    assert seen[1][1] == ["attention_mask", "input_ids", "labels", "teacher_labels"] and seen[1][2] == refs
+    assert seen[0][3] and seen[1][3]
+    assert not isinstance(first, DistillationTrainer) and isinstance(second, DistillationTrainer)
+    assert first.state.global_step == second.state.global_step == 2
+    assert second.kd_scheme == "eq1_sequence" and second.kd_lambda == 1.0 and set(second.kd_parts) == {"nll", "kd"}
+    assert list(second.train_dataset["teacher_labels"]) == outs
+    # mle=None: stage 2 only (the old rows' sequence-level KD from scratch)
+    seen.clear()
+    none, only = train_two_stage(hybrid(), toy_tokenizer(), _distilled(), kd_scheme="sequence_only", kd=step,
+                                 output_dir=str(tmp_path / "one"))
+    assert none is None and [s[0] for s in seen] == ["kd"] and seen[0][2] == outs
+
+
+def test_kd_scheme_errors(tmp_path):
+    student = hybrid()
+    with pytest.raises(ValueError, match=r"`kd_scheme` must be one of \['eq1_sequence', 'eq1_word', 'sequence_word', "
+                                         r"'sequence_only'\], got 'eq1'"):
+        _trainer(student, soft(), tmp_path, kd_scheme="eq1")
+    with pytest.raises(ValueError, match="`kd_scheme`"):
+        tokenize_kd_dataset(_distilled(), toy_tokenizer(), "word")
+    with pytest.raises(ValueError, match="`kd_scheme`"):
+        train_two_stage(student, toy_tokenizer(), _distilled(), kd_scheme="seq")
+    with pytest.raises(ValueError, match="`teacher_model` is required"):
+        _stage2_trainer(student, tmp_path, "eq1_word")
+    with pytest.raises(ValueError, match="`teacher_model` is not used"):
+        _stage2_trainer(student, tmp_path, "eq1_sequence", teacher_model=soft())
+    with pytest.raises(ValueError, match="`kd_lambda` has no role"):
+        _stage2_trainer(student, tmp_path, "sequence_only", kd_lambda=1.0)
+    with pytest.raises(ValueError, match="reference"):
+        tokenize_kd_dataset(_distilled().remove_columns(["reference"]), toy_tokenizer(), "eq1_sequence")
+
+
+def _trainer(student, teacher, tmp_path, steps=0, kd_scheme="eq1_word", **kw):
     tokenizer = toy_tokenizer()
     args = Seq2SeqTrainingArguments(output_dir=str(tmp_path / "kd"), per_device_train_batch_size=16, max_steps=steps,
                                     learning_rate=3e-3, logging_steps=2, save_strategy="no", report_to=[],
                                     use_cpu=True, disable_tqdm=True, seed=0)
     return DistillationTrainer(model=student, args=args, train_dataset=copy_task(256), processing_class=tokenizer,
                                data_collator=DataCollatorForSeq2Seq(tokenizer, model=student), teacher_model=teacher,
-                               **kw)
+                               kd_scheme=kd_scheme, **kw)
 
 
 def test_kl_is_zero_when_student_equals_teacher(tmp_path):
@@ -66,7 +255,7 @@ def test_kl_is_zero_when_student_equals_teacher(tmp_path):
     trainer = _trainer(student, copy.deepcopy(student), tmp_path)
     batch = collate(copy_task(8, seed=3))
     loss = trainer.compute_loss(student, batch)
-    assert trainer.kd_parts["kl"] == pytest.approx(0.0, abs=1e-6)
+    assert trainer.kd_parts["kd"] == pytest.approx(0.0, abs=1e-6)
     logits = student(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                      labels=batch["labels"]).logits
     nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1))

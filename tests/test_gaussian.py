@@ -1,15 +1,19 @@
 """Hard-coded Gaussian attention (You et al., 2020): weights against hand computations, the three implementations
 (Sec. 6.3) against independent references, the presets, cached decoding, HF integration and bad input."""
 
+import json
 import math
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from common import (check_cache_equivalence, check_padded_batch, check_remote_code, check_save_load, check_trainer,
                     collate, copy_task, decode_step_by_step, fitted, tiny_kwargs, toy_tokenizer)
 from hf_hardattn import GaussianConfig, GaussianForConditionalGeneration, fit_length_ratio
 from hf_hardattn.gaussian import GaussianAttention
+from hf_hardattn.modeling_hardattn import HardAttnCache
 from hf_hardattn.soft import SoftTransformerConfig, SoftTransformerForConditionalGeneration
 
 
@@ -19,8 +23,8 @@ def pdf(d, sigma=1.0):  # hand-written N(d; 0, sigma^2)
 
 def identity_attention(role, **kw):
     """A Gaussian layer whose value/output projections are the identity, so its output is the weights applied to
-    its input."""
-    config = GaussianConfig(**tiny_kwargs(**kw))
+    its input. d_model 96, 4 heads of 24 features: up to 24 keys per head can be read off."""
+    config = GaussianConfig(**tiny_kwargs(**{"d_model": 96, **kw}))
     attention = GaussianAttention(config, role, 0).eval()
     with torch.no_grad():
         for linear in (attention.v_proj, attention.out_proj):
@@ -30,43 +34,67 @@ def identity_attention(role, **kw):
 
 
 def weight_matrix(attention, length, mask=None, memory_length=None):
-    """Row i = weights of head 0 for query i, read off the layer's output on one-hot inputs (feature j = key j)."""
-    keys = memory_length or length
-    eye = torch.zeros(1, keys, 32)
-    eye[0, :, :keys] = torch.eye(keys)
+    """[H, Tq, Tk]: the weights of every head, read off the layer's output on one-hot inputs (feature h * hd + j of
+    key j is 1 for every head h, so head h's output features [h * hd, h * hd + Tk) are its weights)."""
+    keys, heads, head_dim = memory_length or length, attention.num_heads, attention.head_dim
+    assert keys <= head_dim
+    eye = torch.zeros(1, keys, heads * head_dim)
+    for h in range(heads):
+        eye[0, :, h * head_dim:h * head_dim + keys] = torch.eye(keys)
     if attention.is_cross:
-        out = attention(torch.zeros(1, length, 32), memory=eye, mask=mask)
+        out = attention(torch.zeros(1, length, heads * head_dim), memory=eye, mask=mask)
     else:
         out = attention(eye, mask=mask)
-    return out[0, :, :keys].detach()  # head 0 = features [0, head_dim)
+    return out[0].detach().view(length, heads, head_dim)[..., :keys].transpose(0, 1)
 
 
 # -- the weights ---------------------------------------------------------------------------------------------------
+def hand_weights(offsets, queries, keys, centre=lambda i, o: i + o, kernel=pdf, causal=False, real_keys=None):
+    """[H, Tq, Tk] by hand: head h's weight of key j for query i is kernel(j - centre(i, offsets[h])), 0 after i
+    when ``causal``, 0 on keys >= ``real_keys`` (padding)."""
+    return torch.tensor([[[0.0 if (causal and j > i) or (real_keys is not None and j >= real_keys)
+                           else kernel(j - centre(i, o)) for j in range(keys)] for i in range(queries)]
+                         for o in offsets])
+
+
+def window(radius):  # conv's kernel: the density inside the window, 0 outside
+    return lambda d: pdf(d) if abs(d) <= radius else 0.0
+
+
 def test_footnote_example_and_borders():
     """Footnote 1: a head centred on a token gives [0.054, 0.242, 0.399, 0.242, 0.054] over a 5-token window; rows
-    at the borders are cut and NOT renormalised (footnote 5)."""
+    at the borders are cut and NOT renormalised (footnote 5); every head."""
     attention = identity_attention("encoder", encoder_offsets=[0])
     w = weight_matrix(attention, 5)
-    assert [round(float(x), 3) for x in w[2]] == [0.054, 0.242, 0.399, 0.242, 0.054]
-    expected = torch.tensor([[pdf(j - i) for j in range(5)] for i in range(5)])
-    torch.testing.assert_close(w, expected, atol=1e-6, rtol=0)
-    assert w[0].sum() < 0.95 and w[4].sum() < 0.95 and w[1].sum() < 0.99  # cut at the borders, not renormalised
+    assert [round(float(x), 3) for x in w[3, 2]] == [0.054, 0.242, 0.399, 0.242, 0.054]
+    torch.testing.assert_close(w, hand_weights([0] * 4, 5, 5), atol=1e-6, rtol=0)
+    assert w[:, 0].sum(-1).max() < 0.95 and w[:, 4].sum(-1).max() < 0.95 and w[:, 1].sum(-1).max() < 0.99
 
 
-def test_offsets_padding_and_causality():
-    """Encoder heads (l, r) = i-1, i+1 are duplicated over 4 heads; padded keys get weight 0 (no renormalisation);
-    decoder heads (l, c) see nothing to their right."""
-    enc = identity_attention("encoder")
-    assert enc.offsets == (-1, 1, -1, 1)
+@pytest.mark.parametrize("implementation,kernel", [("full", pdf), ("conv", window(1)),
+                                                   ("index", lambda d: float(d == 0))])
+def test_offsets_padding_and_causality_of_every_head(implementation, kernel):
+    """Four heads with four different offsets, each checked: encoder heads centred at i + o; padded keys get weight 0
+    (no renormalisation); decoder heads see nothing to their right."""
+    enc = identity_attention("encoder", encoder_offsets=[-1, 1, 0, 2], gaussian_implementation=implementation)
     mask = torch.tensor([[True] * 4 + [False] * 2])[:, None, None, :]
-    w = weight_matrix(enc, 6, mask=mask)  # head 0: centred at i - 1
-    expected = torch.tensor([[pdf(j - (i - 1)) if j < 4 else 0.0 for j in range(6)] for i in range(6)])
-    torch.testing.assert_close(w, expected, atol=1e-6, rtol=0)
-    dec = identity_attention("decoder", decoder_offsets=[0])
-    assert dec.offsets == (0, 0, 0, 0)
-    w = weight_matrix(dec, 5)
-    expected = torch.tensor([[pdf(j - i) if j <= i else 0.0 for j in range(5)] for i in range(5)])
-    torch.testing.assert_close(w, expected, atol=1e-6, rtol=0)
+    expected = hand_weights([-1, 1, 0, 2], 6, 6, kernel=kernel, real_keys=4)
+    torch.testing.assert_close(weight_matrix(enc, 6, mask=mask), expected, atol=1e-6, rtol=0)
+    dec = identity_attention("decoder", decoder_offsets=[0, -1, -2, 0], gaussian_implementation=implementation)
+    expected = hand_weights([0, -1, -2, 0], 7, 7, kernel=kernel, causal=True)
+    torch.testing.assert_close(weight_matrix(dec, 7), expected, atol=1e-6, rtol=0)
+    assert enc.offsets == (-1, 1, 0, 2) and dec.offsets == (0, -1, -2, 0)
+
+
+def test_default_offsets_are_duplicated_over_the_heads():
+    """Footnote 12: the paper's (l, r) / (l, c) / (l, c, r) patterns repeated to fill 4 heads; every head checked."""
+    enc, dec = identity_attention("encoder"), identity_attention("decoder")
+    cross = identity_attention("cross", length_ratio=1.0)
+    assert (enc.offsets, dec.offsets, cross.offsets) == ((-1, 1, -1, 1), (-1, 0, -1, 0), (-1, 0, 1, -1))
+    torch.testing.assert_close(weight_matrix(enc, 6), hand_weights(enc.offsets, 6, 6), atol=1e-6, rtol=0)
+    torch.testing.assert_close(weight_matrix(dec, 6), hand_weights(dec.offsets, 6, 6, causal=True), atol=1e-6, rtol=0)
+    torch.testing.assert_close(weight_matrix(cross, 6, memory_length=8), hand_weights(cross.offsets, 6, 8), atol=1e-6,
+                               rtol=0)
 
 
 def test_per_layer_and_per_head_offsets():
@@ -78,13 +106,19 @@ def test_per_layer_and_per_head_offsets():
 
 
 def test_conv_window_gives_truncated_kernel():
-    """Sec. 6.3: window 3 -> kernel [0.242, 0.399, 0.242] and nothing outside; window 5 adds the 0.054 taps."""
+    """Sec. 6.3: window 3 -> kernel [0.242, 0.399, 0.242] and nothing outside; window 5 adds the 0.054 taps; every
+    head, window 7 and sigma 2 too."""
     w = weight_matrix(identity_attention("encoder", encoder_offsets=[0], gaussian_implementation="conv"), 7)
-    assert [round(float(x), 3) for x in w[3]] == [0, 0, 0.242, 0.399, 0.242, 0, 0]
-    assert [round(float(x), 3) for x in w[0]] == [0.399, 0.242, 0, 0, 0, 0, 0]
+    assert [round(float(x), 3) for x in w[1, 3]] == [0, 0, 0.242, 0.399, 0.242, 0, 0]
+    assert [round(float(x), 3) for x in w[2, 0]] == [0.399, 0.242, 0, 0, 0, 0, 0]
     w5 = weight_matrix(identity_attention("encoder", encoder_offsets=[1], gaussian_implementation="conv",
                                           gaussian_window=5), 7)
-    assert [round(float(x), 3) for x in w5[3]] == [0, 0, 0.054, 0.242, 0.399, 0.242, 0.054]
+    assert [round(float(x), 3) for x in w5[3, 3]] == [0, 0, 0.054, 0.242, 0.399, 0.242, 0.054]
+    torch.testing.assert_close(w5, hand_weights([1] * 4, 7, 7, kernel=window(2)), atol=1e-6, rtol=0)
+    w7 = weight_matrix(identity_attention("encoder", encoder_offsets=[-2, 0, 1, 3], gaussian_implementation="conv",
+                                          gaussian_window=7, gaussian_sigma=2.0), 9)
+    expected = hand_weights([-2, 0, 1, 3], 9, 9, kernel=lambda d: pdf(d, 2.0) if abs(d) <= 3 else 0.0)
+    torch.testing.assert_close(w7, expected, atol=1e-6, rtol=0)
 
 
 @pytest.mark.parametrize("role", ["encoder", "decoder", "cross"])
@@ -107,16 +141,250 @@ def test_index_equals_gathering_shifted_values(role):
     torch.testing.assert_close(out, attention.out_proj(ref.reshape(2, 6, 32)), atol=1e-6, rtol=1e-5)
 
 
-def test_hc_all_centres_follow_gamma():
-    """Sec. 3.2: cross heads centred at floor(gamma*i - 1), floor(gamma*i), floor(gamma*i + 1) of the source."""
+@pytest.mark.parametrize("implementation,kernel", [("full", pdf), ("conv", window(1)),
+                                                   ("index", lambda d: float(d == 0))])
+def test_hc_all_centres_follow_gamma(implementation, kernel):
+    """Sec. 3.2: cross heads centred at floor(gamma*i + o) of the source, o = -1, 0, 1, 2 on the four heads."""
     for gamma in (0.7, 1.0, 2.5):
-        for offset in (-1, 0, 1):
-            w = weight_matrix(identity_attention("cross", cross_offsets=[offset], length_ratio=gamma), 6,
-                              memory_length=20)
-            centres = [math.floor(gamma * i + offset) for i in range(6)]
-            expected = torch.tensor([[pdf(j - c) for j in range(20)] for c in centres])
-            torch.testing.assert_close(w, expected, atol=1e-6, rtol=0)
-            assert [int(row.argmax()) for row in w] == [max(c, 0) for c in centres]
+        attention = identity_attention("cross", cross_offsets=[-1, 0, 1, 2], length_ratio=gamma,
+                                       gaussian_implementation=implementation)
+        w = weight_matrix(attention, 8, memory_length=20)
+        expected = hand_weights([-1, 0, 1, 2], 8, 20, centre=lambda i, o: math.floor(gamma * i + o), kernel=kernel)
+        torch.testing.assert_close(w, expected, atol=1e-6, rtol=0)
+        if implementation == "full":
+            centres = [[math.floor(gamma * i + o) for i in range(8)] for o in (-1, 0, 1, 2)]
+            assert w.argmax(-1).tolist() == [[min(max(c, 0), 19) for c in row] for row in centres]
+
+
+# -- conv and index: banded, against the dense computation ----------------------------------------------------------
+SETTINGS = {  # name -> config fields; per-head offsets all different
+    "full": dict(gaussian_implementation="full"),
+    "conv3": dict(gaussian_implementation="conv"),
+    "conv5_sigma1.5": dict(gaussian_implementation="conv", gaussian_window=5, gaussian_sigma=1.5),
+    "index": dict(gaussian_implementation="index"),
+}
+OFFSETS = dict(encoder_offsets=[-2, 1, 0, -1], decoder_offsets=[0, -1, -3, -2], cross_offsets=[-1, 0, 2, 1])
+
+
+def reference_kernel(fields):
+    """The implementation's kernel written from the paper (Eq. 2, Sec. 6.3), from the config fields."""
+    sigma, radius = fields.get("gaussian_sigma", 1.0), (fields.get("gaussian_window", 3) - 1) // 2
+    implementation = fields["gaussian_implementation"]
+    if implementation == "index":
+        return lambda d: float(d == 0)
+    if implementation == "conv":
+        return lambda d: pdf(d, sigma) if abs(d) <= radius else 0.0
+    return lambda d: pdf(d, sigma)
+
+
+def reference(fields, attention, hidden, memory=None, mask=None, gamma=None):
+    """The dense computation, by hand in float64: W[b, h, i, j] = kernel(j - centre), centre i + o (self) or
+    floor(gamma * i + o) + the row's leading padding (cross), 0 after i (decoder) and where ``mask`` hides key j;
+    output = out_proj(merge(W @ v_proj(keys))). Returns (output, W)."""
+    kernel, offsets = reference_kernel(fields), OFFSETS[f"{attention.role}_offsets"]
+    keys = memory if attention.is_cross else hidden
+    (batch, queries, width), length = hidden.shape, keys.shape[1]
+    heads = len(offsets)
+    weights = torch.zeros(batch, heads, queries, length, dtype=torch.float64)
+    for b in range(batch):
+        shift = 0
+        if attention.is_cross and mask is not None:
+            while not bool(mask[b, 0, 0, shift]):
+                shift += 1
+        for h, o in enumerate(offsets):
+            for i in range(queries):
+                centre = math.floor(gamma * i + o) + shift if attention.is_cross else i + o
+                for j in range(length):
+                    hidden_key = mask is not None and not bool(mask.expand(batch, 1, queries, length)[b, 0, i, j])
+                    if not hidden_key and not (attention.role == "decoder" and j > i):
+                        weights[b, h, i, j] = kernel(j - centre)
+    values = (keys @ attention.v_proj.weight.T + attention.v_proj.bias).view(batch, length, heads, -1).transpose(1, 2)
+    out = (weights @ values).transpose(1, 2).reshape(batch, queries, width)
+    return out @ attention.out_proj.weight.T + attention.out_proj.bias, weights
+
+
+def random_module(role, fields, gamma=1.3, dropout=0.0, seed=0):
+    torch.manual_seed(seed)
+    config = GaussianConfig(**tiny_kwargs(**OFFSETS, **fields, length_ratio=gamma, attention_dropout=dropout))
+    attention = GaussianAttention(config, role, 0).double()
+    with torch.no_grad():
+        for param in attention.parameters():
+            param.copy_(torch.randn_like(param) * 0.5)
+    return attention.eval()
+
+
+def role_inputs(case, seed=1):
+    """(role, hidden, memory, mask, causal): right-padded keys for the encoder and cross-attention, a left-padded
+    source for 'cross_left', a padded decoder (mask = causal & padding, as the decoder builds it) for 'decoder_pad'."""
+    generator = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(2, 9, 32, generator=generator, dtype=torch.float64)
+    memory = torch.randn(2, 11, 32, generator=generator, dtype=torch.float64)
+    lengths = torch.tensor([[11, 8], [9, 6]])  # real keys of (memory, hidden) per row
+    if case == "encoder":
+        return "encoder", hidden, None, (torch.arange(9) < lengths[:, 1:2])[:, None, None, :], False
+    if case == "decoder":
+        return "decoder", hidden, None, None, True
+    if case == "decoder_pad":
+        pad = (torch.arange(9) < lengths[:, 1:2])[:, None, None, :]
+        return "decoder", hidden, None, torch.ones(9, 9, dtype=torch.bool).tril() & pad, False
+    real = torch.arange(11) < lengths[:, :1]
+    if case == "cross_left":
+        real = torch.stack([real[0], real[1].flip(0)])  # row 1: 3 padded positions first
+    return "cross", hidden, memory, real[:, None, None, :], False
+
+
+CASES = ["encoder", "decoder", "decoder_pad", "cross", "cross_left"]
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("setting", SETTINGS)
+def test_output_equals_the_dense_computation_in_float64(setting, case):
+    """conv and index (banded: gathered value rows, no [Tq, Tk] matrix) give exactly the dense computation's output
+    (hand-built weights @ values) in every role, with per-head offsets, padding (right and left) and the causal cut;
+    full likewise. The weights returned by output_attentions are the hand-built ones and the same output."""
+    fields = SETTINGS[setting]
+    for gamma in (1.3, 0.6):
+        role, hidden, memory, mask, causal = role_inputs(case)
+        attention = random_module(role, fields, gamma)
+        expected, weights = reference(fields, attention, hidden, memory, mask, gamma)
+        torch.testing.assert_close(attention(hidden, memory=memory, mask=mask, causal=causal), expected, rtol=0,
+                                   atol=1e-12)
+        out, returned = attention(hidden, memory=memory, mask=mask, causal=causal, output_attentions=True)
+        torch.testing.assert_close(returned, weights, rtol=0, atol=1e-12)
+        torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+        if role != "cross":
+            break
+
+
+@pytest.mark.parametrize("case", ["decoder", "cross", "cross_left"])
+@pytest.mark.parametrize("setting", SETTINGS)
+def test_cached_steps_equal_the_dense_computation(setting, case):
+    """Cached decoding (HardAttnCache, one query per call, then the rest in one call): each step reads only the keys
+    within reach (the last `lookback` value rows; the source slice around floor(gamma * i + o)) and gives the dense
+    computation's row: exactly for conv and index, within the 1e-6-of-the-peak cut for full. gamma 2.5 carries the
+    reach past the end of the source (no key left: output = out_proj's bias)."""
+    fields = SETTINGS[setting]
+    tolerance = 1e-6 if fields["gaussian_implementation"] == "full" else 1e-12
+    for gamma in (1.3, 2.5):
+        role, hidden, memory, mask, _ = role_inputs(case)
+        attention = random_module(role, fields, gamma)
+        expected, _ = reference(fields, attention, hidden, memory, mask, gamma)
+        cache, steps = HardAttnCache(), []
+        for t in range(6):
+            steps.append(attention(hidden[:, t:t + 1], memory=memory, mask=mask, cache=cache))
+            cache.seen_tokens += 1
+        if role == "cross":
+            steps.append(attention(hidden[:, 6:], memory=memory, mask=mask, cache=cache))
+        else:  # the decoder's mask for 3 queries after 6 cached positions
+            steps.append(attention(hidden[:, 6:], cache=cache, mask=torch.ones(3, 9, dtype=torch.bool).tril(6)))
+        torch.testing.assert_close(torch.cat(steps, 1), expected, rtol=0, atol=tolerance)
+        if role == "decoder":
+            assert cache.states["gaussian.0"].shape[2] == attention.lookback
+            break
+
+
+class LargestAllocation(TorchDispatchMode):
+    """The largest storage (in elements) any operation returns while active (forward and backward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.untyped_storage().nbytes() // t.element_size())
+        return out
+
+
+@pytest.mark.parametrize("implementation", ["conv", "index", "full"])
+@pytest.mark.parametrize("role", ["encoder", "decoder", "cross"])
+def test_conv_and_index_build_no_query_by_key_tensor(role, implementation):
+    """A training step (attention dropout on, padded keys) of conv / index allocates nothing of Tq x Tk elements,
+    forward or backward; full does (its dense weights), which shows the test can fail. (A cached decoding step has
+    one query: its reach, not a Tq x Tk matrix, is what test_cached_steps_equal_the_dense_computation checks.) Sizes: one sentence, d_model 8, so that W gathered rows per query stay well below Tq x Tk."""
+    queries, keys = 61, 61 if role != "cross" else 67
+    config = GaussianConfig(**tiny_kwargs(d_model=8, gaussian_implementation=implementation, gaussian_window=5,
+                                          length_ratio=1.1, attention_dropout=0.1))
+    attention = GaussianAttention(config, role, 0).train()
+    hidden = torch.randn(1, queries, 8, requires_grad=True)
+    memory = torch.randn(1, keys, 8, requires_grad=True) if role == "cross" else None
+    mask = (torch.arange(keys) < keys - 3)[None, None, None, :] if role != "decoder" else None
+    with LargestAllocation() as probe:
+        attention(hidden, memory=memory, mask=mask, causal=role == "decoder").sum().backward()
+    assert (probe.largest >= queries * keys) == (implementation == "full"), probe.largest
+
+
+@pytest.mark.parametrize("implementation", ["conv", "index", "full"])
+def test_attention_dropout_drops_each_weight_independently(implementation):
+    """Training: every non-zero weight is kept and scaled by 1 / (1 - p) or dropped, independently (two weights are
+    both dropped with probability p^2), with probability p; weights off the band stay 0; the returned weights are
+    the ones the output used. conv / index draw per tap: the distribution of dropout on the dense matrix."""
+    p = 0.3
+    fields = dict(gaussian_implementation=implementation)
+    role, hidden, memory, mask, _ = role_inputs("cross")
+    attention = random_module(role, fields, dropout=p)
+    _, closed = reference(fields, attention, hidden, memory, mask, 1.3)
+    attention.train()
+    values = (memory @ attention.v_proj.weight.T + attention.v_proj.bias).view(2, 11, 4, 8).transpose(1, 2)
+    support = closed > 1e-3  # (full: the tail's tiny weights are left out of the counts)
+    kept = []
+    for _ in range(300):
+        out, weights = attention(hidden, memory=memory, mask=mask, output_attentions=True)
+        expected = (weights @ values).transpose(1, 2).reshape(2, 9, 32)
+        torch.testing.assert_close(out, expected @ attention.out_proj.weight.T + attention.out_proj.bias, rtol=0,
+                                   atol=1e-12)
+        assert (weights[closed == 0] == 0).all()
+        ratio = weights[support] / closed[support]
+        assert ((ratio == 0) | ((ratio - 1 / (1 - p)).abs() < 1e-12)).all()
+        kept.append(ratio > 0)
+    kept = torch.stack(kept).double()  # [draws, support]
+    n = kept.numel()
+    assert abs(1 - kept.mean().item() - p) < 4 * math.sqrt(p * (1 - p) / n)
+    both_dropped = ((1 - kept[:, :-1]) * (1 - kept[:, 1:])).mean().item()  # neighbouring weights (same row mostly)
+    assert abs(both_dropped - p * p) < 0.02, both_dropped
+
+
+# -- the length ratio gamma ----------------------------------------------------------------------------------------
+UNFITTED = r"`length_ratio` .*never set.*fit_length_ratio\(model, dataset, tokenizer\).*length_ratio=\.\.\."
+
+
+def test_hc_all_refuses_an_unfitted_length_ratio(tmp_path):
+    """hc-all without gamma (None = not fitted, the default) refuses training and generation, naming the field and
+    the fix, also after save/load; fit_length_ratio (or a given number) makes it run. Self-attention-only presets
+    never need gamma; a saved config holding a number (every checkpoint saved before) loads and runs as before."""
+    ids, mask = torch.tensor([[5, 9, 13, 2], [7, 11, 2, 0]]), torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]])
+    model = GaussianForConditionalGeneration(GaussianConfig.preset("hc-all", **tiny_kwargs()))
+    assert model.config.length_ratio is None
+    with pytest.raises(ValueError, match=UNFITTED):
+        model.train()(input_ids=ids, attention_mask=mask, labels=ids)
+    with pytest.raises(ValueError, match=UNFITTED):
+        model.eval().generate(input_ids=ids, attention_mask=mask, max_new_tokens=3)
+    model.save_pretrained(tmp_path / "unfitted")
+    assert json.loads((tmp_path / "unfitted" / "config.json").read_text())["length_ratio"] is None
+    reloaded = GaussianForConditionalGeneration.from_pretrained(tmp_path / "unfitted")
+    with pytest.raises(ValueError, match=UNFITTED):
+        reloaded.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3)
+    plain = SoftTransformerConfig(**tiny_kwargs(cross_attention="gaussian"))
+    with pytest.raises(ValueError, match=UNFITTED):
+        SoftTransformerForConditionalGeneration(plain)(input_ids=ids, attention_mask=mask, labels=ids)
+
+    gamma = fit_length_ratio(model, {"source": ["t4 t5 t6", "t7"], "target": ["t4 t5", "t6 t7"]}, toy_tokenizer())
+    assert gamma == 1.0 and model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3).shape == (2, 4)
+    for preset in ("hc-sa", "sh-x"):
+        other = GaussianForConditionalGeneration(GaussianConfig.preset(preset, **tiny_kwargs()))
+        assert other.config.length_ratio is None
+        other(input_ids=ids, attention_mask=mask, labels=ids)
+
+    old = tmp_path / "saved_with_a_number"
+    GaussianForConditionalGeneration(GaussianConfig.preset("hc-all", **tiny_kwargs())).save_pretrained(old)
+    config = json.loads((old / "config.json").read_text())
+    config["length_ratio"] = 1.0  # what every config saved before this change holds (the old default included)
+    (old / "config.json").write_text(json.dumps(config))
+    loaded = GaussianForConditionalGeneration.from_pretrained(old)
+    assert loaded.model.decoder.layers[0].cross_attn.module.gamma == 1.0
+    loaded.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3)
 
 
 def test_fit_length_ratio_uses_tokenizer_and_updates_model():
@@ -130,6 +398,23 @@ def test_fit_length_ratio_uses_tokenizer_and_updates_model():
     assert cross.gamma == pytest.approx(expected)
     config = GaussianConfig.preset("hc-all", **tiny_kwargs())
     assert fit_length_ratio(config, data, tokenizer) == pytest.approx(expected) == config.length_ratio
+
+
+@pytest.mark.parametrize("implementation", ["full", "index"])
+def test_refitting_gamma_recomputes_the_weights(implementation):
+    """A model that already ran (its weights and bands memoised for gamma 1) and is then fitted to another gamma
+    gives the output of a model built with that gamma: nothing of the old centres is reused."""
+    ids, mask = torch.tensor([[5, 9, 13, 2, 6, 8, 2]]), torch.ones(1, 7, dtype=torch.long)
+    labels = torch.tensor([[7, 11, 2]])
+    model = make("hc-all", gaussian_implementation=implementation).eval()
+    before = model(input_ids=ids, attention_mask=mask, labels=labels).logits
+    gamma = fit_length_ratio(model, {"source": ["t4 t5 t6 t7 t8 t9"], "target": ["t4 t5"]}, toy_tokenizer())
+    assert gamma == 3.0
+    fresh = make("hc-all", gaussian_implementation=implementation, length_ratio=3.0).eval()
+    fresh.load_state_dict(model.state_dict())
+    after = model(input_ids=ids, attention_mask=mask, labels=labels).logits
+    torch.testing.assert_close(after, fresh(input_ids=ids, attention_mask=mask, labels=labels).logits, rtol=0, atol=0)
+    assert (after - before).abs().max() > 1e-3
 
 
 def cross_parameter_count(layer):
@@ -184,7 +469,7 @@ def test_cached_windowed_step_matches_full_sequence(implementation, sigma):
 
 def test_kind_works_in_any_role_of_a_plain_config():
     """'gaussian' with the skeleton's own config (defaults sigma 1, full) in every role, mixed with soft layers."""
-    config = SoftTransformerConfig(**tiny_kwargs(encoder_attention=["gaussian", "soft"],
+    config = SoftTransformerConfig(**tiny_kwargs(encoder_attention=["gaussian", "soft"], length_ratio=1.0,
                                                  decoder_attention=["soft", "gaussian"], cross_attention="gaussian"))
     model = fitted(SoftTransformerForConditionalGeneration(config), steps=100)
     check_cache_equivalence(model)
@@ -195,7 +480,8 @@ PRESET_KWARGS = {"hc-sa": {}, "hc-all": dict(length_ratio=1.0), "sh-x": {}}
 
 
 def make(preset, **kw):
-    return GaussianForConditionalGeneration(GaussianConfig.preset(preset, **tiny_kwargs(**PRESET_KWARGS[preset], **kw)))
+    return GaussianForConditionalGeneration(GaussianConfig.preset(preset, **tiny_kwargs(**{**PRESET_KWARGS[preset],
+                                                                                           **kw})))
 
 
 @pytest.fixture(scope="module", params=[("hc-sa", "full"), ("hc-all", "conv"), ("sh-x", "full"), ("hc-sa", "index")],

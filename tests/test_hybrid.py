@@ -203,7 +203,8 @@ def test_init_weights_covers_gru_on_meta_device(tmp_path):
     dropped = [k for k in state if "model.decoder." in k and "embed_tokens" not in k]
     save_file({k: v for k, v in state.items() if k not in dropped}, tmp_path / "model.safetensors",
               metadata={"format": "pt"})
-    reloaded = HybridForConditionalGeneration.from_pretrained(tmp_path)
+    # (the file was replaced on purpose: its recorded sha256 no longer applies)
+    reloaded = HybridForConditionalGeneration.from_pretrained(tmp_path, verify_checksums=False)
     params = dict(reloaded.named_parameters())
     for name in dropped:
         assert torch.isfinite(params[name]).all(), name

@@ -8,6 +8,7 @@ path against a teacher-forced forward; transformers' own MarianMTModel for outpu
 against the same sentence in a left-padded batch.
 """
 
+import contextlib
 import math
 import os
 
@@ -24,6 +25,7 @@ from hf_hardattn.gaussian import GaussianAttention
 from hf_hardattn.hard_retrieval import HardRetrievalAttention
 from hf_hardattn.modeling_hardattn import CACHE_FIELD, HardAttnCache, SoftAttention
 from hf_hardattn.recurrent import RECURRENT_VARIANTS, RecurrentCrossAttention
+from hf_hardattn.safe_io import CHECKSUM_FILE
 
 DEC = torch.tensor([[1, 6, 9, 12, 15, 7], [1, 8, 10, 2, 0, 0]])  # teacher-forced decoder inputs
 MEMORY_MASK = torch.tensor([[1, 1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 0, 0]])
@@ -457,6 +459,9 @@ def drop_keys(folder, *keys):
     for key in keys:
         state.pop(key)
     save_file(state, path, metadata={"format": "pt"})
+    # replaced on purpose: the sha256 save_pretrained recorded no longer applies (from_pretrained would refuse the file)
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(os.path.join(folder, CHECKSUM_FILE))
 
 
 TIED = {"model.shared.weight", "model.encoder.embed_tokens.weight", "model.decoder.embed_tokens.weight",

@@ -25,7 +25,8 @@ RNN_KW = dict(decoder_layers=2, rnn_hidden_size=32)  # two GRU layers: dropout b
 MODELS = {
     "soft": lambda **kw: SoftTransformerForConditionalGeneration(SoftTransformerConfig(**tiny_kwargs(**kw))),
     "hard_retrieval": lambda **kw: HardRetrievalForConditionalGeneration(HardRetrievalConfig(**tiny_kwargs(**kw))),
-    "gaussian": lambda **kw: GaussianForConditionalGeneration(GaussianConfig.preset("hc-all", **tiny_kwargs(**kw))),
+    "gaussian": lambda **kw: GaussianForConditionalGeneration(
+        GaussianConfig.preset("hc-all", **tiny_kwargs(**{"length_ratio": 1.3, **kw}))),
     "hybrid": lambda **kw: HybridForConditionalGeneration(HybridConfig(**tiny_kwargs(**RNN_KW, **kw))),
     "recurrent": lambda **kw: RecurrentForConditionalGeneration(RecurrentConfig(**tiny_kwargs(**kw))),
     "beam_joint_transformer": lambda **kw: BeamJointTransformerForConditionalGeneration(
@@ -368,7 +369,7 @@ KEY_VALUE_MODELS = {  # decoders whose cache is keys/values only (and the positi
     "hard_retrieval": MODELS["hard_retrieval"],
     "beam_joint_transformer": MODELS["beam_joint_transformer"],
     "gaussian_cross_soft_decoder": lambda **kw: GaussianForConditionalGeneration(
-        GaussianConfig.preset("hc-all", **tiny_kwargs(decoder_attention="soft", **kw))),
+        GaussianConfig.preset("hc-all", **tiny_kwargs(decoder_attention="soft", length_ratio=1.3, **kw))),
 }
 
 

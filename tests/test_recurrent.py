@@ -34,7 +34,16 @@ def fitted_model(variant):
 # Naive reference, written directly from the paper (float64, one batch row, head, target and source position at a
 # time, only the real source positions of each row, every "previous" quantity zero at i = 1).
 # ------------------------------------------------------------------------------------------------------------------
-def reference(attn, hidden, memory, lengths, window=5, lam_continuity=0.5, lam_coverage=0.5):
+def layer_norm(x, eps=1e-5):
+    """Parameter-free layer norm by hand: (x - mean) / sqrt(biased variance + eps)."""
+    centred = x - sum(x) / len(x)
+    return centred / math.sqrt(float(sum(centred * centred)) / len(x) + eps)
+
+
+def reference(attn, hidden, memory, lengths, window=5, lam_continuity=0.5, lam_coverage=0.5, drop=None):
+    """``drop``: attention dropout as a multiplier per key index j (the extra pair of Eq. 5-8 has index J_padded, the
+    padded source length); the contexts use the dropped weights, the weight states (Eq. 3, 4, 10) the weights before
+    dropout."""
     variant, heads, dk = attn.variant, attn.num_heads, attn.head_dim
     d = heads * dk
     Wq, bq = attn.q_proj.weight, attn.q_proj.bias
@@ -70,13 +79,16 @@ def reference(attn, hidden, memory, lengths, window=5, lam_continuity=0.5, lam_c
                         query_j = query + attn.weight_query[n] * accumulated[n][j]
                     energies.append(float(keys[j] @ query_j) / math.sqrt(dk))
                 if variant.startswith("expand"):
+                    full_in, head_in = prev_full, prev_head[n]
+                    if getattr(attn, "context_norm", False):  # recurrent_context_norm: LN(c_{i-1}) instead of c_{i-1}
+                        full_in, head_in = layer_norm(prev_full), layer_norm(prev_head[n])
                     if variant == "expand_1":  # Eq. 5
-                        g_k, g_v = Wk[rows] @ prev_full + bk[rows], Wv[rows] @ prev_full + bv[rows]
+                        g_k, g_v = Wk[rows] @ full_in + bk[rows], Wv[rows] @ full_in + bv[rows]
                     elif variant == "expand_2":  # Eq. 6
                         Wg = attn.g_proj.weight
-                        g_k, g_v = Wg[:d][rows] @ prev_full, Wg[d:][rows] @ prev_full
+                        g_k, g_v = Wg[:d][rows] @ full_in, Wg[d:][rows] @ full_in
                     elif variant == "expand_3":  # Eq. 7
-                        g_k, g_v = attn.g_key[n] @ prev_head[n], attn.g_value[n] @ prev_head[n]
+                        g_k, g_v = attn.g_key[n] @ head_in, attn.g_value[n] @ head_in
                     else:  # Eq. 8
                         g_k, g_v = attn.g_key[n] @ prev_head[n], prev_head[n]
                     keys, values = keys + [g_k], values + [g_v]
@@ -93,7 +105,8 @@ def reference(attn, hidden, memory, lengths, window=5, lam_continuity=0.5, lam_c
                 top = max(energies)
                 exp = [math.exp(e - top) for e in energies]
                 alpha = [e / sum(exp) for e in exp]  # Eq. 1 / Eq. 11
-                contexts.append(sum(a * value for a, value in zip(alpha, values)))
+                used = alpha if drop is None else [a * drop(j if j < J else memory.shape[1]) for j, a in enumerate(alpha)]
+                contexts.append(sum(a * value for a, value in zip(used, values)))
                 prev_alpha[n] = alpha[:J]
                 accumulated[n] = [accumulated[n][j] + alpha[j] for j in range(J)]
             full = Wo @ torch.cat(contexts) + bo  # heads concatenated + linear transformation
@@ -102,10 +115,12 @@ def reference(attn, hidden, memory, lengths, window=5, lam_continuity=0.5, lam_c
     return out
 
 
-@pytest.mark.parametrize("variant, window", [(v, 5) for v in VARIANTS] + [("continuity", 0), ("continuity", 1)])
-def test_parallel_forward_equals_naive_reference(variant, window):
+@pytest.mark.parametrize("variant, window, norm", [(v, 5, False) for v in VARIANTS] + [("continuity", 0, False),
+                                                  ("continuity", 1, False)] + [(f"expand_{i}", 5, True) for i in (1, 2, 3)])
+def test_parallel_forward_equals_naive_reference(variant, window, norm):
     config = RecurrentConfig(**tiny_kwargs(recurrent_variant=variant, d_model=8, decoder_attention_heads=2,
-                                           continuity_window=window, continuity_lambda=0.3, coverage_lambda=0.7))
+                                           continuity_window=window, continuity_lambda=0.3, coverage_lambda=0.7,
+                                           recurrent_context_norm=norm))
     attn = RecurrentCrossAttention(config, "cross", 0).double()
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -208,3 +223,44 @@ def test_bad_config_raises(kwargs, pattern):
 def test_recurrent_kind_refuses_other_roles():
     with pytest.raises(ValueError, match=r"role 'cross' only"):
         RecurrentCrossAttention(RecurrentConfig(**tiny_kwargs()), "decoder", 0)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_attention_dropout_forms_contexts_from_dropped_weights_and_states_from_the_others(variant, monkeypatch):
+    """attention_dropout > 0 in training, against the naive reference: dropout replaced by a fixed mask (every third key
+    dropped, the rest scaled by 1 / (1 - p)), so both paths drop the same weights. The contexts (and so the context
+    states of Eq. 2, 5-8) are built from the dropped weights, the weight states of Eq. 3, 4 and 10 from the weights
+    before dropout; the module must call dropout with the configured p in training."""
+    p = 0.3
+
+    def multiplier(j):
+        return 0.0 if j % 3 == 1 else 1 / (1 - p)
+
+    calls = []
+
+    def fixed_dropout(x, rate, training=True, inplace=False):
+        calls.append((rate, training))
+        keep = (torch.arange(x.shape[-1]) % 3 != 1).to(x.dtype)
+        return x * keep / (1 - rate)
+
+    config = RecurrentConfig(**tiny_kwargs(recurrent_variant=variant, d_model=8, decoder_attention_heads=2,
+                                           attention_dropout=p, continuity_window=1, continuity_lambda=0.3,
+                                           coverage_lambda=0.7))
+    attn = RecurrentCrossAttention(config, "cross", 0).double().train()
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for param in attn.parameters():
+            param.copy_(torch.randn(param.shape, generator=generator, dtype=param.dtype) * 0.7)
+    hidden = torch.randn(2, 5, 8, generator=generator, dtype=torch.float64)
+    memory = torch.randn(2, 6, 8, generator=generator, dtype=torch.float64)
+    lengths = [6, 4]
+    mask = (torch.arange(6)[None, :] < torch.tensor(lengths)[:, None])[:, None, None, :]
+    monkeypatch.setattr(torch.nn.functional, "dropout", fixed_dropout)
+    with torch.no_grad():
+        got = attn(hidden, memory=memory, mask=mask)
+    monkeypatch.undo()
+    assert calls and all(call == (p, True) for call in calls), calls
+    want = reference(attn, hidden, memory, lengths, 1, 0.3, 0.7, drop=multiplier)
+    assert torch.allclose(got, want, atol=1e-10, rtol=1e-8), (got - want).abs().max()
+    undropped = reference(attn, hidden, memory, lengths, 1, 0.3, 0.7)
+    assert not torch.allclose(got, undropped, atol=1e-3)  # the mask matters at these sizes

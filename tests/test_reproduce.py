@@ -32,7 +32,7 @@ def run_dir(tmp_path_factory):
         (data / f"{split}.de").write_text("\n".join(DE * repeat) + "\n")
     out = root / "out"
     argv = ["--task", "multi30k", "--preset", "tiny", "--data", str(data), "--output-dir", str(out), "--quiet",
-            "--rows", "soft_decoded_hard", "hybrid_dot_kd", "beam_joint_k6_decoded_k1", "marian"]
+            "--rows", "soft_decoded_hard", "hybrid_dot_kd", "hybrid_dot_kd_eq1", "beam_joint_k6_decoded_k1", "marian"]
     torch.manual_seed(0)
     reproduce.main(argv)
     return dict(root=root, data=data, out=out, argv=argv)
@@ -46,8 +46,8 @@ def load_results(out):
 def test_dependencies_run_first_and_every_row_is_recorded(run_dir):
     rows = load_results(run_dir["out"])["rows"]
     # soft: source of soft_decoded_hard and KD teacher; beam_joint_k6: source of the K=1 decoding
-    assert set(rows) == {"soft", "soft_decoded_hard", "hybrid_dot_kd", "beam_joint_k6", "beam_joint_k6_decoded_k1",
-                         "marian"}
+    assert set(rows) == {"soft", "soft_decoded_hard", "hybrid_dot_kd", "hybrid_dot_kd_eq1", "beam_joint_k6",
+                         "beam_joint_k6_decoded_k1", "marian"}
     for name, row in rows.items():
         assert f"--rows {name}" in row["command"] and "--preset tiny" in row["command"]
         assert row["metric"] == "BLEU" and row["examples"] == 8 and row["params"] > 0
@@ -92,6 +92,19 @@ def test_kd_rows_train_on_the_teachers_translations(run_dir):
     tokenizer = AutoTokenizer.from_pretrained(folder)
     assert distilled["source"] == EN * 6
     assert distilled["target"] == translate(teacher, tokenizer, EN * 6, num_beams=4, batch_size=8, max_length=32)
+
+
+def test_kd_rows_are_labelled_by_their_scheme(run_dir):
+    """hybrid_*_kd: sequence-level KD only (teacher outputs from scratch, one stage); hybrid_*_kd_eq1: the paper's two
+    stages, MLE for half the budget (3 tiny steps: 1), then Eq. 1 (2 steps); the table says which is which."""
+    rows = load_results(run_dir["out"])["rows"]
+    old, eq1 = rows["hybrid_dot_kd"], rows["hybrid_dot_kd_eq1"]
+    assert old["kd_scheme"] == "sequence_only" and old["stages"] == {"mle": 0, "kd": 3} and old["teacher"] == "soft"
+    assert eq1["kd_scheme"] == "eq1_sequence" and eq1["stages"] == {"mle": 1, "kd": 2} and eq1["steps"] == 3
+    lines = {line.split(" | ")[0][2:]: line for line in (run_dir["out"] / "reproduce_multi30k_tiny.md").read_text()
+             .splitlines() if line.startswith("| hybrid")}
+    assert "sequence-level KD only, not Eq. 1" in lines["hybrid_dot_kd"]
+    assert "Eq. 1, two stages" in lines["hybrid_dot_kd_eq1"] and "not Eq. 1" not in lines["hybrid_dot_kd_eq1"]
 
 
 def test_rerun_skips_finished_rows(run_dir, monkeypatch):
@@ -194,8 +207,25 @@ def test_table_shows_the_rows_current_paper_direction():
     row = next(r for r in reproduce.ROWS if r.name == "hard_decoded_soft")
     lines = table.splitlines()
     assert lines[2].startswith("| soft | 36.05 |") and lines[3].startswith("| hard_decoded_soft | 35.74 |")
-    assert lines[3].endswith(f"| {row.paper} | {row.expect} |") and "stale direction" not in table
+    assert lines[3].endswith(f"| {row.paper} | {row.expect} |  |") and "stale direction" not in table
     assert "(= hard_self_cross)" in lines[3] and "27.80" in row.expect
+
+
+def test_table_puts_each_rows_difference_to_its_baseline_beside_the_direction():
+    """The "ours vs" column: score minus the score of the row the paper compares with (soft unless the row says
+    otherwise), blank for the baseline itself and when that row is not in the table."""
+    def result(score):
+        return dict(score=score, sentences_per_s=1.0, train_minutes=3.0, steps=10, params=100)
+
+    results = {"soft": result(85.25), "recurrent_continuity": result(71.25), "hybrid_additive": result(75.60),
+               "beam_joint_rnn_k6_decoded_k1": result(83.65), "hard_self_cross": result(80.05)}
+    lines = {line.split(" | ")[0][2:]: line for line in reproduce.row_table("nouns", "cpu", results).splitlines()[2:]}
+    assert lines["recurrent_continuity"].endswith("| about equal to soft | -14.00 vs soft |")
+    assert lines["beam_joint_rnn_k6_decoded_k1"].endswith("| +8.05 vs hybrid_additive |")
+    assert lines["soft"].endswith("| baseline | baseline |  |")
+    assert lines["hybrid_additive"].endswith("| -9.65 vs soft |")
+    only = reproduce.row_table("nouns", "cpu", {"recurrent_coverage": result(81.6)})
+    assert only.splitlines()[2].endswith("| about equal to soft |  |")
 
 
 def test_every_row_builds_for_its_tasks():

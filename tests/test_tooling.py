@@ -188,6 +188,10 @@ def test_tokenize_and_train_seq2seq(tmp_path):
         train_seq2seq(model, tok, data, output_dir=tmp_path / "x", lr_scheduler="linear")  # neither steps nor minutes
     with pytest.raises(ValueError, match="lr_scheduler"):
         train_seq2seq(model, tok, data, output_dir=tmp_path / "x", max_steps=3, lr_scheduler="warmup_stable")
+    from transformers import Seq2SeqTrainer
+
+    with pytest.raises(ValueError, match="`trainer_class` must be a subclass of Seq2SeqLengthTrainer"):
+        train_seq2seq(model, tok, data, output_dir=tmp_path / "x", max_steps=3, trainer_class=Seq2SeqTrainer)
 
 
 def test_time_decay_schedule_by_hand():

@@ -1,0 +1,46 @@
+"""The hf-hardattn command as a whole: every subcommand documents every option in --help, and bad input to each
+ends with one line on stderr and exit status 2 (not a traceback)."""
+
+import argparse
+
+import pytest
+
+from hf_hardattn.cli import build_parser, main
+
+
+def subparsers():
+    parser = build_parser()
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return action.choices
+
+
+def test_every_option_of_every_subcommand_has_help():
+    commands = subparsers()
+    assert {"demo", "tokenizer", "distill", "convert", "reproduce", "train", "translate", "score", "publish",
+            "plot"} <= set(commands)
+    missing = [f"{name} {'/'.join(action.option_strings) or action.dest}"
+               for name, sub in commands.items() for action in sub._actions
+               if not isinstance(action, argparse._HelpAction) and not action.help
+               and not (action.option_strings == [] and action.metavar)]
+    # positionals documented by their metavar and description are allowed; options need their own help
+    assert not [m for m in missing if " -" in m], missing
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["tokenizer", "--files", "/no/such/file", "--out", "OUT"], "--files: not found"),
+    (["distill", "--teacher", "/no/such/model", "--data", "/no", "--split", "train", "--out", "OUT"], "--teacher="),
+    (["reproduce", "--task", "nouns", "--preset", "tiny", "--minutes", "0"], "`--minutes` must be > 0"),
+    (["convert", "/no/such/model", "OUT", "--model-type", "soft_transformer"], "/no/such/model"),
+    (["translate", "/no/such/model", "-i", "/no/such/file"], "--input="),
+    (["score", "/no/such/hyp", "/no/such/ref"], "HYP="),
+    (["plot", "/no/such/model", "--source", "x", "--out", "OUT"], "MODEL="),
+    (["publish", "/no/such/model", "me/x", "--dry-run", "OUT"], "MODEL="),
+    (["train", "--train", "/no/such/prefix", "--source-lang", "en", "--target-lang", "de", "--model-type",
+      "soft_transformer", "--output-dir", "OUT", "--max-steps", "1", "--tokenizer", "/no/tok"], "--train:"),
+])
+def test_bad_input_is_one_line_and_status_2(argv, expected, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err and err[-1].startswith(f"hf-hardattn {argv[0]}: error:") and expected in err[-1], err[-3:]
+    assert "Traceback" not in "\n".join(err)

@@ -1,0 +1,186 @@
+"""``hf-hardattn translate`` and ``hf-hardattn score``: the outputs against the independent paths they wrap
+(``model.generate`` sentence by sentence, sacrebleu's own command line), file handling, and one-line errors."""
+
+import gzip
+import io
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import MarianConfig, MarianMTModel
+
+from common import tiny_kwargs
+from hf_hardattn import HardRetrievalConfig, HardRetrievalForConditionalGeneration
+from hf_hardattn.cli import main
+from hf_hardattn.tokenization import train_tokenizer
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+SOURCES = ["a b c", "c b a d e", "e e d", "b", "d c b a e c", "a a"]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A tiny hard-retrieval model and a tiny MarianMTModel, each saved with the same tokenizer."""
+    folder = tmp_path_factory.mktemp("models")
+    tok = train_tokenizer(SOURCES * 3, kind="char", min_frequency=1)
+    special = dict(vocab_size=len(tok), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                   decoder_start_token_id=tok.bos_token_id)
+    torch.manual_seed(0)
+    hard = HardRetrievalForConditionalGeneration(HardRetrievalConfig(**tiny_kwargs(**special, bos_token_id=tok.bos_token_id)))
+    hard.save_pretrained(folder / "hard", tokenizer=tok)
+    marian = MarianMTModel(MarianConfig(d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+                                        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32,
+                                        max_position_embeddings=64, **special))
+    marian.save_pretrained(folder / "marian")
+    tok.save_pretrained(folder / "marian")
+    return folder, tok
+
+
+def one_by_one(folder, tok, sources, **kwargs):
+    from transformers import AutoModelForSeq2SeqLM
+
+    model = AutoModelForSeq2SeqLM.from_pretrained(folder).eval()
+    out = []
+    for source in sources:
+        ids = model.generate(**tok([source], return_tensors="pt"), max_new_tokens=12, **kwargs)
+        out.append(tok.decode(ids[0], skip_special_tokens=True).strip())
+    return out
+
+
+@pytest.mark.parametrize("name", ["hard", "marian"])
+def test_translate_file_equals_generate_sentence_by_sentence(saved, tmp_path, name, capsys):
+    folder, tok = saved
+    lines = SOURCES[:3] + [""] + SOURCES[3:]  # an empty line stays empty, in place
+    source = tmp_path / "in.txt.gz"
+    with gzip.open(source, "wt", encoding="utf-8") as handle:
+        handle.write("\n".join(lines) + "\n")
+    out = tmp_path / "out.txt"
+    assert main(["translate", str(folder / name), "-i", str(source), "-o", str(out), "--num-beams", "3",
+                 "--batch-size", "2", "--threads", "1", "--max-new-tokens", "12"]) == 0
+    got = out.read_text(encoding="utf-8").split("\n")
+    assert got[-1] == "" and len(got) == len(lines) + 1
+    want = one_by_one(folder / name, tok, SOURCES, num_beams=3)
+    assert got[:3] + got[4:-1] == want and got[3] == ""
+    assert any(want)  # the model emits something
+    assert "sentences/s" in capsys.readouterr().err
+    assert not os.path.exists(str(out) + ".partial")
+
+
+def test_translate_stdin_to_stdout_and_sampling_seed(saved, monkeypatch, capsys):
+    folder, _ = saved
+    monkeypatch.setattr(sys, "stdin", io.StringIO("\n".join(SOURCES) + "\n"))
+    assert main(["translate", str(folder / "hard"), "--num-beams", "1", "--quiet", "--threads", "1",
+                 "--max-new-tokens", "12"]) == 0
+    greedy = capsys.readouterr().out.splitlines()
+    assert greedy == one_by_one(folder / "hard", saved[1], SOURCES, num_beams=1, do_sample=False)
+
+    def sample(seed):
+        monkeypatch.setattr(sys, "stdin", io.StringIO("\n".join(SOURCES * 4) + "\n"))
+        assert main(["translate", str(folder / "hard"), "--num-beams", "1", "--do-sample", "--top-k", "50",
+                     "--temperature", "3", "--seed", str(seed), "--quiet", "--threads", "1"]) == 0
+        return capsys.readouterr().out.splitlines()
+
+    first = sample(1)
+    assert first == sample(1) and first != sample(2)  # seeded, and really sampled
+    assert first != greedy * 4
+
+
+def test_translate_pack_linears_gives_the_same_output(saved, tmp_path):
+    folder, _ = saved
+    source = tmp_path / "in.txt"
+    source.write_text("\n".join(SOURCES), encoding="utf-8")
+    outputs = []
+    for extra in ([], ["--pack-linears"]):
+        out = tmp_path / f"out{len(extra)}.txt"
+        assert main(["translate", str(folder / "hard"), "-i", str(source), "-o", str(out), "--quiet",
+                     "--threads", "1", *extra]) == 0
+        outputs.append(out.read_text())
+    assert outputs[0] == outputs[1]
+
+
+@pytest.mark.parametrize("case", ["missing input", "not a model", "too long", "pack marian", "beyond positions",
+                                  "bad beams", "bad top-p"])
+def test_translate_bad_input_is_one_line_error(saved, tmp_path, case, capsys):
+    folder, _ = saved
+    good = tmp_path / "in.txt"
+    good.write_text("a b\n" + "a " * 200 + "\n", encoding="utf-8")
+    argv = {"missing input": ["translate", str(folder / "hard"), "-i", str(tmp_path / "nope.txt")],
+            "not a model": ["translate", str(tmp_path), "-i", str(good)],
+            "too long": ["translate", str(folder / "hard"), "-i", str(good), "--max-source-tokens", "50"],
+            "pack marian": ["translate", str(folder / "marian"), "-i", str(good), "--pack-linears"],
+            "beyond positions": ["translate", str(folder / "hard"), "-i", str(good), "--max-source-tokens", "100000"],
+            "bad beams": ["translate", str(folder / "hard"), "--num-beams", "0"],
+            "bad top-p": ["translate", str(folder / "hard"), "--top-p", "-1"]}[case]
+    out = tmp_path / "out.txt"
+    if case.startswith("bad"):  # argparse: exit status 2 and the option named
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        assert exit_info.value.code == 2
+        assert ("--num-beams" if "beams" in case else "--top-p") in capsys.readouterr().err
+        return
+    assert main(argv + ["-o", str(out), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # (after transformers' loading bar)
+    assert err.startswith("hf-hardattn translate: error:")
+    expected = {"missing input": "--input=", "not a model": "MODEL=", "too long": "line 2",
+                "pack marian": "--pack-linears", "beyond positions": "max_position_embeddings="}[case]
+    assert expected in err
+    assert not out.exists()  # nothing written
+
+
+HYPOTHESES = ["the cat sat on the mat", "a dog runs", "hello world", "x y z w"]
+REFERENCES = [["the cat sat on a mat", "the dog runs", "hello world", "x y w"],
+              ["a cat sat on the mat", "a dog is running", "hello , world", "x y z"]]
+
+
+def sacrebleu_cli(hyp, refs, *options):
+    """sacrebleu's own command line: the independent reference (its JSON output)."""
+    proc = subprocess.run([sys.executable, "-m", "sacrebleu", *refs, "-i", hyp, *options],
+                          capture_output=True, text=True, check=True)
+    return json.loads(proc.stdout)
+
+
+@pytest.mark.parametrize("nrefs, options", [(1, []), (2, []), (2, ["--lowercase"]), (1, ["--tokenize", "char"])])
+def test_score_equals_sacrebleus_own_command(tmp_path, nrefs, options, capsys):
+    hyp = tmp_path / "hyp.txt"
+    hyp.write_text("\n".join(HYPOTHESES) + "\n", encoding="utf-8")
+    refs = []
+    for k in range(nrefs):
+        path = tmp_path / f"ref{k}.txt.gz"
+        with gzip.open(path, "wt", encoding="utf-8") as handle:
+            handle.write("\n".join(REFERENCES[k]) + "\n")
+        refs.append(str(path))
+    assert main(["score", str(hyp), *refs, "--json", *options]) == 0
+    ours = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+    plain_refs = []
+    for k in range(nrefs):  # sacrebleu's CLI reads plain files
+        path = tmp_path / f"plain{k}.txt"
+        path.write_text("\n".join(REFERENCES[k]) + "\n", encoding="utf-8")
+        plain_refs.append(str(path))
+    lower = "--lowercase" in options
+    tokenize = ["-tok", options[1]] if "--tokenize" in options else []
+    for metric, name, extra in (("bleu", "BLEU", ["-lc"] * lower + tokenize), ("chrf", "chrF2", ["--chrf-lowercase"] * lower)):
+        theirs = sacrebleu_cli(str(hyp), plain_refs, "-m", metric, *extra)
+        assert ours[name]["score"] == pytest.approx(theirs["score"], abs=0.05), (metric, ours, theirs)
+        assert ours[name]["signature"] == theirs["signature"], (ours[name]["signature"], theirs["signature"])
+
+
+def test_score_text_output_and_errors(tmp_path, capsys):
+    hyp = tmp_path / "hyp.txt"
+    hyp.write_text("\n".join(HYPOTHESES) + "\n", encoding="utf-8")
+    ref = tmp_path / "ref.txt"
+    ref.write_text("\n".join(REFERENCES[0]) + "\n", encoding="utf-8")
+    assert main(["score", str(hyp), str(ref), "--metrics", "bleu"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("BLEU|nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:") and "chrF" not in out
+    short = tmp_path / "short.txt"
+    short.write_text("one line\n", encoding="utf-8")
+    assert main(["score", str(hyp), str(short)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("hf-hardattn score: error:") and "has 1 lines" in err and "has 4" in err
+    assert main(["score", str(tmp_path / "none.txt"), str(ref)]) == 2
+    assert "HYP=" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["score", str(hyp), str(ref), "--metrics", "ter"])

@@ -1,0 +1,183 @@
+"""``hf-hardattn train``: a run on the user's files gives a model whose scores are recomputed independently, the
+best validation checkpoint is the one kept, early stopping stops, --resume after a lost checkpoint ends with the
+uninterrupted run's weights, two torchrun processes equal one process with the doubled batch, pretrained Marian
+folders are converted, and bad input is a one-line error."""
+
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+
+import pytest
+import sacrebleu
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, MarianConfig, MarianMTModel
+
+from hf_hardattn.cli import main
+from hf_hardattn.tokenization import train_tokenizer
+from hf_hardattn.training import translate
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+SIZES = ["--d-model", "32", "--encoder-layers", "1", "--decoder-layers", "1", "--heads", "2", "--ffn-dim", "64"]
+
+
+def write_pairs(prefix, pairs):
+    for index, lang in enumerate(("en", "de")):
+        with open(f"{prefix}.{lang}", "w", encoding="utf-8") as handle:
+            handle.write("".join(pair[index] + "\n" for pair in pairs))
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """A reversal task as en/de files (train 200, valid 16, small 16) and a char tokenizer saved beside."""
+    folder = tmp_path_factory.mktemp("data")
+    rng = random.Random(0)
+    words = "a b c d e f g h".split()
+
+    def pair():
+        source = " ".join(rng.choice(words) for _ in range(rng.randint(2, 6)))
+        return source, " ".join(reversed(source.split()))
+
+    pairs = [pair() for _ in range(232)]
+    write_pairs(folder / "train", pairs[:200])
+    write_pairs(folder / "valid", pairs[200:216])
+    write_pairs(folder / "small", pairs[216:])
+    tokenizer = train_tokenizer([p for pair in pairs for p in pair], kind="char", min_frequency=1)
+    tokenizer.save_pretrained(folder / "tok")
+    return folder
+
+
+def train(data, out, *extra, tokenizer=True):
+    argv = ["train", "--train", str(data / "train"), "--source-lang", "en", "--target-lang", "de",
+            "--model-type", "hard_retrieval_transformer", *SIZES, "--output-dir", str(out), "--quiet", "--threads",
+            "1", "--warmup-steps", "10", "--learning-rate", "0.005", "--batch-size", "32"]
+    if tokenizer:
+        argv += ["--tokenizer", str(data / "tok")]
+    return main(argv + list(extra))
+
+
+def test_train_writes_a_model_whose_test_bleu_recomputes(data, tmp_path):
+    out = tmp_path / "run"
+    assert train(data, out, "--max-steps", "30", "--test", str(data / "valid"), "--num-beams", "2") == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["steps"] == 30 and results["model_type"] == "hard_retrieval_transformer"
+    model = AutoModelForSeq2SeqLM.from_pretrained(out / "model")
+    tokenizer = AutoTokenizer.from_pretrained(out / "model")
+    sources = (data / "valid.en").read_text().splitlines()
+    references = (data / "valid.de").read_text().splitlines()
+    hypotheses = translate(model, tokenizer, sources, num_beams=2)
+    assert (out / "test.hyp").read_text().splitlines() == hypotheses
+    assert results["test_bleu"] == round(sacrebleu.corpus_bleu(hypotheses, [references]).score, 2)
+    card = (out / "model" / "README.md").read_text()
+    assert "test_bleu" in card and "hf-hardattn train --train" in card
+    assert results["command"].startswith("hf-hardattn train --train")
+
+
+def test_best_validation_checkpoint_is_kept_and_early_stopping_stops(data, tmp_path):
+    out = tmp_path / "run"
+    assert train(data, out, "--max-steps", "40", "--validation", str(data / "valid"), "--eval-steps", "10",
+                 "--num-beams", "1") == 0
+    results = json.loads((out / "results.json").read_text())
+    state = json.loads((out / "trainer" / "checkpoint-40" / "trainer_state.json").read_text())
+    scores = {entry["step"]: entry["eval_bleu"] for entry in state["log_history"] if "eval_bleu" in entry}
+    assert sorted(scores) == [10, 20, 30, 40]
+    best_step = max(scores, key=lambda step: (scores[step], -step))  # the Trainer keeps the first of equal bests
+    assert results["best_validation_bleu"] == pytest.approx(scores[best_step])
+    assert results["best_checkpoint"].endswith(f"checkpoint-{best_step}")
+    final = load_file(out / "model" / "model.safetensors")
+    best = load_file(out / "trainer" / f"checkpoint-{best_step}" / "model.safetensors")
+    assert all(torch.equal(final[key], best[key]) for key in best)
+    # early stopping: a learning rate too small to change BLEU stops after PATIENCE evaluations without a gain
+    flat = tmp_path / "flat"
+    assert train(data, flat, "--max-steps", "100", "--validation", str(data / "valid"), "--eval-steps", "5",
+                 "--early-stopping", "2", "--num-beams", "1", "--learning-rate", "1e-12") == 0
+    assert json.loads((flat / "results.json").read_text())["steps"] == 15  # evaluations at 5 (best), 10, 15
+
+
+def test_resume_after_a_lost_checkpoint_ends_with_the_uninterrupted_weights(data, tmp_path):
+    out = tmp_path / "run"
+    assert train(data, out, "--max-steps", "12", "--save-steps", "4") == 0
+    uninterrupted = load_file(out / "model" / "model.safetensors")
+    shutil.rmtree(out / "trainer" / "checkpoint-12")  # as if the run had been killed after step 8's checkpoint
+    shutil.rmtree(out / "model")
+    os.makedirs(out / "trainer" / "checkpoint-12")  # a half-written checkpoint: must be skipped, not resumed
+    assert train(data, out, "--max-steps", "12", "--save-steps", "4", "--resume") == 0
+    resumed = load_file(out / "model" / "model.safetensors")
+    assert all(torch.allclose(resumed[key], uninterrupted[key], atol=1e-6) for key in uninterrupted)
+
+
+LAUNCHERS = {  # on a CPU machine both start 2 processes (gloo); `accelerate launch --cpu` starts only one
+    "torchrun": [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"],
+    "accelerate": [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                   "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"],
+}
+
+
+@pytest.mark.parametrize("launcher", list(LAUNCHERS))
+def test_two_processes_equal_one_process_with_the_doubled_batch(data, tmp_path, launcher):
+    """Each step covers the whole 16-pair set in both runs (gloo DDP averages the gradients of the two halves).
+    Only the key projections' biases may differ: their gradient is zero in exact arithmetic (a constant added to
+    every score of a softmax row), so Adam turns float noise into steps of either sign."""
+    common = ["--train", str(data / "small"), "--source-lang", "en", "--target-lang", "de", "--model-type",
+              "soft_transformer", *SIZES, "--dropout", "0", "--tokenizer", str(data / "tok"), "--max-steps", "3",
+              "--warmup-steps", "0", "--learning-rate", "0.01", "--quiet", "--threads", "1"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    two = subprocess.run([*LAUNCHERS[launcher], "-m", "hf_hardattn", "train", *common, "--batch-size", "8",
+                          "--output-dir", str(tmp_path / "ddp")], capture_output=True, text=True, env=env, timeout=600)
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert main(["train", *common, "--batch-size", "16", "--output-dir", str(tmp_path / "one")]) == 0
+    ddp = load_file(tmp_path / "ddp" / "model" / "model.safetensors")
+    one = load_file(tmp_path / "one" / "model" / "model.safetensors")
+    d = 32
+    key_bias = {"qkv_proj.bias": slice(d, 2 * d), "kv_proj.bias": slice(0, d)}
+    for name, tensor in one.items():
+        other = ddp[name]
+        rows = next((rows for suffix, rows in key_bias.items() if name.endswith(suffix)), None)
+        if rows is not None:
+            keep = torch.ones(tensor.shape[0], dtype=torch.bool)
+            keep[rows] = False
+            tensor, other = tensor[keep], other[keep]
+        assert torch.allclose(tensor, other, atol=1e-5), (name, (tensor - other).abs().max())
+    results = json.loads((tmp_path / "ddp" / "results.json").read_text())
+    assert results["steps"] == 3 and results["processes"] == 2
+
+
+def test_init_from_a_marian_folder_converts_it(data, tmp_path):
+    tokenizer = AutoTokenizer.from_pretrained(data / "tok")
+    marian = MarianMTModel(MarianConfig(d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+                                        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32,
+                                        vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                                        eos_token_id=tokenizer.eos_token_id,
+                                        decoder_start_token_id=tokenizer.bos_token_id, max_position_embeddings=64))
+    marian.save_pretrained(tmp_path / "marian")
+    tokenizer.save_pretrained(tmp_path / "marian")
+    out = tmp_path / "run"
+    assert main(["train", "--train", str(data / "train"), "--source-lang", "en", "--target-lang", "de",
+                 "--model-type", "hard_retrieval_transformer", "--init-from", str(tmp_path / "marian"),
+                 "--output-dir", str(out), "--max-steps", "2", "--quiet", "--threads", "1", "--max-length", "60"]) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["origin"] == "converted from marian" and results["tokenizer"] == str(tmp_path / "marian")
+    assert AutoModelForSeq2SeqLM.from_pretrained(out / "model").config.d_model == 16
+
+
+@pytest.mark.parametrize("case", ["no data", "eval without validation", "bad type", "too long", "length > positions",
+                                  "no length", "bad config"])
+def test_bad_input_is_a_one_line_error(data, tmp_path, case, capsys):
+    (tmp_path / "bad.json").write_text("[1, 2]")
+    extra = {"no data": ["--max-steps", "1", "--train", str(tmp_path / "none")],
+             "eval without validation": ["--max-steps", "1", "--eval-steps", "5"],
+             "bad type": ["--max-steps", "1", "--model-type", "softer"],
+             "too long": ["--max-steps", "1", "--max-length", "5"],
+             "length > positions": ["--max-steps", "1", "--max-length", "5000"],
+             "no length": [],
+             "bad config": ["--max-steps", "1", "--config", str(tmp_path / "bad.json")]}[case]
+    assert train(data, tmp_path / "out", *extra) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("hf-hardattn train: error:")
+    assert {"no data": "--train:", "eval without validation": "--eval-steps needs --validation",
+            "bad type": "--model-type='softer'", "too long": "longer than --max-length=5",
+            "length > positions": "max_position_embeddings", "no length": "--max-steps, --minutes or --epochs",
+            "bad config": "must hold a mapping"}[case] in err
