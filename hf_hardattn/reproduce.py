@@ -18,6 +18,9 @@ Presets
       (or a GPU): elsewhere its GEMMs run ~100x slower than fp32, so the preset refuses to start and
       ``--precision fp32`` trains in fp32 instead. Rows trained for a number of minutes compare only with rows of
       the same machine and precision: every row stores its ``machine`` (CPU, bf16 support, threads, torch, GPU).
+    * ``small``: for a shared or slow CPU. Multi30k: the nouns ``cpu`` sizes (d_model 128, 2+2 layers, 4 heads, FFN
+      512), BPE 8k, ~1k-token batches, fp32, Adam lr 1e-3, 200 warm-up steps then linear decay to 0 at the end of
+      20 minutes per row (run with ``--threads 1`` on shared cores). Nouns: the same as ``cpu``.
     * ``base``: the papers' Transformer-base sizes (d_model 512, 6+6, 8 heads, FFN 2048) for a GPU, by steps.
     * ``tiny``: d_model 32, a few steps, a few test sentences: checks the pipeline in seconds, learns nothing.
 
@@ -50,7 +53,7 @@ import time
 from .safe_io import atomic_folder, write_json_atomic, write_text_atomic
 
 TASKS = ("multi30k", "nouns")
-PRESET_NAMES = ("cpu", "base", "tiny")
+PRESET_NAMES = ("cpu", "small", "base", "tiny")
 
 
 @dataclasses.dataclass
@@ -113,6 +116,12 @@ TINY = Recipe(dims=dict(d_model=32, encoder_layers=1, decoder_layers=1, encoder_
               minutes=None, max_steps=3, max_tokens=256, learning_rate=1e-3, warmup_steps=2, eval_batch_size=8,
               eval_size=8, max_length=32, max_examples=2000)
 PRESETS["multi30k"]["tiny"] = TINY
+# "small": for a shared or slow CPU (on 2 cores shared with other jobs, 2026-11-25, the cpu preset's marian row made
+# 95 steps in 35 minutes, BLEU 0.02): the nouns cpu preset's sizes, ~1k-token batches, fp32, 20 minutes per row
+PRESETS["multi30k"]["small"] = dataclasses.replace(
+    PRESETS["multi30k"]["cpu"], dims=dict(PRESETS["nouns"]["cpu"].dims), rnn=dict(PRESETS["nouns"]["cpu"].rnn),
+    minutes=20.0, max_tokens=1024, learning_rate=1e-3, warmup_steps=200, bf16=False)
+PRESETS["nouns"]["small"] = PRESETS["nouns"]["cpu"]  # already that size
 PRESETS["nouns"]["tiny"] = dataclasses.replace(TINY, tokenizer=dict(kind="char", vocab_size=300, min_frequency=1))
 
 
@@ -342,7 +351,9 @@ def load_task(task: str, recipe: Recipe, data: str | None, seed: int):
 # ----------------------------------------------------------------------------------------------------------------
 # One row
 # ----------------------------------------------------------------------------------------------------------------
-def evaluate(task, model, tokenizer, test, recipe: Recipe) -> dict:
+def evaluate(task, model, tokenizer, test, recipe: Recipe, return_hypotheses: bool = False) -> dict:
+    """The row's score (BLEU or exact match of beam ``recipe.num_beams``), test-set sentences/s (one timing) and three
+    samples; with ``return_hypotheses`` every output too (key ``hypotheses``)."""
     import sacrebleu
 
     from .training import translate
@@ -361,7 +372,19 @@ def evaluate(task, model, tokenizer, test, recipe: Recipe) -> dict:
     else:
         correct = sum(h.strip() == r.strip() for h, r in zip(hypotheses, test["target"]))
         out.update(metric="accuracy", score=round(100 * correct / len(hypotheses), 2))
+    if return_hypotheses:
+        out["hypotheses"] = hypotheses
     return out
+
+
+def batch_size_for(recipe: Recipe, train_tok) -> tuple[float, int]:
+    """(mean max(source, target) tokens per training example, sentences per batch): the recipe's ``max_tokens``
+    per batch as a number of sentences, as every row trains."""
+    from .training import example_lengths
+
+    lengths = example_lengths(train_tok)  # max(source, target) tokens: what a max-tokens batch counts
+    per_sentence = sum(lengths) / len(lengths)
+    return per_sentence, max(1, round(recipe.max_tokens / per_sentence))
 
 
 def _losses(trainer):
@@ -582,7 +605,7 @@ def run(args) -> dict:
     import torch
 
     from .tokenization import train_tokenizer
-    from .training import check_bf16, example_lengths, tokenize_dataset
+    from .training import check_bf16, tokenize_dataset
 
     task_rows = {row.name: row for row in rows_for(args.task)}
     wanted = args.rows or list(task_rows)
@@ -628,11 +651,10 @@ def run(args) -> dict:
         with atomic_folder(tokenizer_dir) as staging:  # a killed save leaves no half tokenizer for the next run to load
             tokenizer.save_pretrained(staging)
     train_tok = tokenize_dataset(train, tokenizer, max_length=recipe.max_length)
-    lengths = example_lengths(train_tok)  # max(source, target) tokens: what a max-tokens batch counts
-    per_sentence = sum(lengths) / len(lengths)
+    per_sentence, batch_size = batch_size_for(recipe, train_tok)
     ctx = dict(args=args, task=args.task, preset=args.preset, recipe=recipe, out=out, train=train, test=test,
                tokenizer=tokenizer, train_tok=train_tok, results=results, tokens_per_sentence=round(per_sentence, 2),
-               batch_size=max(1, round(recipe.max_tokens / per_sentence)))
+               batch_size=batch_size)
     print(f"reproduce {args.task}/{args.preset}: {len(train)} training examples, {len(test)} test, vocabulary "
           f"{len(tokenizer)}, {per_sentence:.1f} tokens/sentence -> {ctx['batch_size']} sentences per batch; "
           f"output {out}", flush=True)

@@ -242,3 +242,11 @@ def test_cli_entry():
 
     args = build_parser().parse_args(["reproduce", "--task", "nouns", "--preset", "tiny", "--rows", "soft"])
     assert args.func is reproduce.run and args.task == "nouns" and args.rows == ["soft"]
+
+
+def test_every_preset_exists_for_every_task():
+    """--preset accepts PRESET_NAMES for every --task: each task has each of them (no KeyError after parsing)."""
+    for task in reproduce.TASKS:
+        assert set(reproduce.PRESETS[task]) == set(reproduce.PRESET_NAMES), task
+    small = reproduce.PRESETS["multi30k"]["small"]
+    assert (small.dims["d_model"], small.max_tokens, small.bf16, small.minutes) == (128, 1024, False, 20.0)
