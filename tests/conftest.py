@@ -16,3 +16,13 @@ def seed_rng():
     the weights `fitted` trains from them) independent of which tests ran before, e.g. under `-k` or one file.
     Module-scoped fixtures are built before this runs and seed themselves."""
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def one_thread():
+    """One torch thread for the test (bit-identical runs in forked children; tiny models run faster on one thread,
+    much faster when other processes share the cores); used with ``pytestmark = pytest.mark.usefixtures(...)``."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

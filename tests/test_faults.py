@@ -33,13 +33,7 @@ from hf_hardattn.training import checkpoint_problem, last_complete_checkpoint, r
 FORK = multiprocessing.get_context("fork")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Bit-identical runs in the test process and its forked children: one thread everywhere."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # (tests/conftest.py)
 
 
 def kill_self():

@@ -21,7 +21,7 @@ from hf_hardattn.tokenization import train_tokenizer
 from hf_hardattn.training import translate
 
 from test_pipelines_hub import hub  # noqa: F401  (fixture: HfApi uploads recorded, nothing leaves)
-from test_reproduce import DE, EN
+from test_reproduce import DE, EN, write_toy_multi30k
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "pretrained_hard.py")
 README = os.path.join(os.path.dirname(__file__), "..", "README.md")
@@ -43,11 +43,7 @@ def script_argv(root, data, out, results, *extra):
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     root = tmp_path_factory.mktemp("pretrained_hard")
-    data = root / "data"
-    data.mkdir()
-    for split, repeat in (("train", 6), ("test_2016_flickr", 1)):
-        (data / f"{split}.en").write_text("\n".join(EN * repeat) + "\n")
-        (data / f"{split}.de").write_text("\n".join(DE * repeat) + "\n")
+    data = write_toy_multi30k(root)
     threads = torch.get_num_threads()  # one thread: tiny ops on two threads crawl when the cores are shared
     torch.manual_seed(0)
     reproduce.main(["--task", "multi30k", "--preset", "tiny", "--data", str(data), "--output-dir", str(root / "m"),

@@ -115,17 +115,23 @@ def reference(attn, hidden, memory, lengths, window=5, lam_continuity=0.5, lam_c
     return out
 
 
-@pytest.mark.parametrize("variant, window, norm", [(v, 5, False) for v in VARIANTS] + [("continuity", 0, False),
-                                                  ("continuity", 1, False)] + [(f"expand_{i}", 5, True) for i in (1, 2, 3)])
-def test_parallel_forward_equals_naive_reference(variant, window, norm):
-    config = RecurrentConfig(**tiny_kwargs(recurrent_variant=variant, d_model=8, decoder_attention_heads=2,
-                                           continuity_window=window, continuity_lambda=0.3, coverage_lambda=0.7,
-                                           recurrent_context_norm=norm))
+def random_attention(seed, **settings):
+    """A float64 RecurrentCrossAttention (d 8, 2 heads) with N(0, 0.7^2) parameters, and the generator that drew
+    them (for the inputs)."""
+    config = RecurrentConfig(**tiny_kwargs(d_model=8, decoder_attention_heads=2, **settings))
     attn = RecurrentCrossAttention(config, "cross", 0).double()
-    generator = torch.Generator().manual_seed(0)
+    generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for param in attn.parameters():
             param.copy_(torch.randn(param.shape, generator=generator, dtype=param.dtype) * 0.7)
+    return attn, generator
+
+
+@pytest.mark.parametrize("variant, window, norm", [(v, 5, False) for v in VARIANTS] + [("continuity", 0, False),
+                                                  ("continuity", 1, False)] + [(f"expand_{i}", 5, True) for i in (1, 2, 3)])
+def test_parallel_forward_equals_naive_reference(variant, window, norm):
+    attn, generator = random_attention(0, recurrent_variant=variant, continuity_window=window, continuity_lambda=0.3,
+                                       coverage_lambda=0.7, recurrent_context_norm=norm)
     hidden = torch.randn(2, 6, 8, generator=generator, dtype=torch.float64)
     memory = torch.randn(2, 7, 8, generator=generator, dtype=torch.float64)
     lengths = [7, 4]
@@ -243,14 +249,9 @@ def test_attention_dropout_forms_contexts_from_dropped_weights_and_states_from_t
         keep = (torch.arange(x.shape[-1]) % 3 != 1).to(x.dtype)
         return x * keep / (1 - rate)
 
-    config = RecurrentConfig(**tiny_kwargs(recurrent_variant=variant, d_model=8, decoder_attention_heads=2,
-                                           attention_dropout=p, continuity_window=1, continuity_lambda=0.3,
-                                           coverage_lambda=0.7))
-    attn = RecurrentCrossAttention(config, "cross", 0).double().train()
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for param in attn.parameters():
-            param.copy_(torch.randn(param.shape, generator=generator, dtype=param.dtype) * 0.7)
+    attn, generator = random_attention(1, recurrent_variant=variant, attention_dropout=p, continuity_window=1,
+                                       continuity_lambda=0.3, coverage_lambda=0.7)
+    attn.train()
     hidden = torch.randn(2, 5, 8, generator=generator, dtype=torch.float64)
     memory = torch.randn(2, 6, 8, generator=generator, dtype=torch.float64)
     lengths = [6, 4]

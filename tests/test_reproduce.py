@@ -22,14 +22,20 @@ DE = ["ein mann fährt fahrrad .", "zwei hunde spielen im schnee .", "eine frau 
       "ein hund springt über einen zaun .", "leute gehen im park spazieren ."]
 
 
-@pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
-    root = tmp_path_factory.mktemp("reproduce")
+def write_toy_multi30k(root):
+    """root/data with Multi30k's file names: the sentences above, 6 times as train, once as test_2016_flickr."""
     data = root / "data"
     data.mkdir()
     for split, repeat in (("train", 6), ("test_2016_flickr", 1)):
         (data / f"{split}.en").write_text("\n".join(EN * repeat) + "\n")
         (data / f"{split}.de").write_text("\n".join(DE * repeat) + "\n")
+    return data
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("reproduce")
+    data = write_toy_multi30k(root)
     out = root / "out"
     argv = ["--task", "multi30k", "--preset", "tiny", "--data", str(data), "--output-dir", str(out), "--quiet",
             "--rows", "soft_decoded_hard", "hybrid_dot_kd", "hybrid_dot_kd_eq1", "beam_joint_k6_decoded_k1", "marian"]

@@ -32,13 +32,7 @@ DE = ["Ein Mann fährt Fahrrad.", "Zwei Hunde spielen im Schnee.", "Eine Frau li
 CORPUS = EN + DE + ["Die Häuser sind groß.", "Der Junge läuft über die Straße."] * 3
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run faster on one thread, and much faster when other processes share the cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # (tests/conftest.py)
 
 
 def test_model_cards_name_the_pyproject_transformers_bound():
