@@ -73,8 +73,18 @@ def attention_maps(model, tokenizer, source: str, target: str | None = None, rol
     target_tokens = tokenizer.convert_ids_to_tokens(outputs)
     key_tokens = target_tokens if role == "decoder" else source_tokens
     query_tokens = source_tokens if role == "encoder" else target_tokens
-    return dict(source_tokens=key_tokens, target_tokens=query_tokens, layers=layers, topk=topk, joint_layer=joint,
-                target=target, role=role)
+    def readable(tokens):  # byte-level BPE pieces ("Ġman", "fÃ¤hrt") as the text they stand for ("man", "fährt")
+        out = []
+        for token in tokens:
+            try:
+                out.append(tokenizer.convert_tokens_to_string([token]).strip() or token)
+            except Exception:  # a tokenizer without convert_tokens_to_string for single tokens
+                out.append(token)
+        return out
+
+    return dict(source_tokens=key_tokens, target_tokens=query_tokens, source_labels=readable(key_tokens),
+                target_labels=readable(query_tokens), layers=layers, topk=topk, joint_layer=joint, target=target,
+                role=role)
 
 
 def _draw(axis, matrix, maps, topk=None, title=None, labels=True):
@@ -82,8 +92,8 @@ def _draw(axis, matrix, maps, topk=None, title=None, labels=True):
                         interpolation="nearest")
     rows, columns = matrix.shape
     if labels and rows == len(maps["target_tokens"]) and columns == len(maps["source_tokens"]):
-        axis.set_xticks(range(columns), maps["source_tokens"], rotation=90, fontsize=7)
-        axis.set_yticks(range(rows), maps["target_tokens"], fontsize=7)
+        axis.set_xticks(range(columns), maps["source_labels"], rotation=90, fontsize=7)
+        axis.set_yticks(range(rows), maps["target_labels"], fontsize=7)
     else:  # e.g. beam-joint Transformer's candidate rows after the joint layer
         axis.set_xticks([])
         axis.set_yticks([])
