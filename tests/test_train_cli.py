@@ -109,6 +109,37 @@ def test_resume_after_a_lost_checkpoint_ends_with_the_uninterrupted_weights(data
     assert all(torch.allclose(resumed[key], uninterrupted[key], atol=1e-6) for key in uninterrupted)
 
 
+def test_sigkill_mid_run_then_resume_ends_with_the_uninterrupted_weights(data, tmp_path):
+    """`hf-hardattn train` killed with SIGKILL once its step-6 checkpoint exists (the kill lands mid-run, often mid-save
+    of a later checkpoint), then rerun with --resume: the final weights equal an uninterrupted run's."""
+    import signal
+    import time
+
+    def command(out, *extra):
+        return [sys.executable, "-m", "hf_hardattn", "train", "--train", str(data / "train"), "--source-lang", "en",
+                "--target-lang", "de", "--model-type", "hard_retrieval_transformer", *SIZES, "--output-dir", str(out),
+                "--quiet", "--threads", "1", "--warmup-steps", "10", "--learning-rate", "0.005", "--batch-size", "32",
+                "--tokenizer", str(data / "tok"), "--max-steps", "24", "--save-steps", "2", *extra]
+
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    straight = subprocess.run(command(tmp_path / "straight"), capture_output=True, text=True, env=env, timeout=600)
+    assert straight.returncode == 0, straight.stderr[-2000:]
+    out = tmp_path / "killed"
+    child = subprocess.Popen(command(out), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    deadline = time.time() + 300
+    while not (out / "trainer" / "checkpoint-6" / "trainer_state.json").exists() and child.poll() is None:
+        assert time.time() < deadline
+        time.sleep(0.05)
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    assert not (out / "model").exists()  # killed before the end
+    resumed = subprocess.run(command(out, "--resume"), capture_output=True, text=True, env=env, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    want = load_file(tmp_path / "straight" / "model" / "model.safetensors")
+    got = load_file(out / "model" / "model.safetensors")
+    assert all(torch.equal(got[key], want[key]) for key in want)
+
+
 LAUNCHERS = {  # on a CPU machine both start 2 processes (gloo); `accelerate launch --cpu` starts only one
     "torchrun": [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"],
     "accelerate": [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
