@@ -6,11 +6,13 @@ the reproduction tables (``benchmarks/results/reproduce_*.json``, written by ``b
 model type, next to the soft baseline and the MarianMTModel reference.
 
     python model_cards/build.py
+    python model_cards/build.py --pictures outputs/reproduce/nouns-kd-eq1/models   # images/TYPE.png, then the cards
 """
 
 import glob
 import json
 import os
+import sys
 
 import torch
 
@@ -71,15 +73,79 @@ def reproduction_tables(model_type):
             "\n\n" + (note + "\n\n" if note else "") + "\n\n".join(parts))
 
 
+PICTURE = ("## How it attends\n\n![{alt}](images/{name}.png)\n\n{caption} Drawn with `hf-hardattn plot MODEL "
+           "--source \"{source}\"` (`hf_hardattn/plot.py`) from a model of this type trained on German noun "
+           "inflection ({steps}; character level: the source is a lemma and its tags, the target the inflected "
+           "form); a row per layer, a column per head and their mean; row t is the attention while predicting target "
+           "character t.\n")
+PICTURE_SOURCE = "Haus <n> <dat> <pl>"
+CAPTIONS = {  # model type -> (the row drawn, steps, what to see)
+    "soft_transformer": ("soft", "2000 steps", "Cross-attention of the soft baseline: each head spreads its weight."),
+    "hard_retrieval_transformer": ("hard_self_cross", "1000 steps",
+                                   "Cross-attention with hard retrieval: every head reads exactly one source character "
+                                   "per step (one-hot rows), chosen by the argmax of its raw scores."),
+    "gaussian_transformer": ("hc_sa", "1000 steps",
+                             "hc-sa's encoder self-attention: fixed Gaussian heads centred at offsets -1 and +1 of "
+                             "each position (the learned cross-attention looks like soft's)."),
+    "recurrent_transformer": ("recurrent_coverage", "1000 steps",
+                              "Cross-attention with the coverage variant: a source position already attended to is "
+                              "penalised at later steps."),
+    "hybrid_transformer": ("hybrid_dot", "2000 steps",
+                           "The GRU decoder's dot attention over the source, one layer, per step."),
+    "beam_joint_rnn": ("beam_joint_rnn_k6", "1000 steps",
+                       "The Luong LSTM decoder's attention P_t(a); the red boxes are the top-K source positions whose "
+                       "candidates are mixed at step t (K=6)."),
+    "beam_joint_transformer": ("beam_joint_k6", "1000 steps",
+                               "Cross-attention; the joint (last) layer's head mean is P_t(a), and the red boxes mark "
+                               "its top-K set (K=6). Layers after the joint layer (none here) would show candidate "
+                               "rows."),
+}
+ROLE_OF_PICTURE = {"gaussian_transformer": "encoder"}
+
+
+def picture_section(model_type, folder):
+    """The card's picture section when model_cards/images/TYPE.png exists (written by ``--pictures``)."""
+    if model_type not in CAPTIONS or not os.path.exists(os.path.join(folder, "images", f"{model_type}.png")):
+        return ""
+    _, steps, caption = CAPTIONS[model_type]
+    return PICTURE.format(alt=f"{model_type} attention", name=model_type, caption=caption, source=PICTURE_SOURCE,
+                          steps=steps)
+
+
+def draw_pictures(models_folder, folder):
+    """images/TYPE.png for every type whose row's trained model is in ``models_folder``."""
+    from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
+
+    from hf_hardattn.plot import attention_maps, plot_layers
+
+    for model_type, (row, _, _) in CAPTIONS.items():
+        path = os.path.join(models_folder, row)
+        if not os.path.isdir(path):
+            print("no model for", model_type, "at", path)
+            continue
+        model = AutoModelForSeq2SeqLM.from_pretrained(path)
+        maps = attention_maps(model, AutoTokenizer.from_pretrained(path), PICTURE_SOURCE,
+                              role=ROLE_OF_PICTURE.get(model_type, "cross"))
+        out = plot_layers(maps, os.path.join(folder, "images", f"{model_type}.png"),
+                          title=f"{model_type}: {PICTURE_SOURCE} -> {maps['target']}")
+        print("drew", out)
+
+
 def main():
     folder = os.path.dirname(os.path.abspath(__file__))
+    if len(sys.argv) == 3 and sys.argv[1] == "--pictures":  # python model_cards/build.py --pictures MODELS_FOLDER
+        draw_pictures(sys.argv[2], folder)
     for config_class, model_class in hf_hardattn.MODEL_CLASSES.items():
         with torch.device("meta"):  # the card needs the architecture and parameter count, not weights
             model = model_class(config_class())
         tables = reproduction_tables(config_class.model_type)
         path = os.path.join(folder, f"{config_class.model_type}.md")
+        card = render_model_card(model, {"table": tables} if tables else None)
+        picture = picture_section(config_class.model_type, folder)
+        if picture:
+            card = card.replace("\n## Citation", "\n" + picture + "\n## Citation", 1)
         with open(path, "w") as handle:
-            handle.write(render_model_card(model, {"table": tables} if tables else None))
+            handle.write(card)
         print("wrote", path)
 
 

@@ -194,6 +194,20 @@ def test_init_from_a_marian_folder_converts_it(data, tmp_path):
     assert AutoModelForSeq2SeqLM.from_pretrained(out / "model").config.d_model == 16
 
 
+def test_sizes_from_yaml_config_flags_and_set_in_that_order(data, tmp_path):
+    (tmp_path / "model.yaml").write_text("d_model: 48\nencoder_layers: 2\ndecoder_layers: 1\n"
+                                         "encoder_attention_heads: 4\ndecoder_attention_heads: 4\n"
+                                         "encoder_ffn_dim: 40\ndecoder_ffn_dim: 40\ndropout: 0.3\n")
+    out = tmp_path / "run"
+    assert main(["train", "--train", str(data / "small"), "--source-lang", "en", "--target-lang", "de", "--model-type",
+                 "recurrent_transformer", "--config", str(tmp_path / "model.yaml"), "--dropout", "0.2", "--set",
+                 "recurrent_variant=\"coverage\"", "--set", "dropout=0.1", "--tokenizer", str(data / "tok"),
+                 "--output-dir", str(out), "--max-steps", "1", "--quiet", "--threads", "1"]) == 0
+    config = json.loads((out / "model" / "config.json").read_text())
+    assert (config["d_model"], config["encoder_layers"], config["encoder_ffn_dim"]) == (48, 2, 40)
+    assert config["dropout"] == 0.1 and config["recurrent_variant"] == "coverage"  # --set last
+
+
 @pytest.mark.parametrize("case", ["no data", "eval without validation", "bad type", "too long", "length > positions",
                                   "no length", "bad config"])
 def test_bad_input_is_a_one_line_error(data, tmp_path, case, capsys):
