@@ -360,6 +360,10 @@ def run_translate(args):
             raise CommandError(f"--pack-linears needs an hf_hardattn model; {args.model!r} is a "
                                f"{type(model).__name__}.")
         model.pack_linears()
+    if args.int8:
+        if not hasattr(model, "quantize_int8"):
+            raise CommandError(f"--int8 needs an hf_hardattn model; {args.model!r} is a {type(model).__name__}.")
+        model.eval().quantize_int8()
     if args.dtype == "bfloat16":
         model = model.to(torch.bfloat16)
     positions = source_limit(model)
@@ -683,6 +687,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--seed", type=int, default=0, help="random seed of --do-sample (default 0)")
     tr.add_argument("--pack-linears", action="store_true",
                     help="prepack the linear layers for faster CPU decoding (hf_hardattn models)")
+    tr.add_argument("--int8", action="store_true",
+                    help="int8 linear layers (model.quantize_int8(): torch's dynamic int8, CPU; hf_hardattn models)")
     tr.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                     help="weights' dtype while decoding (bfloat16: CPUs with native bf16)")
     tr.add_argument("--threads", type=_positive_int, default=max(1, min(os.cpu_count() or 1, 8)),

@@ -532,6 +532,7 @@ class HybridModel(HybridPreTrainedModel, HardAttnModel):
 
 class HybridForConditionalGeneration(HybridPreTrainedModel, HardAttnForConditionalGeneration):
     config_class = HybridConfig
+    INT8_KEEP = (".score",)  # the additive attention's v, read as a vector (quantize_int8 keeps it fp32)
     model_class = HybridModel
     card_title = "Hybrid: self-attention encoder + RNN decoder"
     card_description = (

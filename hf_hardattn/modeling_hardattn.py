@@ -1037,6 +1037,41 @@ class HardAttnPreTrainedModel(PreTrainedModel):
     def unpack_linears(self):
         return unpack_linears(self)
 
+    # linear layers whose weight the model reads directly (not through the layer's call): kept in fp32 by
+    # quantize_int8 (name suffixes; variants extend it)
+    INT8_KEEP: tuple = ()
+
+    def quantize_int8(self):
+        """int8 inference on CPU (issue #44): every ``nn.Linear`` (the vocabulary projection included) becomes torch's
+        dynamic int8 linear (``torch.ao.quantization.quantize_dynamic``, fbgemm: int8 weights per output channel,
+        activations quantised per call; on the AVX512 EPYC 1.3-3.5x the packed fp32 layer, benchmarks/README.md).
+        Layers whose weight the model reads directly stay fp32 (``INT8_KEEP``: beam-joint's vocabulary mixture and
+        candidate readout, the additive attention's score vector); attention kernels, embeddings, norms and GRU/LSTM
+        gate arithmetic stay fp32. Packed linears are unpacked first. Inference only: afterwards ``train()`` and
+        ``save_pretrained`` raise; reload the fp32 checkpoint to undo. Returns the model."""
+        import warnings
+
+        if self.training:
+            raise ValueError("quantize_int8() is for inference: call model.eval() first (int8 layers have no gradient).")
+        if getattr(self, "is_int8", False):
+            raise ValueError("quantize_int8(): the model is already int8; reload the fp32 checkpoint to start again.")
+        unpack_linears(self)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch.ao.quantization's deprecation notice (still shipped in 2.13)
+            from torch.ao.quantization import default_dynamic_qconfig, quantize_dynamic
+
+            names = {name: default_dynamic_qconfig for name, module in self.named_modules()
+                     if type(module) is nn.Linear and not name.endswith(self.INT8_KEEP or ("\0",))}
+            quantize_dynamic(self, names, dtype=torch.qint8, inplace=True)
+        self.is_int8 = True
+        return self
+
+    def train(self, mode: bool = True):
+        if mode and getattr(self, "is_int8", False):
+            raise ValueError("this model was quantized with quantize_int8() for inference; reload the fp32 checkpoint "
+                             "to train it.")
+        return super().train(mode)
+
     # arguments of save_pretrained(push_to_hub=True) that go to the upload (``token`` also goes to transformers)
     PUSH_ARGUMENTS = ("repo_id", "commit_message", "commit_description", "private", "revision", "create_pr", "tags")
 
@@ -1049,6 +1084,9 @@ class HardAttnPreTrainedModel(PreTrainedModel):
         one commit, as in transformers, but with this card: ``repo_id`` (default: the folder's name) and
         ``push_to_hub``'s arguments (``commit_message``, ``commit_description``, ``private``, ``token``,
         ``revision``, ``create_pr``, ``tags``)."""
+        if getattr(self, "is_int8", False):
+            raise ValueError("save_pretrained: an int8 model (quantize_int8) is not saved; save the fp32 model and call "
+                             "quantize_int8() after loading it.")
         if tokenizer is not None and not hasattr(tokenizer, "save_pretrained"):
             raise TypeError(f"`tokenizer` must be a tokenizer with save_pretrained(), got {type(tokenizer).__name__}")
         hub = {key: kwargs.pop(key) for key in self.PUSH_ARGUMENTS if key in kwargs} if push_to_hub else {}

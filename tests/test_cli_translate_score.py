@@ -99,6 +99,10 @@ def test_translate_pack_linears_gives_the_same_output(saved, tmp_path):
                      "--threads", "1", *extra]) == 0
         outputs.append(out.read_text())
     assert outputs[0] == outputs[1]
+    out = tmp_path / "int8.txt"  # int8 layers: one line per source (the outputs may differ from fp32)
+    assert main(["translate", str(folder / "hard"), "-i", str(source), "-o", str(out), "--quiet", "--threads", "1",
+                 "--int8"]) == 0
+    assert len(out.read_text().splitlines()) == len(SOURCES)
 
 
 @pytest.mark.parametrize("case", ["missing input", "not a model", "too long", "pack marian", "beyond positions",
