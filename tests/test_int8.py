@@ -1,5 +1,5 @@
 """quantize_int8() (issue #44, first step): every model type decodes with torch's dynamic int8 linear layers; the layers
-whose weight a model reads directly stay fp32 (without that, beam-joint fails); int8 logits stay close to fp32 ones;
+whose weight a model reads directly stay fp32 (without that, beam-joint fails); int8 next-token probabilities stay close to fp32 ones;
 the model refuses training and saving afterwards."""
 
 import copy
@@ -38,9 +38,14 @@ def test_every_type_decodes_in_int8_close_to_fp32(name):
     assert sorted(quantized_linears(model)) == sorted(set(before) - set(kept)) and quantized_linears(model)
     assert all(name.endswith(model.INT8_KEEP) for name in kept), kept  # only the declared layers stay fp32
     got = logits(model, ids, mask)
-    error = ((got - reference).abs().max() / reference.abs().max()).item()
-    if name != "hard_retrieval":  # argmax retrieval (here in the encoder too) turns small changes into other keys
-        assert error < 0.1, error
+    # next-token probabilities (log-probabilities of unlikely tokens, as beam-joint's mixture returns, are far apart
+    # in absolute terms without mattering)
+    # (seen on these tiny fitted models: at most 0.14 and 10 of 12 argmax tokens kept; hard retrieval, whose argmax
+    # retrieval turns small score changes into other keys, and the Bahdanau beam-joint deviate most). A broken layer
+    # (wrong weights, wrong kept list) moves probabilities by ~1 and the argmax to chance.
+    error = (got.softmax(-1) - reference.softmax(-1)).abs().max().item()
+    agreement = (got.argmax(-1) == reference.argmax(-1)).float().mean().item()
+    assert error < 0.3 and agreement >= 0.75, (error, agreement)
     for beams in (1, 3):
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, num_beams=beams)
         assert out.shape[0] == ids.shape[0]
