@@ -22,23 +22,16 @@ import copy
 import json
 import os
 import statistics
-import time
 import warnings
 
 import torch
 
 from hf_hardattn.packed_linear import pack_linears
 from hf_hardattn.training import machine
+from linear_kernels import per_call  # (benchmarks/: the same timing loop)
 
 SHAPES = [(512, 512), (1536, 512), (2048, 512), (512, 2048), (8000, 512)]  # o-proj, qkv, ffn1, ffn2, vocab
 ROWS = [1, 4, 32, 128]
-
-
-def per_call(fn, calls):
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    return (time.perf_counter() - start) / calls
 
 
 def kernels(plain):
