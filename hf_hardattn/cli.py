@@ -294,16 +294,14 @@ class CommandError(Exception):
 
 def read_lines(path: str, name: str) -> list[str]:
     """The lines of a text file (``.gz`` read through gzip; ``-`` = stdin), without their line ends."""
-    import gzip
+    from .data import _read_lines
 
     if path == "-":
-        return sys.stdin.read().splitlines()
+        return [line.rstrip("\n") for line in sys.stdin]
     if not os.path.isfile(path):
         raise CommandError(f"{name}={path!r} is not a file.")
-    opener = gzip.open if path.endswith(".gz") else open
     try:
-        with opener(path, "rt", encoding="utf-8") as handle:
-            return handle.read().splitlines()
+        return _read_lines(path)
     except (UnicodeDecodeError, OSError) as error:
         raise CommandError(f"{name}={path!r} cannot be read as UTF-8 text ({error}).") from error
 
@@ -495,17 +493,16 @@ def validate_folder(folder: str, model, tokenizer, sentence: str):
 def publish_results(model_dir: str, metrics: dict, command: str | None) -> dict | None:
     """The card's results: the table the model folder already has (``hardattn_results.json``), then the given
     metrics and the command that produced the run."""
-    from .model_card import RESULTS_FILE
+    from .model_card import RESULTS_FILE, metrics_table
 
     parts = []
     path = os.path.join(model_dir, RESULTS_FILE)
     if os.path.isfile(path):
         with open(path) as handle:
             stored = json.load(handle)
-        parts.append(stored["table"] if isinstance(stored.get("table"), str) else
-                     "\n".join(["| metric | value |", "| --- | --- |"] + [f"| {k} | {v} |" for k, v in stored.items()]))
+        parts.append(stored["table"] if isinstance(stored.get("table"), str) else metrics_table(stored))
     if metrics:
-        parts.append("\n".join(["| metric | value |", "| --- | --- |"] + [f"| {k} | {v} |" for k, v in metrics.items()]))
+        parts.append(metrics_table(metrics))
     if command:
         parts.append(f"Produced by:\n\n```bash\n{command}\n```")
     return {"table": "\n\n".join(parts)} if parts else None

@@ -92,9 +92,14 @@ def render_model_card(model, results: dict | None = None) -> str:
         if isinstance(results.get("table"), str):
             lines.append(results["table"])
         else:
-            lines += ["| metric | value |", "| --- | --- |"] + [f"| {k} | {v} |" for k, v in results.items()]
+            lines.append(metrics_table(results))
     lines += ["", "## Citation", "", model.card_citation.strip(), ""]
     return "\n".join(lines)
+
+
+def metrics_table(metrics: dict) -> str:
+    """A markdown table of ``metrics`` (name -> value)."""
+    return "\n".join(["| metric | value |", "| --- | --- |"] + [f"| {k} | {v} |" for k, v in metrics.items()])
 
 
 def write_model_card(model, save_directory, results: dict | None = None) -> str:
