@@ -184,6 +184,10 @@ def test_score_text_output_and_errors(tmp_path, capsys):
     assert main(["score", str(hyp), str(short)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("hf-hardattn score: error:") and "has 1 lines" in err and "has 4" in err
+    longer = tmp_path / "longer.txt"  # more reference lines than hypotheses is refused too
+    longer.write_text("\n".join(REFERENCES[0] + ["extra"]) + "\n", encoding="utf-8")
+    assert main(["score", str(hyp), str(longer)]) == 2
+    assert "has 5 lines" in capsys.readouterr().err
     assert main(["score", str(tmp_path / "none.txt"), str(ref)]) == 2
     assert "HYP=" in capsys.readouterr().err
     with pytest.raises(SystemExit):
