@@ -1042,12 +1042,16 @@ class HardAttnPreTrainedModel(PreTrainedModel):
     INT8_KEEP: tuple = ()
 
     def quantize_int8(self):
-        """int8 inference on CPU (issue #44): every ``nn.Linear`` (the vocabulary projection included) becomes torch's
-        dynamic int8 linear (``torch.ao.quantization.quantize_dynamic``, fbgemm: int8 weights per output channel,
-        activations quantised per call; on the AVX512 EPYC 1.3-3.5x the packed fp32 layer, benchmarks/README.md).
-        Layers whose weight the model reads directly stay fp32 (``INT8_KEEP``: beam-joint's vocabulary mixture and
-        candidate readout, the additive attention's score vector); attention kernels, embeddings, norms and GRU/LSTM
-        gate arithmetic stay fp32. Packed linears are unpacked first. Inference only: afterwards ``train()`` and
+        """int8 inference on CPU (issue #44): every linear layer (the vocabulary projection and the hybrid's GRU/LSTM
+        gate projections included) becomes torch's dynamic int8 linear (``torch.ao.quantization.quantize_dynamic``,
+        fbgemm): int8 weights with one scale per output channel (symmetric, w ~ s_j * round(w / s_j), s_j =
+        max|w_j| / 127.5), activations quantised at every call to 7-bit unsigned integers with one scale and zero
+        point for the whole input tensor (its min and max), int32 accumulation, fp32 output. Because the activation
+        scale is shared by the rows of a call, an int8 output depends slightly on the other sentences of the batch
+        and on whether earlier positions are cached (the fp32 model's do not). Layers whose weight the model reads
+        directly stay fp32 (``INT8_KEEP``: beam-joint's vocabulary mixture and candidate readout, the additive
+        attention's score vector); attention kernels, embeddings, norms and the gate arithmetic stay fp32. Packed
+        linears are unpacked first (int8 replaces them). Inference only: afterwards ``train()`` and
         ``save_pretrained`` raise; reload the fp32 checkpoint to undo. Returns the model."""
         import warnings
 
@@ -1056,13 +1060,20 @@ class HardAttnPreTrainedModel(PreTrainedModel):
         if getattr(self, "is_int8", False):
             raise ValueError("quantize_int8(): the model is already int8; reload the fp32 checkpoint to start again.")
         unpack_linears(self)
+        keep = self.INT8_KEEP or ("\0",)
+        names = [name for name, module in self.named_modules()
+                 if isinstance(module, nn.Linear) and not name.endswith(keep)]
+        for name in names:  # a subclass of nn.Linear (the hybrid's RNNHiddenProjection) is called as a plain layer:
+            module = self.get_submodule(name)  # torch quantizes nn.Linear itself only
+            if type(module) is not nn.Linear:
+                plain = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None)
+                plain.weight, plain.bias = module.weight, module.bias
+                self.set_submodule(name, plain)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch.ao.quantization's deprecation notice (still shipped in 2.13)
-            from torch.ao.quantization import default_dynamic_qconfig, quantize_dynamic
+            from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
 
-            names = {name: default_dynamic_qconfig for name, module in self.named_modules()
-                     if type(module) is nn.Linear and not name.endswith(self.INT8_KEEP or ("\0",))}
-            quantize_dynamic(self, names, dtype=torch.qint8, inplace=True)
+            quantize_dynamic(self, dict.fromkeys(names, per_channel_dynamic_qconfig), dtype=torch.qint8, inplace=True)
         self.is_int8 = True
         return self
 
