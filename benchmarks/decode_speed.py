@@ -19,13 +19,22 @@ median per model is reported, so load from other processes hits all of them alik
 * ``soft_expanded`` / ``soft_packed_expanded`` / ``hybrid_dot_expanded``: the same models with the encoder output
   expanded to one row per beam (what transformers does; our models keep one row per sentence, so cross-attention
   keys/values are projected, cached and read once per sentence). Only beam 4 differs.
+* ``*_int8``: the same model after ``quantize_int8()`` (torch's dynamic int8 linear layers, issue #44);
+  ``soft_int8`` is the MarianMTModel that CTranslate2 decodes (same seed, same weights), converted to a soft model
+  with ``hf_hardattn.convert`` and quantised: the same architecture and weights as ``ct2_int8``.
+  ``soft_int8_expanded``: with transformers' one encoder row per beam (the grouped memory's share of the gain).
 * ``ct2_float32`` / ``ct2_int8``: the same MarianMTModel converted with ``ctranslate2`` (what a user would pick for
   fast CPU decoding), ``intra_threads`` = --threads; the reference, not a model of this package. Measured in a
   second process after the torch models (its OpenMP threads keep spinning after each call and would slow down the
   next torch model in the same process).
 
 Targets (issue #7): soft >= 1.2x marian; hard_retrieval >= 0.8x attention_removed; hybrid 6-1 >= 4x soft;
-sh_x >= 1.3x soft.
+sh_x >= 1.3x soft. Issue #44: soft_int8 >= 1.0x ct2_int8 at every setting and >= 1.3x at batch 1; hybrid_dot_int8
+>= 2.5x ct2_int8.
+
+Peak memory (``--memory``): each model is built and decodes once in a fresh process (batch 32, beam 4, the
+largest setting); reported: the process's peak resident memory above what it held after importing torch and
+transformers, and the weights' bytes (int8 layers: their packed weights).
 
     python benchmarks/decode_speed.py                     # full table -> benchmarks/results/decode_speed.json
     python benchmarks/decode_speed.py --models soft marian --batch-sizes 1 --modes greedy --repeats 3
@@ -94,6 +103,18 @@ def build_beam_joint(inference_k):
         BeamJointTransformerConfig(**DIMS, **SPECIAL, joint_k=6, joint_inference_k=inference_k))
 
 
+def build_soft_from_marian():
+    """The soft model holding the weights of ``build_marian()`` under seed 0: the MarianMTModel CTranslate2 decodes."""
+    from hf_hardattn import convert
+
+    torch.manual_seed(0)
+    return convert(build_marian().eval(), "soft_transformer")
+
+
+def int8(model):
+    return model.eval().quantize_int8()
+
+
 def expanded_memory(model):
     """``model`` decoding with transformers' expansion of the encoder output to one row per beam instead of the
     grouped memory (one row per sentence; ``HardAttnForConditionalGeneration._expand_inputs_for_generation``)."""
@@ -124,6 +145,10 @@ for _name in ("soft", "marian", "hard_retrieval", "attention_removed", "sh_x", "
     BUILDERS[f"{_name}_packed"] = lambda _name=_name: pack_linears(BUILDERS[_name]())  # linears (packed_linear.py)
 for _name in ("soft", "soft_packed", "hybrid_dot"):  # encoder output expanded to one row per beam, as in transformers
     BUILDERS[f"{_name}_expanded"] = lambda _name=_name: expanded_memory(BUILDERS[_name]())
+BUILDERS["soft_int8"] = lambda: int8(build_soft_from_marian())  # ct2_int8's weights
+for _name in ("hard_retrieval", "sh_x", "hybrid_dot", "recurrent_expand_1", "beam_joint_k6"):
+    BUILDERS[f"{_name}_int8"] = lambda _name=_name: int8(BUILDERS[_name]())
+BUILDERS["soft_int8_expanded"] = lambda: expanded_memory(BUILDERS["soft_int8"]())
 CT2 = ("ct2_float32", "ct2_int8")
 RATIOS = [  # label, numerator, denominator
     ("soft / marian", "soft", "marian"),
@@ -146,6 +171,20 @@ RATIOS = [  # label, numerator, denominator
     ("hard_retrieval_packed / attention_removed_packed", "hard_retrieval_packed", "attention_removed_packed"),
     ("hybrid_dot_packed / soft_packed", "hybrid_dot_packed", "soft_packed"),
     ("sh_x_packed / soft_packed", "sh_x_packed", "soft_packed"),
+    ("soft_int8 / ct2_int8", "soft_int8", "ct2_int8"),
+    ("hard_retrieval_int8 / ct2_int8", "hard_retrieval_int8", "ct2_int8"),
+    ("sh_x_int8 / ct2_int8", "sh_x_int8", "ct2_int8"),
+    ("hybrid_dot_int8 / ct2_int8", "hybrid_dot_int8", "ct2_int8"),
+    ("hybrid_dot_packed / ct2_int8", "hybrid_dot_packed", "ct2_int8"),
+    ("soft_packed / ct2_int8", "soft_packed", "ct2_int8"),
+    ("soft_int8 / soft_packed", "soft_int8", "soft_packed"),
+    ("soft_bf16 / soft_packed", "soft_bf16", "soft_packed"),
+    ("soft_int8 / soft_int8_expanded", "soft_int8", "soft_int8_expanded"),
+    ("hard_retrieval_int8 / soft_int8", "hard_retrieval_int8", "soft_int8"),
+    ("sh_x_int8 / soft_int8", "sh_x_int8", "soft_int8"),
+    ("hybrid_dot_int8 / soft_int8", "hybrid_dot_int8", "soft_int8"),
+    ("recurrent_expand_1_int8 / soft_int8", "recurrent_expand_1_int8", "soft_int8"),
+    ("beam_joint_k6_int8 / soft_int8", "beam_joint_k6_int8", "soft_int8"),
 ]
 
 
@@ -178,6 +217,7 @@ class CT2Model:
             marian.save_pretrained(path)
             tokenizer.save_pretrained(path)
             ctranslate2.converters.TransformersConverter(path).convert(os.path.join(folder, "ct2"), force=True)
+        self.folder = os.path.join(folder, "ct2")
         self.translator = ctranslate2.Translator(os.path.join(folder, "ct2"), device="cpu", compute_type=compute_type,
                                                  intra_threads=threads, inter_threads=1)
 
@@ -220,6 +260,37 @@ def measure(models, ids, mask, num_beams, new_tokens, repeats):
     return {name: ids.shape[0] / statistics.median(t) for name, t in times.items()}
 
 
+def weight_bytes(model):
+    """Bytes of the weights as stored (``torch.save`` of the state dict: int8 layers hold int8 weights and scales)."""
+    import io
+
+    if isinstance(model, CT2Model):
+        return sum(os.path.getsize(os.path.join(model.folder, f)) for f in os.listdir(model.folder))
+    buffer = io.BytesIO()
+    torch.save(model.state_dict(), buffer)
+    return buffer.tell()
+
+
+def memory_worker(name, threads):
+    """Peak resident memory of building ``name`` and decoding batch 32 with beam 4 once, above the process's peak
+    after its imports (ru_maxrss: a peak, so the import's transient memory is in the baseline), and its weights."""
+    import resource
+
+    torch.set_num_threads(threads)
+    baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with tempfile.TemporaryDirectory() as folder:
+        torch.manual_seed(0)
+        if name in CT2:
+            marian = build_marian().eval()
+            model = CT2Model(marian, name.split("_")[1], threads, folder)
+            del marian
+        else:
+            model = BUILDERS[name]().eval()
+        run_once(model, *make_inputs(32), 4, 30)
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return {"peak_mib": (peak - baseline) / 1024, "weights_mib": weight_bytes(model) / 2**20}
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     choices = list(BUILDERS) + list(CT2)
@@ -232,14 +303,22 @@ def main(argv=None):
     parser.add_argument("--new-tokens", type=int, default=30)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--output", default=os.path.join(os.path.dirname(__file__), "results", "decode_speed.json"))
+    parser.add_argument("--memory", action="store_true",
+                        help="instead of speed: peak memory and weight size of each model, each in a fresh process")
     parser.add_argument("--ct2-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--memory-worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.memory_worker:
+        print("MEMRESULT" + json.dumps(memory_worker(args.memory_worker, args.threads)))
+        return None
     names = args.models or list(BUILDERS) + (list(CT2) if ctranslate2_available() else [])
     if not args.models and not cpu_has_bf16_matmul():  # bf16 GEMMs run ~100x slower than fp32 on such a CPU
         names = [n for n in names if not n.endswith("_bf16")]
         print("skipping the *_bf16 models: this CPU has no native bf16 matrix products (name them to run them)")
     if any(n in CT2 for n in names) and not ctranslate2_available():
         parser.error("ct2_* models need `pip install ctranslate2`")
+    if args.memory:
+        return memory_table(names, args)
     torch.set_num_threads(args.threads)
     settings = [(mode, batch_size) for mode in args.modes for batch_size in args.batch_sizes]
     if args.ct2_worker:  # ctranslate2 in its own process: its OpenMP threads keep spinning after a call and would
@@ -297,6 +376,29 @@ def main(argv=None):
                                 "repeats": args.repeats, "source_length": SOURCE_LENGTH},
                    "rows": rows, "table": table}, handle, indent=2)
     return rows
+
+
+def memory_table(names, args):
+    import subprocess
+    import sys
+
+    results = {}
+    for name in names:
+        out = subprocess.run([sys.executable, os.path.abspath(__file__), "--memory-worker", name, "--threads",
+                              str(args.threads)], capture_output=True, text=True, check=True).stdout
+        results[name] = json.loads(out.split("MEMRESULT", 1)[1])
+        print(f"{name}: peak {results[name]['peak_mib']:.0f} MiB, weights {results[name]['weights_mib']:.1f} MiB",
+              flush=True)
+    lines = ["| model | peak memory, MiB (build + beam 4, batch 32) | weights, MiB |", "| --- | ---: | ---: |"]
+    lines += [f"| {n} | {r['peak_mib']:.0f} | {r['weights_mib']:.1f} |" for n, r in results.items()]
+    table = "\n".join(lines)
+    print(table)
+    output = args.output.replace(".json", "_memory.json") if args.output.endswith(".json") else args.output
+    os.makedirs(os.path.dirname(output), exist_ok=True)
+    with open(output, "w") as handle:
+        json.dump({"machine": machine(), "settings": {**DIMS, "threads": args.threads, "source_length": SOURCE_LENGTH},
+                   "models": results, "table": table}, handle, indent=2)
+    return results
 
 
 if __name__ == "__main__":

@@ -350,6 +350,10 @@ def run_translate(args):
 
     from .training import translate
 
+    if args.int8 and (args.pack_linears or args.dtype != "float32"):
+        other = "--pack-linears" if args.pack_linears else f"--dtype {args.dtype}"
+        raise CommandError(f"--int8 and {other} exclude each other: int8 layers replace the packed fp32 ones and run "
+                           f"on float32 inputs; choose one.")
     torch.set_num_threads(args.threads)
     lines = read_lines(args.input, "--input")
     model, tokenizer = load_for_translation(args.model, args.tokenizer)
@@ -685,7 +689,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--pack-linears", action="store_true",
                     help="prepack the linear layers for faster CPU decoding (hf_hardattn models)")
     tr.add_argument("--int8", action="store_true",
-                    help="int8 linear layers (model.quantize_int8(): torch's dynamic int8, CPU; hf_hardattn models)")
+                    help="int8 linear layers (model.quantize_int8(): torch's dynamic int8, CPU; hf_hardattn models; "
+                         "not with --pack-linears or --dtype bfloat16)")
     tr.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                     help="weights' dtype while decoding (bfloat16: CPUs with native bf16)")
     tr.add_argument("--threads", type=_positive_int, default=max(1, min(os.cpu_count() or 1, 8)),

@@ -1059,6 +1059,11 @@ class HardAttnPreTrainedModel(PreTrainedModel):
             raise ValueError("quantize_int8() is for inference: call model.eval() first (int8 layers have no gradient).")
         if getattr(self, "is_int8", False):
             raise ValueError("quantize_int8(): the model is already int8; reload the fp32 checkpoint to start again.")
+        kinds = {(p.dtype, p.device.type) for p in self.parameters()}
+        if kinds != {(torch.float32, "cpu")}:
+            raise ValueError(f"quantize_int8() needs an fp32 model on the CPU (torch's int8 layers run there only); "
+                             f"its parameters are {sorted(f'{d} on {t}' for d, t in kinds)}: load or keep it in "
+                             f"float32 (bfloat16 and int8 are two separate choices).")
         unpack_linears(self)
         keep = self.INT8_KEEP or ("\0",)
         names = [name for name, module in self.named_modules()
@@ -1076,6 +1081,17 @@ class HardAttnPreTrainedModel(PreTrainedModel):
             quantize_dynamic(self, dict.fromkeys(names, per_channel_dynamic_qconfig), dtype=torch.qint8, inplace=True)
         self.is_int8 = True
         return self
+
+    def _apply(self, fn, *args, **kwargs):
+        """``to`` / ``half`` / ``bfloat16`` / ``cuda``: refused on an int8 model for any other dtype than float32 or a
+        device other than the CPU (its int8 layers would fail deep inside the first call)."""
+        if getattr(self, "is_int8", False):
+            probe = fn(torch.zeros((), dtype=torch.float32))
+            if probe.dtype != torch.float32 or probe.device.type != "cpu":
+                raise ValueError(f"this model was quantized with quantize_int8(): its int8 layers take float32 inputs on "
+                                 f"the CPU, so it cannot move to {probe.dtype} on {probe.device.type}; reload the fp32 "
+                                 f"checkpoint for that (int8 and bfloat16 are two separate choices).")
+        return super()._apply(fn, *args, **kwargs)
 
     def train(self, mode: bool = True):
         if mode and getattr(self, "is_int8", False):

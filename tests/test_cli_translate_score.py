@@ -106,7 +106,7 @@ def test_translate_pack_linears_gives_the_same_output(saved, tmp_path):
 
 
 @pytest.mark.parametrize("case", ["missing input", "not a model", "too long", "pack marian", "beyond positions",
-                                  "bad beams", "bad top-p"])
+                                  "int8 packed", "int8 bf16", "bad beams", "bad top-p"])
 def test_translate_bad_input_is_one_line_error(saved, tmp_path, case, capsys):
     folder, _ = saved
     good = tmp_path / "in.txt"
@@ -116,6 +116,8 @@ def test_translate_bad_input_is_one_line_error(saved, tmp_path, case, capsys):
             "too long": ["translate", str(folder / "hard"), "-i", str(good), "--max-source-tokens", "50"],
             "pack marian": ["translate", str(folder / "marian"), "-i", str(good), "--pack-linears"],
             "beyond positions": ["translate", str(folder / "hard"), "-i", str(good), "--max-source-tokens", "100000"],
+            "int8 packed": ["translate", str(folder / "hard"), "-i", str(good), "--int8", "--pack-linears"],
+            "int8 bf16": ["translate", str(folder / "hard"), "-i", str(good), "--int8", "--dtype", "bfloat16"],
             "bad beams": ["translate", str(folder / "hard"), "--num-beams", "0"],
             "bad top-p": ["translate", str(folder / "hard"), "--top-p", "-1"]}[case]
     out = tmp_path / "out.txt"
@@ -129,7 +131,8 @@ def test_translate_bad_input_is_one_line_error(saved, tmp_path, case, capsys):
     err = capsys.readouterr().err.strip().splitlines()[-1]  # (after transformers' loading bar)
     assert err.startswith("hf-hardattn translate: error:")
     expected = {"missing input": "--input=", "not a model": "MODEL=", "too long": "line 2",
-                "pack marian": "--pack-linears", "beyond positions": "max_position_embeddings="}[case]
+                "pack marian": "--pack-linears", "beyond positions": "max_position_embeddings=",
+                "int8 packed": "--int8 and --pack-linears exclude", "int8 bf16": "--int8 and --dtype bfloat16"}[case]
     assert expected in err
     assert not out.exists()  # nothing written
 

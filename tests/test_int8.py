@@ -179,3 +179,14 @@ def test_int8_is_inference_only_and_not_saved(tmp_path):
     with pytest.raises(ValueError, match=r"an int8 model \(quantize_int8\) is not saved"):
         model.save_pretrained(tmp_path)
     model.eval()  # eval stays allowed
+    model.to(torch.float32).float().cpu()  # so do moves that change nothing
+    for move in (lambda m: m.to(torch.bfloat16), lambda m: m.half(), lambda m: m.to(dtype=torch.float16)):
+        with pytest.raises(ValueError, match=r"take float32 inputs on the CPU, so it cannot move to torch.(b)?float16"):
+            move(model)
+
+
+def test_a_bfloat16_model_is_not_quantized():
+    model = SoftTransformerForConditionalGeneration(SoftTransformerConfig(**tiny_kwargs())).eval().to(torch.bfloat16)
+    with pytest.raises(ValueError, match=r"needs an fp32 model on the CPU .*torch.bfloat16 on cpu"):
+        model.quantize_int8()
+    assert not getattr(model, "is_int8", False)
