@@ -1,33 +1,33 @@
-"""What int8 and bf16 decoding cost in translation quality (issue #44): trained models decoded in fp32, after
-``model.quantize_int8()`` and after ``model.to(torch.bfloat16)``, on Multi30k test_2016_flickr the way the
-reproduction table decodes (beam 4, batches of 64 sorted by length, max_new_tokens = 1.5 x source + 10).
+"""What int8 and bf16 decoding cost in quality (issue #44): models trained by ``benchmarks/reproduce.py`` decoded in
+fp32, after ``model.quantize_int8()`` and after ``model.to(torch.bfloat16)``, scored exactly as the reproduction
+table scores them (its stored task and recipe: Multi30k BLEU of beam 4 on test_2016_flickr, or noun-inflection exact
+match; ``hf_hardattn.reproduce.evaluate``).
 
-Reads the models trained by ``benchmarks/reproduce.py`` (folders under ``--folder``/models) and its tokenizer; a
-``MarianMTModel`` folder given with ``--marian`` (e.g. the source row of ``benchmarks/pretrained_hard.py``) is decoded
-too, converted to a soft model (``hf_hardattn.convert``). Reports BLEU (sacrebleu), the share of sentences whose
-output is identical to fp32's, and the test set's sentences/s (one free-decoding timing each: a rough figure; the
-speed comparison is ``benchmarks/decode_speed.py``).
+Reads the rows' models (folders under ``--folder``/models), the folder's tokenizer and its
+``reproduce_TASK_PRESET.json``; a ``MarianMTModel`` folder given with ``--marian`` (e.g. the source row of
+``benchmarks/pretrained_hard.py``) is decoded too, converted to a soft model (``hf_hardattn.convert``). Reports the
+score, its change from fp32, the share of outputs identical to fp32's, and the test set's sentences/s (one
+free-decoding timing each: a rough figure; the speed comparison is ``benchmarks/decode_speed.py``).
 
     python benchmarks/quantized_quality.py soft hybrid_additive_kd_eq1 --folder outputs/reproduce/multi30k-cpu
-    python benchmarks/quantized_quality.py soft --precisions fp32 int8 --threads 1
+    python benchmarks/quantized_quality.py soft hc_sa --folder outputs/reproduce/nouns-cpu --precisions fp32 int8
 
 bf16 runs only on CPUs with native bf16 matrix products unless named (elsewhere it is ~100x slower).
 Writes benchmarks/results/quantized_quality.json, or ``--output``.
 """
 
 import argparse
+import glob
 import json
 import os
 import sys
-import time
 
-import sacrebleu
 import torch
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
 import hf_hardattn  # noqa: F401  (registers the model types)
-from hf_hardattn.data import multi30k
-from hf_hardattn.training import cpu_has_bf16_matmul, machine, translate
+from hf_hardattn.reproduce import Recipe, evaluate, load_task
+from hf_hardattn.training import cpu_has_bf16_matmul, machine
 from trained_models import check_trained_args
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -60,55 +60,50 @@ def main(argv=None):
                                          "(its tokenizer: the folder's, else --folder's)")
     parser.add_argument("--precisions", nargs="+", choices=PRECISIONS, default=None,
                         help="default: all (bf16 only on CPUs with native bf16 matrix products)")
-    parser.add_argument("--num-beams", type=int, default=4)
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--max-sentences", type=int, default=None, help="the first N test sentences (default all)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--output", default=os.path.join(RESULTS, "quantized_quality.json"))
     args = parser.parse_args(argv)
     if not args.models and not args.marian:
         parser.error("name at least one trained row or --marian")
-    if args.max_sentences is not None and args.max_sentences < 1:
-        parser.error(f"--max-sentences must be >= 1, got {args.max_sentences}")
     if args.marian and not os.path.isdir(args.marian):
         parser.error(f"--marian {args.marian!r} is not a folder")
-    check_trained_args(parser, args, ("num_beams", "batch_size", "threads"))
+    check_trained_args(parser, args, ("threads",))
+    stored = glob.glob(os.path.join(args.folder, "reproduce_*.json"))
+    if len(stored) != 1:
+        parser.error(f"--folder {args.folder!r} must hold one reproduce_TASK_PRESET.json, found {len(stored)}")
+    with open(stored[0]) as handle:
+        stored_table = json.load(handle)
+    task, recipe = stored_table["task"], Recipe(**stored_table["recipe"])
+    if args.marian and task != "multi30k":
+        parser.error(f"--marian needs a multi30k folder (its tokenizer and test set), got task {task!r}")
+    seeds = {row.get("seed", 0) for row in stored_table["rows"].values()} or {0}
+    test = load_task(task, recipe, None, min(seeds))[1]
     precisions = args.precisions or [p for p in PRECISIONS if p != "bf16" or cpu_has_bf16_matmul()]
-    test = multi30k("test_2016_flickr")
-    sources, references = list(test["source"]), list(test["target"])
-    if args.max_sentences:
-        sources, references = sources[: args.max_sentences], references[: args.max_sentences]
-    tokenizers = {}
-    if args.models:
-        tokenizers["rows"] = AutoTokenizer.from_pretrained(os.path.join(args.folder, "tokenizer"))
-    if args.marian:
-        has_own = os.path.exists(os.path.join(args.marian, "tokenizer_config.json"))
-        tokenizers["converted_marian"] = AutoTokenizer.from_pretrained(args.marian if has_own else
-                                                                       os.path.join(args.folder, "tokenizer"))
+    rows_tokenizer = AutoTokenizer.from_pretrained(os.path.join(args.folder, "tokenizer"))
     names = list(args.models) + (["converted_marian"] if args.marian else [])
     results = {}
     for name in names:
-        tokenizer = tokenizers.get(name, tokenizers.get("rows"))
+        tokenizer = rows_tokenizer
+        if name == "converted_marian" and os.path.exists(os.path.join(args.marian, "tokenizer_config.json")):
+            tokenizer = AutoTokenizer.from_pretrained(args.marian)
         results[name], outputs = {}, {}
         for precision in precisions:
             model = with_precision(load(args, name), precision)
-            start = time.perf_counter()
-            hypotheses = translate(model, tokenizer, sources, num_beams=args.num_beams, batch_size=args.batch_size)
-            seconds = time.perf_counter() - start
-            outputs[precision] = hypotheses
-            row = dict(bleu=round(sacrebleu.corpus_bleu(hypotheses, [references]).score, 2),
-                       sentences_per_s=round(len(sources) / seconds, 1))
+            scored = evaluate(task, model, tokenizer, test, recipe, return_hypotheses=True)
+            outputs[precision] = scored["hypotheses"]
+            row = dict(metric=scored["metric"], score=scored["score"], sentences_per_s=scored["sentences_per_s"])
             if precision != "fp32" and "fp32" in outputs:
-                row["identical_to_fp32"] = round(sum(a == b for a, b in zip(hypotheses, outputs["fp32"]))
-                                                 / len(sources), 3)
-                row["bleu_change"] = round(row["bleu"] - results[name]["fp32"]["bleu"], 2)
+                row["identical_to_fp32"] = round(sum(a == b for a, b in zip(outputs[precision], outputs["fp32"]))
+                                                 / len(outputs["fp32"]), 3)
+                row["score_change"] = round(row["score"] - results[name]["fp32"]["score"], 2)
             results[name][precision] = row
             print(name, precision, row, flush=True)
-    header = "| model | " + " | ".join(f"{p} BLEU" for p in precisions) + " | " + \
+    metric = "BLEU" if task == "multi30k" else "exact match %"
+    header = "| model | " + " | ".join(f"{p} {metric}" for p in precisions) + " | " + \
         " | ".join(f"{p} identical to fp32" for p in precisions if p != "fp32") + " |"
     lines = [header, "| --- |" + " ---: |" * (2 * len(precisions) - ("fp32" in precisions))]
     for name, rows in results.items():
-        cells = [f"{rows[p]['bleu']:.2f}" + (f" ({rows[p]['bleu_change']:+.2f})" if "bleu_change" in rows[p] else "")
+        cells = [f"{rows[p]['score']:.2f}" + (f" ({rows[p]['score_change']:+.2f})" if "score_change" in rows[p] else "")
                  for p in precisions]
         cells += [f"{100 * rows[p].get('identical_to_fp32', float('nan')):.1f}%" for p in precisions if p != "fp32"]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
@@ -117,8 +112,8 @@ def main(argv=None):
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     with open(args.output, "w") as handle:
         command = "python benchmarks/quantized_quality.py " + " ".join(sys.argv[1:] if argv is None else argv)
-        json.dump(dict(machine=machine(), command=command, folder=args.folder, threads=args.threads,
-                       num_beams=args.num_beams, sentences=len(sources), results=results, table=table), handle, indent=2)
+        json.dump(dict(machine=machine(), command=command, folder=args.folder, task=task, threads=args.threads,
+                       num_beams=recipe.num_beams, examples=len(test), results=results, table=table), handle, indent=2)
     return results
 
 
