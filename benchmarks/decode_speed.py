@@ -34,7 +34,9 @@ sh_x >= 1.3x soft. Issue #44: soft_int8 >= 1.0x ct2_int8 at every setting and >=
 
 Peak memory (``--memory``): each model is built and decodes once in a fresh process (batch 32, beam 4, the
 largest setting); reported: the process's peak resident memory above what it held after importing torch and
-transformers, and the weights' bytes (int8 layers: their packed weights).
+transformers (torch models: built in fp32, then quantised or cast, as a user loads them), and the weights' bytes
+(int8 layers: int8 weights and their scales; ``ct2_*``: the converted folder, converted with its compute type as
+quantization, another process).
 
     python benchmarks/decode_speed.py                     # full table -> benchmarks/results/decode_speed.json
     python benchmarks/decode_speed.py --models soft marian --batch-sizes 1 --modes greedy --repeats 3
@@ -199,7 +201,7 @@ def ctranslate2_available():
 class CT2Model:
     """The MarianMTModel converted with ctranslate2, decoding the same token ids (as vocabulary strings)."""
 
-    def __init__(self, marian, compute_type, threads, folder):
+    def __init__(self, marian, compute_type, threads, folder, quantization=None):
         import ctranslate2
         from tokenizers import Tokenizer, models
         from transformers import PreTrainedTokenizerFast
@@ -216,7 +218,8 @@ class CT2Model:
                                                 unk_token="<unk>")
             marian.save_pretrained(path)
             tokenizer.save_pretrained(path)
-            ctranslate2.converters.TransformersConverter(path).convert(os.path.join(folder, "ct2"), force=True)
+            ctranslate2.converters.TransformersConverter(path).convert(os.path.join(folder, "ct2"), force=True,
+                                                                       quantization=quantization)
         self.folder = os.path.join(folder, "ct2")
         self.translator = ctranslate2.Translator(os.path.join(folder, "ct2"), device="cpu", compute_type=compute_type,
                                                  intra_threads=threads, inter_threads=1)
@@ -277,13 +280,17 @@ def memory_worker(name, threads):
     import resource
 
     torch.set_num_threads(threads)
-    baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     with tempfile.TemporaryDirectory() as folder:
+        if name in CT2:  # converted (weights stored in the compute type) by another process: not in the peak here
+            import subprocess
+            import sys
+
+            subprocess.run([sys.executable, os.path.abspath(__file__), "--ct2-convert", folder, "--models", name],
+                           check=True, capture_output=True)
+        baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         torch.manual_seed(0)
         if name in CT2:
-            marian = build_marian().eval()
-            model = CT2Model(marian, name.split("_")[1], threads, folder)
-            del marian
+            model = CT2Model(None, name.split("_")[1], threads, folder)
         else:
             model = BUILDERS[name]().eval()
         run_once(model, *make_inputs(32), 4, 30)
@@ -307,7 +314,13 @@ def main(argv=None):
                         help="instead of speed: peak memory and weight size of each model, each in a fresh process")
     parser.add_argument("--ct2-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--memory-worker", help=argparse.SUPPRESS)
+    parser.add_argument("--ct2-convert", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.ct2_convert:
+        torch.manual_seed(0)
+        compute_type = args.models[0].split("_")[1]
+        CT2Model(build_marian().eval(), compute_type, 1, args.ct2_convert, quantization=compute_type)
+        return None
     if args.memory_worker:
         print("MEMRESULT" + json.dumps(memory_worker(args.memory_worker, args.threads)))
         return None
