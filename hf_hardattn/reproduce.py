@@ -30,7 +30,8 @@ KD rows name their stage-2 objective (``hf_hardattn.distill`` ``kd_scheme``): ``
 only, not the hybrid paper's Eq. 1 (``sequence_only``: trained from scratch on the soft row's beam-4 translations,
 no reference term, no MLE stage); ``hybrid_*_kd_eq1`` are Eq. 1 with the paper's two stages (``eq1_sequence``: MLE
 on the references for the first half of the row's budget, then reference NLL + lambda * NLL of the teacher's
-translation, lambda 1, for the second half; each stage runs the preset's schedule on its half). The beam-joint
+translation, lambda 1, for the second half; each stage runs the preset's schedule compressed onto its half, warm-up
+halved too). The beam-joint
 rows and ``rnn_luong_soft`` (their soft baseline on the same Luong-style LSTM decoder) train with label smoothing 0,
 the beam-joint paper's plain likelihood (since issue #42; the ``*_bahdanau`` rows keep the earlier recipe: the
 hybrid's GRU decoder, label smoothing 0.1). Finished rows are stored in ``reproduce_TASK_PRESET.json`` in the
@@ -396,9 +397,9 @@ def train_row(row: Row, ctx, model, train_tok) -> dict:
 
     recipe, args = ctx["recipe"], ctx["args"]
 
-    def budget(minutes, max_steps):
+    def budget(minutes, max_steps, warmup_steps=recipe.warmup_steps):
         return dict(max_steps=max_steps, minutes=minutes, batch_size=ctx["batch_size"],
-                    learning_rate=recipe.learning_rate, warmup_steps=recipe.warmup_steps,
+                    learning_rate=recipe.learning_rate, warmup_steps=warmup_steps,
                     lr_scheduler=recipe.lr_scheduler, bf16=recipe.bf16, seed=args.seed, logging_steps=50,
                     progress=not args.quiet)
 
@@ -410,7 +411,11 @@ def train_row(row: Row, ctx, model, train_tok) -> dict:
             first_steps = None if recipe.max_steps is None else max(1, recipe.max_steps // 2)
             second_steps = None if recipe.max_steps is None else max(1, recipe.max_steps - first_steps)
             half = None if recipe.minutes is None else recipe.minutes / 2
-            mle, kd = budget(half, first_steps), budget(half, second_steps)
+            # each stage runs the preset's schedule compressed onto its half, warm-up included (with the whole
+            # warm-up, 1000 steps of the cpu preset's 1500-step rows, a 750-step stage would end still warming up,
+            # its learning rate never decayed)
+            warmup = max(1, recipe.warmup_steps // 2)
+            mle, kd = budget(half, first_steps, warmup), budget(half, second_steps, warmup)
         else:
             mle, kd = None, budget(recipe.minutes, recipe.max_steps)
         first, second = train_two_stage(model, ctx["tokenizer"], kd_data(ctx), kd_scheme=row.kd_scheme, mle=mle,
@@ -419,7 +424,8 @@ def train_row(row: Row, ctx, model, train_tok) -> dict:
         stages = {"mle": first.state.global_step if first is not None else 0, "kd": second.state.global_step}
         losses = (_losses(first) if first is not None else []) + _losses(second)
         return dict(train_minutes=round((time.perf_counter() - start) / 60, 2), steps=sum(stages.values()),
-                    kd_scheme=row.kd_scheme, stages=stages, first_loss=losses[0] if losses else None,
+                    kd_scheme=row.kd_scheme, stages=stages, stage_warmup_steps=second.args.warmup_steps,
+                    first_loss=losses[0] if losses else None,
                     last_loss=losses[-1] if losses else None, teacher="soft")
     extra = {}
     if row.name == "marian":  # MarianMTModel's own loss has no label smoothing: the Trainer's LabelSmoother does it

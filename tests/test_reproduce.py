@@ -107,6 +107,7 @@ def test_kd_rows_are_labelled_by_their_scheme(run_dir):
     old, eq1 = rows["hybrid_dot_kd"], rows["hybrid_dot_kd_eq1"]
     assert old["kd_scheme"] == "sequence_only" and old["stages"] == {"mle": 0, "kd": 3} and old["teacher"] == "soft"
     assert eq1["kd_scheme"] == "eq1_sequence" and eq1["stages"] == {"mle": 1, "kd": 2} and eq1["steps"] == 3
+    assert eq1["stage_warmup_steps"] == 1 and old["stage_warmup_steps"] == 2  # tiny: 2 warm-up steps, halved per stage
     lines = {line.split(" | ")[0][2:]: line for line in (run_dir["out"] / "reproduce_multi30k_tiny.md").read_text()
              .splitlines() if line.startswith("| hybrid")}
     assert "sequence-level KD only, not Eq. 1" in lines["hybrid_dot_kd"]
