@@ -509,6 +509,11 @@ def check_finite_logits(logits: torch.Tensor, model) -> None:
             f"than fp16) and the inputs (`inputs_embeds`).")
 
 
+# a CPU decoding step with up to WRITTEN_OUT_QUERIES queries per row and at least WRITTEN_OUT_MIN_QUERIES in all
+# computes attention written out rather than by the fused kernel (faster there; see SoftAttention.attend)
+WRITTEN_OUT_QUERIES, WRITTEN_OUT_MIN_QUERIES = 8, 16
+
+
 class SoftAttention(nn.Module):
     """Multi-head scaled dot-product attention, softmax(QK^T / sqrt(d_k)) V (Vaswani et al., 2017, Eq. 1).
 
@@ -577,8 +582,14 @@ class SoftAttention(nn.Module):
         """Eq. 1 of Vaswani et al.: [B, H, Tq, head_dim], by torch's fused kernel (``attn_implementation="sdpa"``, the
         default) or written out (``"eager"``). Under CPU autocast (bf16 training on CPU) the fused kernel runs in fp32:
         the CPU flash kernel's bf16 backward is several times slower than its fp32 one (measured: 21 ms vs 4 ms per
-        call at d 256, 128 x 30 tokens), and attention is a small share of the GEMM work bf16 speeds up."""
-        if self.eager:
+        call at d 256, 128 x 30 tokens), and attention is a small share of the GEMM work bf16 speeds up. A batched
+        decoding step on CPU (no gradient, at most ``WRITTEN_OUT_QUERIES`` queries per row: one, or one per beam of a
+        grouped memory; at least ``WRITTEN_OUT_MIN_QUERIES`` in all) takes the written-out path too, where the fused
+        kernel costs more (AVX512 EPYC, 2 threads: 254 vs 200 us for [128, 8, 1, 15] keys, 413 vs 100 us for a grouped
+        memory's [32, 8, 4, 24]; but 9 vs 18 us for [1, 8, 1, 15])."""
+        queries = q.shape[-2]
+        if self.eager or (queries <= WRITTEN_OUT_QUERIES and q.shape[0] * queries >= WRITTEN_OUT_MIN_QUERIES
+                          and not self.training and not torch.is_grad_enabled() and q.device.type == "cpu"):
             return self.attend_with_weights(q, k, v, mask, causal)[0]
         fp32 = q.requires_grad and q.device.type == "cpu" and torch.is_autocast_enabled("cpu")  # (never when decoding)
         with torch.autocast("cpu", enabled=False) if fp32 else contextlib.nullcontext():

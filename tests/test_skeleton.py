@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 from transformers.modeling_outputs import BaseModelOutput
 
-from common import (GROUPED_MODES, check_grouped_memory, check_trainer, collate, copy_task, decode_step_by_step, fitted,
+from common import (GROUPED_MODES, check_grouped_memory, check_trainer, collate, contract_model, copy_task,
+                    decode_step_by_step, fitted,
                     randomize, source_batch, tiny_kwargs)
 from hf_hardattn import (BeamJointRNNConfig, BeamJointRNNForConditionalGeneration, BeamJointTransformerConfig,
                          BeamJointTransformerForConditionalGeneration, GaussianConfig,
@@ -386,3 +387,35 @@ def test_select_on_a_grouped_cache_selects_decoder_rows():
     rnn.batch_select_indices(torch.tensor([5, 1]))
     assert rnn.states["gru.0"].flatten().tolist() == [5, 1]
     assert rnn.cross_attention_cache.layers[0].keys.flatten().tolist() == [1, 0]
+
+
+def test_batched_decoding_steps_attend_written_out_equal_to_the_fused_kernel(monkeypatch):
+    """A cached step of 16+ rows (the CPU decoding case where the written-out attention is faster) takes the written-out
+    path, self- and cross-attention alike, and gives the logits of the full forward (fused kernel) to float rounding,
+    padding included; a step of fewer rows keeps the fused kernel."""
+    from hf_hardattn.modeling_hardattn import WRITTEN_OUT_MIN_QUERIES, SoftAttention
+
+    model = contract_model("soft").eval()
+    generator = torch.Generator().manual_seed(0)
+    rows = WRITTEN_OUT_MIN_QUERIES
+    ids = torch.randint(5, 30, (rows, 10), generator=generator)  # (10 > WRITTEN_OUT_QUERIES: the encoder fused)
+    ids[:, -1] = model.config.eos_token_id
+    ids[1::2, 6:] = model.config.pad_token_id  # every other source right-padded
+    ids[1::2, 5] = model.config.eos_token_id
+    mask = (ids != model.config.pad_token_id).long()
+    decoder_ids = torch.randint(5, 30, (rows, 10), generator=generator)  # more queries than WRITTEN_OUT_QUERIES
+    decoder_ids[:, 0] = model.config.decoder_start_token_id
+    calls = []
+    written_out = SoftAttention.attend_with_weights
+    monkeypatch.setattr(SoftAttention, "attend_with_weights",
+                        lambda self, *args: calls.append(args[0].shape[0]) or written_out(self, *args))
+    with torch.no_grad():
+        full = model(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder_ids).logits
+        assert calls == []  # 10 queries per row: the fused kernel
+        stepped = decode_step_by_step(model, decoder_ids, input_ids=ids, attention_mask=mask)[0]
+        assert calls and set(calls) == {rows}  # every cached step, every layer
+        calls.clear()
+        few = decode_step_by_step(model, decoder_ids[:2], input_ids=ids[:2], attention_mask=mask[:2])[0]
+    assert calls == []
+    torch.testing.assert_close(stepped, full, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(few, full[:2], rtol=1e-5, atol=1e-5)
