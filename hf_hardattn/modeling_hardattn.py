@@ -587,8 +587,9 @@ class SoftAttention(nn.Module):
         grouped memory; at least ``WRITTEN_OUT_MIN_QUERIES`` in all) takes the written-out path too, where the fused
         kernel costs more (AVX512 EPYC, 2 threads: 254 vs 200 us for [128, 8, 1, 15] keys, 413 vs 100 us for a grouped
         memory's [32, 8, 4, 24]; but 9 vs 18 us for [1, 8, 1, 15])."""
-        queries = q.shape[-2]
-        if self.eager or (queries <= WRITTEN_OUT_QUERIES and q.shape[0] * queries >= WRITTEN_OUT_MIN_QUERIES
+        queries, rows = q.shape[-2], q.shape[0]
+        concrete = type(queries) is int and type(rows) is int  # (traced with symbolic shapes: one path for every shape)
+        if self.eager or (concrete and queries <= WRITTEN_OUT_QUERIES and rows * queries >= WRITTEN_OUT_MIN_QUERIES
                           and not self.training and not torch.is_grad_enabled() and q.device.type == "cpu"):
             return self.attend_with_weights(q, k, v, mask, causal)[0]
         fp32 = q.requires_grad and q.device.type == "cpu" and torch.is_autocast_enabled("cpu")  # (never when decoding)
