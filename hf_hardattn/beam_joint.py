@@ -325,10 +325,11 @@ def check_joint_fields(config):
 
 
 class JointOutputMixin:
+    """Shared by both settings: the active K, the full-joint length guard, the mixture head and the loss."""
+
     # quantize_int8 keeps these fp32: the chunked mixture reads the vocabulary projection's weight, and the RNN
     # setting's candidates split the readout's weight (candidate_readouts)
     INT8_KEEP = ("lm_head", "decoder.readout_proj", ".score")
-    """Shared by both settings: the active K, the full-joint length guard, the mixture head and the loss."""
 
     def active_k(self) -> int:
         check_joint_fields(self.config)  # fields may have been edited after construction

@@ -1052,6 +1052,7 @@ class HardAttnPreTrainedModel(PreTrainedModel):
     # linear layers whose weight the model reads directly (not through the layer's call): kept in fp32 by
     # quantize_int8 (name suffixes; variants extend it)
     INT8_KEEP: tuple = ()
+    is_int8: bool = False  # set by quantize_int8
 
     def quantize_int8(self):
         """int8 inference on CPU (issue #44): every linear layer (the vocabulary projection and the hybrid's GRU/LSTM
@@ -1069,7 +1070,7 @@ class HardAttnPreTrainedModel(PreTrainedModel):
 
         if self.training:
             raise ValueError("quantize_int8() is for inference: call model.eval() first (int8 layers have no gradient).")
-        if getattr(self, "is_int8", False):
+        if self.is_int8:
             raise ValueError("quantize_int8(): the model is already int8; reload the fp32 checkpoint to start again.")
         kinds = {(p.dtype, p.device.type) for p in self.parameters()}
         if kinds != {(torch.float32, "cpu")}:
@@ -1097,7 +1098,7 @@ class HardAttnPreTrainedModel(PreTrainedModel):
     def _apply(self, fn, *args, **kwargs):
         """``to`` / ``half`` / ``bfloat16`` / ``cuda``: refused on an int8 model for any other dtype than float32 or a
         device other than the CPU (its int8 layers would fail deep inside the first call)."""
-        if getattr(self, "is_int8", False):
+        if self.is_int8:
             probe = fn(torch.zeros((), dtype=torch.float32))
             if probe.dtype != torch.float32 or probe.device.type != "cpu":
                 raise ValueError(f"this model was quantized with quantize_int8(): its int8 layers take float32 inputs on "
@@ -1106,7 +1107,7 @@ class HardAttnPreTrainedModel(PreTrainedModel):
         return super()._apply(fn, *args, **kwargs)
 
     def train(self, mode: bool = True):
-        if mode and getattr(self, "is_int8", False):
+        if mode and self.is_int8:
             raise ValueError("this model was quantized with quantize_int8() for inference; reload the fp32 checkpoint "
                              "to train it.")
         return super().train(mode)
@@ -1123,7 +1124,7 @@ class HardAttnPreTrainedModel(PreTrainedModel):
         one commit, as in transformers, but with this card: ``repo_id`` (default: the folder's name) and
         ``push_to_hub``'s arguments (``commit_message``, ``commit_description``, ``private``, ``token``,
         ``revision``, ``create_pr``, ``tags``)."""
-        if getattr(self, "is_int8", False):
+        if self.is_int8:
             raise ValueError("save_pretrained: an int8 model (quantize_int8) is not saved; save the fp32 model and call "
                              "quantize_int8() after loading it.")
         if tokenizer is not None and not hasattr(tokenizer, "save_pretrained"):
