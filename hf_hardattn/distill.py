@@ -330,6 +330,17 @@ def _fingerprint(sources) -> str:
     return digest.hexdigest()
 
 
+def _teacher_fingerprint(teacher) -> str:
+    """The teacher by its weights (type, then every tensor's name, dtype, shape and bytes), not by the folder it was
+    loaded from: a moved or copied output folder resumes, a retrained teacher in the same folder does not."""
+    digest = hashlib.sha256(teacher.config.model_type.encode("utf-8"))
+    for name, tensor in sorted(teacher.state_dict().items()):
+        tensor = tensor.detach().cpu().contiguous()
+        digest.update(f"\0{name}\0{tensor.dtype}\0{tuple(tensor.shape)}\0".encode("utf-8"))
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
 def translate_dataset(teacher, tokenizer, dataset, output_dir, source_column: str = "source",
                       target_column: str | None = "target", num_beams: int = 4, batch_size: int = 64,
                       shard_size: int = 1000, max_new_tokens: int | None = None, max_length: int = 128,
@@ -340,8 +351,9 @@ def translate_dataset(teacher, tokenizer, dataset, output_dir, source_column: st
     (``datasets.load_from_disk``).
 
     Resumable: rows are translated in shards of ``shard_size`` written atomically to ``output_dir/shards``; a rerun
-    with the same sources and settings skips finished shards. Rerunning with other sources/settings in the same
-    ``output_dir`` raises a ValueError (the shards would mix)."""
+    with the same sources, settings and teacher (by its weights, wherever it was loaded from) skips finished shards.
+    Rerunning with other sources, settings or teacher in the same ``output_dir`` raises a ValueError (the shards
+    would mix)."""
     import datasets
     from tqdm.auto import tqdm
 
@@ -358,7 +370,7 @@ def translate_dataset(teacher, tokenizer, dataset, output_dir, source_column: st
     os.makedirs(shard_dir, exist_ok=True)
     manifest = dict(rows=len(sources), sources_sha256=_fingerprint(sources), shard_size=shard_size,
                     num_beams=num_beams, max_new_tokens=max_new_tokens, max_length=max_length,
-                    teacher=str(getattr(teacher.config, "_name_or_path", "")) or teacher.config.model_type,
+                    teacher_sha256=_teacher_fingerprint(teacher),
                     generate_kwargs={k: repr(v) for k, v in sorted(generate_kwargs.items())})
     manifest_path = os.path.join(str(output_dir), MANIFEST)
     if os.path.exists(manifest_path):

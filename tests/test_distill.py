@@ -338,6 +338,19 @@ def test_sequence_level_kd_is_resumable(tmp_path, monkeypatch):
         translate_dataset(teacher, tokenizer, data, out, num_beams=2, shard_size=4, max_new_tokens=12,
                           progress=False)
 
+    # the teacher is known by its weights: the same teacher loaded from another folder resumes (nothing translated),
+    # one weight changed is another teacher
+    teacher.save_pretrained(tmp_path / "moved")
+    moved = type(teacher).from_pretrained(tmp_path / "moved")
+    calls.clear()
+    assert translate_dataset(moved, tokenizer, data, out, num_beams=3, batch_size=4, shard_size=4,
+                             max_new_tokens=12, progress=False)["target"] == expected and calls == []
+    with torch.no_grad():
+        next(moved.parameters())[0, 0] += 1e-3
+    with pytest.raises(ValueError, match="teacher_sha256"):
+        translate_dataset(moved, tokenizer, data, out, num_beams=3, batch_size=4, shard_size=4, max_new_tokens=12,
+                          progress=False)
+
 
 def test_cli_distill(tmp_path):
     import datasets
