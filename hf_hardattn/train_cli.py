@@ -277,19 +277,7 @@ def run_train(args) -> dict:
         write_model_card(model, folder)
         write_json_atomic(os.path.join(args.output_dir, "results.json"), results)
         print(json.dumps(results, indent=1), flush=True)
-    _end_process_group()
     return results
-
-
-def _end_process_group():
-    """Under torchrun / accelerate: every process waits until process 0 has scored and saved, then the process group
-    is destroyed before the interpreter exits (left to the exit, gloo's threads were seen to abort a process after the
-    run: "terminate called without an active exception", exit status -6)."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
 
 
 def add_arguments(parser: argparse.ArgumentParser):
