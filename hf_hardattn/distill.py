@@ -376,6 +376,12 @@ def translate_dataset(teacher, tokenizer, dataset, output_dir, source_column: st
     if os.path.exists(manifest_path):
         with open(manifest_path) as handle:
             previous = json.load(handle)
+        if "teacher" in previous and "teacher_sha256" not in previous:  # written before teachers were known by weights
+            loaded_from = str(getattr(teacher.config, "_name_or_path", "")) or teacher.config.model_type
+            if previous.pop("teacher") == loaded_from:  # the old rule (same folder) still holds: upgrade the manifest
+                previous["teacher_sha256"] = manifest["teacher_sha256"]
+                if previous == manifest:
+                    write_json_atomic(manifest_path, manifest)
         if previous != manifest:
             changed = sorted(k for k in manifest if previous.get(k) != manifest[k])
             raise ValueError(f"`output_dir`={str(output_dir)!r} holds a distillation run with other {changed}; use a "

@@ -4,6 +4,7 @@ word-level KL: reference NLL + lambda * per-token KL), the two-stage schedule (M
 (frozen teacher, KL = 0 for student == teacher, clear errors), and resumable sequence-level KD translation."""
 
 import copy
+import json
 import math
 
 import pytest
@@ -345,6 +346,19 @@ def test_sequence_level_kd_is_resumable(tmp_path, monkeypatch):
     calls.clear()
     assert translate_dataset(moved, tokenizer, data, out, num_beams=3, batch_size=4, shard_size=4,
                              max_new_tokens=12, progress=False)["target"] == expected and calls == []
+    # a manifest of the earlier format (the teacher by the folder it was loaded from) resumes for that folder's
+    # teacher, and its manifest is upgraded; for a teacher from another folder it is refused
+    manifest = out / "kd_manifest.json"
+    old = json.loads(manifest.read_text())
+    old["teacher"] = str(tmp_path / "moved")
+    del old["teacher_sha256"]
+    manifest.write_text(json.dumps(old))
+    with pytest.raises(ValueError, match="teacher_sha256"):
+        translate_dataset(teacher, tokenizer, data, out, num_beams=3, batch_size=4, shard_size=4, max_new_tokens=12,
+                          progress=False)
+    assert translate_dataset(moved, tokenizer, data, out, num_beams=3, batch_size=4, shard_size=4,
+                             max_new_tokens=12, progress=False)["target"] == expected and calls == []
+    assert "teacher" not in json.loads(manifest.read_text())
     with torch.no_grad():
         next(moved.parameters())[0, 0] += 1e-3
     with pytest.raises(ValueError, match="teacher_sha256"):
