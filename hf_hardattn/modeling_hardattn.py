@@ -1022,14 +1022,19 @@ class HardAttnPreTrainedModel(PreTrainedModel):
 
     @torch.no_grad()
     def _init_weights(self, module):
-        """Xavier-uniform linear layers, N(0, d^-1/2) token embeddings (scaled by sqrt(d) on use), unit norms,
-        and the sinusoidal table (a non-persistent buffer, rebuilt after loading on the meta device)."""
+        """``config.init_std`` None: Xavier-uniform linear layers, N(0, d^-1/2) token embeddings (scaled by sqrt(d) on
+        use); a number: both N(0, init_std) (Marian's, BART's). Zero biases, unit norms, and the sinusoidal table (a
+        non-persistent buffer, rebuilt after loading on the meta device)."""
+        std = self.config.init_std
         if isinstance(module, nn.Linear):
-            init.xavier_uniform_(module.weight)
+            if std is None:
+                init.xavier_uniform_(module.weight)
+            else:
+                init.normal_(module.weight, mean=0.0, std=std)
             if module.bias is not None:
                 init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
-            init.normal_(module.weight, mean=0.0, std=self.config.d_model**-0.5)
+            init.normal_(module.weight, mean=0.0, std=self.config.d_model**-0.5 if std is None else std)
             if module.padding_idx is not None and not getattr(module.weight, "_is_hf_initialized", False):
                 init.zeros_(module.weight[module.padding_idx])
         elif isinstance(module, nn.LayerNorm):

@@ -7,9 +7,8 @@ import torch
 import torch.nn.functional as F
 from transformers.modeling_outputs import BaseModelOutput
 
-from common import (GROUPED_MODES, check_grouped_memory, check_trainer, collate, contract_model, copy_task,
-                    decode_step_by_step, fitted,
-                    randomize, source_batch, tiny_kwargs)
+from common import (CONTRACT_MODELS, GROUPED_MODES, check_grouped_memory, check_trainer, collate, contract_model,
+                    copy_task, decode_step_by_step, fitted, randomize, source_batch, tiny_kwargs)
 from hf_hardattn import (BeamJointRNNConfig, BeamJointRNNForConditionalGeneration, BeamJointTransformerConfig,
                          BeamJointTransformerForConditionalGeneration, GaussianConfig,
                          GaussianForConditionalGeneration, HardAttnCache, HardRetrievalConfig,
@@ -419,3 +418,38 @@ def test_batched_decoding_steps_attend_written_out_equal_to_the_fused_kernel(mon
     assert calls == []
     torch.testing.assert_close(stepped, full, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(few, full[:2], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", CONTRACT_MODELS)
+@pytest.mark.parametrize("init_std", [None, 0.05])
+def test_init_std_sets_every_linear_and_embedding(name, init_std):
+    """``init_std`` None: Xavier-uniform linears (|w| <= sqrt(6 / (fan_in + fan_out)), std = that bound / sqrt(3))
+    and N(0, d^-1/2) embeddings; a number: both N(0, init_std), as Marian / BART. Zero biases and padding rows; the RNN
+    decoders' orthogonal recurrent blocks keep their own init."""
+    from hf_hardattn.hybrid import RNNHiddenProjection
+
+    config = contract_model(name, fit=False).config
+    config.init_std = init_std
+    torch.manual_seed(0)
+    model = type(contract_model(name, fit=False))(config)
+    embedding = model.get_input_embeddings()
+    expected = config.d_model**-0.5 if init_std is None else init_std
+    assert abs(embedding.weight.std().item() / expected - 1) < 0.1, (embedding.weight.std(), expected)
+    assert not embedding.weight[config.pad_token_id].any()
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and not isinstance(m, RNNHiddenProjection)
+               and m.weight.data_ptr() != embedding.weight.data_ptr()]
+    assert linears
+    for layer in linears:
+        fan_out, fan_in = layer.weight.shape
+        bound = (6 / (fan_in + fan_out)) ** 0.5
+        std = bound / 3**0.5 if init_std is None else init_std
+        assert abs(layer.weight.std().item() / std - 1) < 0.2, (layer, layer.weight.std(), std)
+        if init_std is None:
+            assert layer.weight.abs().max() <= bound
+        assert layer.bias is None or not layer.bias.any()
+
+
+@pytest.mark.parametrize("value", [0, -0.02, float("nan"), float("inf"), True, "0.02"])
+def test_init_std_refuses_what_is_not_a_positive_number(value):
+    with pytest.raises(ValueError, match=r"`init_std` must be None .* or a positive finite number"):
+        SoftTransformerConfig(**tiny_kwargs(init_std=value))
