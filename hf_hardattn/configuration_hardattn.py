@@ -45,6 +45,10 @@ POSITION_EMBEDDINGS = ("sinusoidal", "learned")
 SINUSOIDAL_LAYOUTS = ("interleaved", "marian", "fairseq")
 
 
+def _positive_finite(value) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and value > 0 and math.isfinite(value)
+
+
 def _check_range(name, value, low, high, high_inclusive=False):
     ok = low <= value <= high if high_inclusive else low <= value < high
     if not ok:
@@ -201,14 +205,12 @@ class HardAttnConfig(PreTrainedConfig):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
-        eps = self.layer_norm_eps
-        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (eps > 0 and math.isfinite(eps)):
-            raise ValueError(f"`layer_norm_eps` must be a positive finite number (default 1e-5), got {eps!r}.")
-        std = self.init_std
-        if std is not None and (isinstance(std, bool) or not isinstance(std, (int, float))
-                                or not (std > 0 and math.isfinite(std))):
+        if not _positive_finite(self.layer_norm_eps):
+            raise ValueError(f"`layer_norm_eps` must be a positive finite number (default 1e-5), got "
+                             f"{self.layer_norm_eps!r}.")
+        if self.init_std is not None and not _positive_finite(self.init_std):
             raise ValueError(f"`init_std` must be None (Xavier linears, N(0, d_model^-1/2) embeddings) or a positive "
-                             f"finite number (every linear and embedding N(0, init_std)), got {std!r}.")
+                             f"finite number (every linear and embedding N(0, init_std)), got {self.init_std!r}.")
         for name in ("pad_token_id", "bos_token_id", "decoder_start_token_id"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)

@@ -428,10 +428,11 @@ def test_init_std_sets_every_linear_and_embedding(name, init_std):
     decoders' orthogonal recurrent blocks keep their own init."""
     from hf_hardattn.hybrid import RNNHiddenProjection
 
-    config = contract_model(name, fit=False).config
+    reference = contract_model(name, fit=False)
+    config = reference.config
     config.init_std = init_std
     torch.manual_seed(0)
-    model = type(contract_model(name, fit=False))(config)
+    model = type(reference)(config)
     embedding = model.get_input_embeddings()
     expected = config.d_model**-0.5 if init_std is None else init_std
     assert abs(embedding.weight.std().item() / expected - 1) < 0.1, (embedding.weight.std(), expected)
