@@ -1062,7 +1062,7 @@ class HardAttnPreTrainedModel(PreTrainedModel):
     def quantize_int8(self):
         """int8 inference on CPU (issue #44): every linear layer (the vocabulary projection and the hybrid's GRU/LSTM
         gate projections included) becomes torch's dynamic int8 linear (``torch.ao.quantization.quantize_dynamic``,
-        fbgemm): int8 weights with one scale per output channel (symmetric, w ~ s_j * round(w / s_j), s_j =
+        packed for fbgemm on every x86 CPU, whatever ``torch.backends.quantized.engine`` says): int8 weights with one scale per output channel (symmetric, w ~ s_j * round(w / s_j), s_j =
         max|w_j| / 127.5), activations quantised at every call to 7-bit unsigned integers with one scale and zero
         point for the whole input tensor (its min and max), int32 accumulation, fp32 output. Because the activation
         scale is shared by the rows of a call, an int8 output depends slightly on the other sentences of the batch
@@ -1096,7 +1096,14 @@ class HardAttnPreTrainedModel(PreTrainedModel):
             warnings.simplefilter("ignore")  # torch.ao.quantization's deprecation notice (still shipped in 2.13)
             from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
 
-            quantize_dynamic(self, dict.fromkeys(names, per_channel_dynamic_qconfig), dtype=torch.qint8, inplace=True)
+            engine = torch.backends.quantized.engine  # the packed weights keep the engine they were packed with:
+            if "fbgemm" in torch.backends.quantized.supported_engines:  # fbgemm on every x86 CPU, not "x86"'s
+                torch.backends.quantized.engine = "fbgemm"  # per-CPU choice (oneDNN, other rounding, on VNNI CPUs)
+            try:
+                quantize_dynamic(self, dict.fromkeys(names, per_channel_dynamic_qconfig), dtype=torch.qint8,
+                                 inplace=True)
+            finally:
+                torch.backends.quantized.engine = engine
         self.is_int8 = True
         return self
 
