@@ -348,12 +348,16 @@ def source_limit(model) -> int | None:
 def run_translate(args):
     import torch
 
+    from .packed_linear import packing_available
     from .training import translate
 
     if args.int8 and (args.pack_linears or args.dtype != "float32"):
         other = "--pack-linears" if args.pack_linears else f"--dtype {args.dtype}"
         raise CommandError(f"--int8 and {other} exclude each other: int8 layers replace the packed fp32 ones and run "
                            f"on float32 inputs; choose one.")
+    if args.pack_linears and not packing_available():
+        raise CommandError("--pack-linears needs oneDNN's prepacked linear layers, which this torch build lacks; "
+                           "translate without it (or with --int8).")
     torch.set_num_threads(args.threads)
     lines = read_lines(args.input, "--input")
     model, tokenizer = load_for_translation(args.model, args.tokenizer)

@@ -53,6 +53,16 @@ def source_batch():
     return ids, (ids != PAD).long()
 
 
+def decoding_batch(extra=6, seed=2):
+    """`source_batch()` and ``extra`` sentences of the reversal task (`copy_task`), right-padded: 8 sentences by default,
+    so that an fp32 comparison finds enough decisions clear of rounding (`assert_same_tokens_where_margins_allow`)."""
+    ids, _ = source_batch()
+    rows = [row[row != PAD].tolist() for row in ids] + [r["input_ids"] for r in copy_task(extra, seed=seed)]
+    width = max(map(len, rows))
+    ids = torch.tensor([row + [PAD] * (width - len(row)) for row in rows])
+    return ids, (ids != PAD).long()
+
+
 def generate_kwargs(mode):
     forced = dict(max_new_tokens=10, min_new_tokens=10)
     if mode == "greedy":
@@ -85,11 +95,131 @@ def assert_nontrivial(tokens):
     assert is_nontrivial(tokens), f"degenerate output, the check could not fail: {tokens.tolist()}"
 
 
+def as_float64(model):
+    """A float64 copy of ``model`` (the caller's model is left as it is). Two code paths that compute the same function
+    in float64 differ by about 1e-15 of the values, so an exact-token comparison between them cannot be flipped by
+    rounding (an fp32 argmax or sampling draw can: a last-bit difference decides a near tie)."""
+    return copy.deepcopy(model).double().eval()
+
+
+def assert_step_scores_close(got, expected, what=""):
+    """generate()'s step scores of two code paths of a float64 model: generate() casts the logits to fp32, so values
+    ~1e-15 apart may round to neighbouring fp32 numbers (and log_softmax adds a few fp32 roundings): equal within 8 fp32
+    ulps of the step's largest |score|, -inf at the same places."""
+    finite = torch.isfinite(expected)
+    assert torch.equal(torch.isfinite(got), finite) and torch.equal(got[~finite], expected[~finite]), what
+    scale = float(expected[finite].abs().max()) if finite.any() else 0.0
+    gap = float((got - expected)[finite].abs().max()) if finite.any() else 0.0
+    assert gap <= 8 * torch.finfo(torch.float32).eps * max(scale, 1.0), f"{what}: scores differ by {gap:.3g}"
+
+
 def check_cache_equivalence(model):
+    """Cached and uncached decoding give the same tokens (greedy, beam, sampling), in float64 (see `as_float64`)."""
+    model = as_float64(model)
     for mode in ("greedy", "beam", "sample"):
         cached, uncached = run_generate(model, mode, True), run_generate(model, mode, False)
         assert_nontrivial(cached)
         assert torch.equal(cached, uncached), f"{mode}: cache {cached.tolist()} != no cache {uncached.tolist()}"
+
+
+# -- exact tokens between two fp32 code paths (what float64 cannot cover: packed linears, another process) ----------
+FP32_PATHS_RTOL = 1e-5
+"""Bound on how far the logits of two fp32 code paths that compute the same function (another GEMM kernel, another
+thread count, another process) may part, relative to the step's largest |logit|. An fp32 dot product of length K errs
+by at most K * 2**-24 * sum|a||b|; for the output layer (K = 32, sum|h||w| <= 1.6 max|logit| in these models) and two
+paths that is 6e-6, rounded up to 1e-5. The layers before add errors of the same relative size, which (as rounding
+errors do) mostly cancel: the paths part by ~3e-7 here (packed vs plain linears, 1 vs 2 threads, AVX2). The bound is
+checked on every compared step (`assert_same_tokens_where_margins_allow`), so rounding beyond it fails loudly."""
+
+
+class StepRecorder:
+    """A logits processor (last in the list) that keeps, for every decoding step, the running sequences it was given
+    and the scores generate() decides on (greedy: the processed logits; beam search: processed log-probabilities)."""
+
+    def __init__(self):
+        self.ids, self.scores = [], []
+
+    def __call__(self, input_ids, scores):
+        self.ids.append(input_ids.clone())
+        self.scores.append(scores.detach().clone())
+        return scores
+
+
+def recorded_generate(model, **kwargs):
+    """generate() and what it decided on: {"sequences", "ids", "scores", "logits"} (per step: the running sequences,
+    the scores of `StepRecorder`, the raw logits)."""
+    from transformers import LogitsProcessorList
+
+    recorder = StepRecorder()
+    with torch.no_grad():
+        out = model.generate(**kwargs, logits_processor=LogitsProcessorList([recorder]), output_logits=True,
+                             return_dict_in_generate=True)
+    return {"sequences": out.sequences, "ids": recorder.ids, "scores": recorder.scores,
+            "logits": [step.detach().float() for step in out.logits]}
+
+
+def record_from_json(record):
+    """A `recorded_generate` record sent as JSON lists (``-Infinity`` included) back to tensors."""
+    return {"sequences": torch.tensor(record["sequences"]),
+            **{key: [torch.tensor(x) for x in record[key]] for key in ("ids", "scores", "logits")}}
+
+
+def clear_steps(reference, num_beams=1, rtol=FP32_PATHS_RTOL):
+    """Per sentence, the number of leading decoding steps whose decision no rounding within the bound can change; and
+    per step, the bound on each score's change. A step's logits of two fp32 paths differ by at most d_t = rtol *
+    max|logits_t|. Greedy decides on logits: the argmax holds while top-1 minus top-2 > 2 d_t. Beam search ranks
+    accumulated log-probabilities (a step's log-probability moves by at most 2 d_t: log_softmax adds a shift within
+    d_t); the beams kept and their order hold while each gap between consecutive ones among the best num_beams + 1
+    candidates exceeds twice the bound of what the two do not share, sum 2 d_s over the steps s from the one where
+    their paths part to this one. That assumes forced length (min_new_tokens == max_new_tokens): no beam ends early,
+    so generate() continues (and at the last step finishes) exactly its best num_beams candidates."""
+    scores = reference["scores"]
+    steps, rows, vocab = len(scores), scores[0].shape[0], scores[0].shape[1]
+    sentences = rows // num_beams
+    bounds = [(1 if num_beams == 1 else 2) * rtol * float(step[torch.isfinite(step)].abs().max())
+              for step in reference["logits"]]
+    clear, cumulative = [steps] * sentences, {}
+    for t, step in enumerate(scores):
+        ids, step = reference["ids"][t].tolist(), step.double()
+        if num_beams > 1:  # + each running beam's accumulated log-probability (first step: beam 0 alone, as generate())
+            step = step + torch.tensor([(0.0 if r % num_beams == 0 else -1e9) if t == 0 else
+                                        cumulative[r // num_beams, tuple(ids[r])] for r in range(rows)],
+                                       dtype=torch.float64)[:, None]
+        top, index = step.view(sentences, -1).topk(num_beams + 1, -1)
+        for b in range(sentences):
+            paths = [tuple(ids[b * num_beams + i // vocab]) + (i % vocab,) for i in index[b].tolist()]
+            for i in range(num_beams):
+                parted = next((p - 1 for p in range(1, t + 2) if paths[i][p] != paths[i + 1][p]), t)  # a step
+                if clear[b] == steps and not top[b, i] - top[b, i + 1] > 2 * sum(bounds[parted : t + 1]):
+                    clear[b] = t
+            for value, path in zip(top[b, :num_beams].tolist(), paths):
+                cumulative[b, path] = value
+    return clear, bounds
+
+
+def assert_same_tokens_where_margins_allow(reference, other, num_beams=1, min_steps=10, rtol=FP32_PATHS_RTOL):
+    """Two fp32 code paths decode alike: `recorded_generate` records of the same model and inputs. For each sentence,
+    up to its first step whose decision a rounding within the bound could change (`clear_steps`): the same running
+    sequences and step scores within the bound (which checks the bound itself); where every step was clear, the same
+    returned sequences. At least ``min_steps`` decisions (steps x sentences) must have been compared, or the check
+    could pass on near ties alone."""
+    clear, bounds = clear_steps(reference, num_beams, rtol)
+    returned = reference["sequences"].shape[0] // len(clear)
+    assert other["sequences"].shape == reference["sequences"].shape and len(other["scores"]) == len(bounds)
+    for b, n in enumerate(clear):
+        rows = slice(b * num_beams, (b + 1) * num_beams)
+        for t in range(min(n + 1, len(bounds))):  # the steps whose input both paths share
+            ref_ids, got_ids = reference["ids"][t][rows], other["ids"][t][rows]
+            assert torch.equal(got_ids, ref_ids), f"sentence {b}, step {t}: {got_ids.tolist()} != {ref_ids.tolist()}"
+            ref, got = reference["scores"][t][rows], other["scores"][t][rows]
+            assert torch.equal(torch.isfinite(ref), torch.isfinite(got))
+            gap = float((ref - got)[torch.isfinite(ref)].abs().max())
+            assert gap <= bounds[t], f"sentence {b}, step {t}: scores differ by {gap:.3g} > the bound {bounds[t]:.3g}"
+        if n == len(bounds):
+            ref, got = (r["sequences"][b * returned : (b + 1) * returned] for r in (reference, other))
+            assert torch.equal(got, ref), f"sentence {b}: {got.tolist()} != {ref.tolist()}"
+    assert sum(clear) >= min_steps, f"only {sum(clear)} decisions clear of rounding (per sentence: {clear}); " \
+                                    f"the comparison needs {min_steps}"
 
 
 GROUPED_MODES = {  # generate() settings that repeat each sentence: beams, returned sequences, both
@@ -102,11 +232,12 @@ GROUPED_MODES = {  # generate() settings that repeat each sentence: beams, retur
 def check_grouped_memory(model, mode):
     """generate() leaves the encoder output at one row per sentence (grouped memory: source keys/values projected and
     cached once per sentence); the reference is the same model on transformers' expansion to one row per beam.
-    Tokens equal, step scores within 1e-4, and the cached source keys have one row per sentence (per beam on the
-    reference path)."""
+    Tokens equal, step scores as `assert_step_scores_close`, and the cached source keys have one row per sentence (per
+    beam on the reference path). Both in float64 (see `as_float64`)."""
     from hf_hardattn.modeling_hardattn import CACHE_FIELD
 
     assert model._memory_grouped_decoding()
+    model = as_float64(model)
     expanded = copy.deepcopy(model)
     expanded._memory_grouped_decoding = lambda: False
     ids, mask = source_batch()
@@ -118,8 +249,8 @@ def check_grouped_memory(model, mode):
     grouped, reference = results["grouped"], results["expanded"]
     assert_nontrivial(grouped.sequences)
     assert torch.equal(grouped.sequences, reference.sequences)
-    for a, b in zip(grouped.scores, reference.scores):
-        assert torch.allclose(a, b, atol=1e-4)
+    for t, (a, b) in enumerate(zip(grouped.scores, reference.scores, strict=True)):
+        assert_step_scores_close(a, b, f"step {t}")
     expand = max(GROUPED_MODES[mode].get("num_beams", 1), GROUPED_MODES[mode]["num_return_sequences"])
     rows = {key: {layer.keys.shape[0] for layer in getattr(out, CACHE_FIELD).cross_attention_cache.layers
                   if layer.is_initialized} for key, out in results.items()}
@@ -127,18 +258,29 @@ def check_grouped_memory(model, mode):
 
 
 def check_padded_batch(model, modes=("greedy", "beam")):
+    """Each sentence of the right-padded batch decodes alone as in the batch: the same tokens and step scores (as
+    `assert_step_scores_close`), in float64 (see `as_float64`)."""
+    model = as_float64(model)
     ids, mask = source_batch()
     for mode in modes:
-        batched = run_generate(model, mode, True, ids, mask)
-        per_row = batched.shape[0] // ids.shape[0]
+        kwargs = dict(use_cache=True, output_scores=True, return_dict_in_generate=True, **generate_kwargs(mode))
+        batched = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
+        assert_nontrivial(batched.sequences)
+        per_row, beams = batched.sequences.shape[0] // ids.shape[0], kwargs.get("num_beams", 1)
         for i in range(ids.shape[0]):
             length = int(mask[i].sum())
-            single = run_generate(model, mode, True, ids[i : i + 1, :length], mask[i : i + 1, :length])
-            expected = batched[i * per_row : (i + 1) * per_row, : single.shape[1]]
-            assert torch.equal(single, expected), f"{mode}: row {i} alone {single.tolist()} != in batch {expected.tolist()}"
+            single = model.generate(input_ids=ids[i : i + 1, :length], attention_mask=mask[i : i + 1, :length], **kwargs)
+            expected = batched.sequences[i * per_row : (i + 1) * per_row, : single.sequences.shape[1]]
+            assert torch.equal(single.sequences, expected), \
+                f"{mode}: row {i} alone {single.sequences.tolist()} != in batch {expected.tolist()}"
+            for t, (alone, both) in enumerate(zip(single.scores, batched.scores, strict=True)):
+                assert_step_scores_close(alone, both[i * beams : (i + 1) * beams], f"{mode}: row {i}, step {t}")
 
 
 def check_save_load(model, tmp_path):
+    """save_pretrained writes safetensors and a model card; AutoModelForSeq2SeqLM loads the same class with
+    bit-identical weights, which then decodes exactly as the original (greedy, beam): fp32 on purpose, as the model
+    is used, and exact because the same process runs the same kernels on the same inputs and weights."""
     from transformers import AutoModelForSeq2SeqLM
 
     model.save_pretrained(tmp_path)
@@ -148,14 +290,20 @@ def check_save_load(model, tmp_path):
     assert f"`transformers>={MIN_TRANSFORMERS}`" in card
     reloaded = AutoModelForSeq2SeqLM.from_pretrained(tmp_path).eval()
     assert type(reloaded) is type(model)
+    original, loaded = model.state_dict(), reloaded.state_dict()
+    assert original.keys() == loaded.keys()
+    for key, value in original.items():
+        assert value.dtype == loaded[key].dtype and torch.equal(value, loaded[key]), key
     for mode in ("greedy", "beam"):
-        assert torch.equal(run_generate(model, mode, True), run_generate(reloaded, mode, True))
+        expected = run_generate(model, mode, True)
+        assert_nontrivial(expected)
+        assert torch.equal(run_generate(reloaded, mode, True), expected), mode
     return reloaded
 
 
 REMOTE_SCRIPT = textwrap.dedent(
     """
-    import json, sys, os
+    import copy, importlib, json, sys, os
     os.environ["HF_HUB_OFFLINE"] = "1"
     # hf_hardattn must NOT be importable: drop every path that could provide it
     sys.path = [p for p in sys.path if p and os.path.abspath(p) != os.path.abspath(sys.argv[2])]
@@ -169,30 +317,51 @@ REMOTE_SCRIPT = textwrap.dedent(
     except ImportError:
         pass
     import torch
-    from transformers import AutoModelForSeq2SeqLM
+    from transformers import AutoModelForSeq2SeqLM, LogitsProcessorList
     model = AutoModelForSeq2SeqLM.from_pretrained(sys.argv[1], trust_remote_code=True).eval()
     ids = torch.tensor(json.loads(sys.argv[3]))
-    mask = (ids != 0).long()
-    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, min_new_tokens=10, do_sample=False)
-    beam = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, min_new_tokens=10, num_beams=4)
-    model.pack_linears()  # the CPU decoding option travels with the remote code
-    packed = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, min_new_tokens=10, num_beams=4)
-    print("RESULT" + json.dumps({"greedy": out.tolist(), "beam": beam.tolist(), "packed_beam": packed.tolist(),
-                                 "class": type(model).__module__}))
+    kwargs = dict(input_ids=ids, attention_mask=(ids != 0).long(), max_new_tokens=10, min_new_tokens=10)
+    STEP_RECORDER
+
+    def recorded(m, **more):  # common.recorded_generate, as JSON lists
+        recorder = StepRecorder()
+        with torch.no_grad():
+            out = m.generate(**kwargs, **more, logits_processor=LogitsProcessorList([recorder]), output_logits=True,
+                             return_dict_in_generate=True)
+        return {"sequences": out.sequences.tolist(), "ids": [x.tolist() for x in recorder.ids],
+                "scores": [x.tolist() for x in recorder.scores], "logits": [x.float().tolist() for x in out.logits]}
+
+    model64 = copy.deepcopy(model).double()
+    result = {"class": type(model).__module__, "greedy64": model64.generate(**kwargs, do_sample=False).tolist(),
+              "beam64": model64.generate(**kwargs, num_beams=4).tolist(), "beam": recorded(model, num_beams=4)}
+    # the CPU decoding option travels with the remote code; it needs oneDNN's prepacked linear in this torch build
+    packing = importlib.import_module(type(model).__module__.rsplit(".", 1)[0] + ".packed_linear")
+    result["packing_available"] = packing.packing_available()
+    if result["packing_available"]:
+        result["packed_beam"] = recorded(model.pack_linears(), num_beams=4)
+    print("RESULT" + json.dumps(result))
     """
 )
 
 
 def check_remote_code(model, tmp_path):
-    """Save, then load in a fresh process where hf_hardattn is not importable, offline, with trust_remote_code."""
+    """Save, then load in a fresh process where hf_hardattn is not importable, offline, with trust_remote_code. There
+    and here the float64 model gives the same greedy and beam tokens (see `as_float64`). The fp32 model's beam search,
+    and (where this torch build has oneDNN's prepacked linear, as `pack_linears` needs) the packed one's, decode as
+    here: the fresh process may pick other threads and kernels, so exact tokens only where margins allow (of the 80
+    decisions of `decoding_batch()`, at least 20 clear)."""
+    import inspect
+
+    from hf_hardattn.packed_linear import packing_available
+
     model.save_pretrained(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     assert "auto_map" in config and "AutoModelForSeq2SeqLM" in config["auto_map"]
-    ids, mask = source_batch()
+    ids, mask = decoding_batch()
     repo_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH="", HF_MODULES_CACHE=str(tmp_path / "modules_cache"))
     script = tmp_path / "remote_load.py"
-    script.write_text(REMOTE_SCRIPT)
+    script.write_text(REMOTE_SCRIPT.replace("STEP_RECORDER", inspect.getsource(StepRecorder)))
     # run from an empty folder; the script removes the project path and the editable-install finder
     workdir = tmp_path / "fresh"
     workdir.mkdir()
@@ -203,10 +372,18 @@ def check_remote_code(model, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-2000:]
     result = json.loads(proc.stdout.split("RESULT", 1)[1])
     assert result["class"].startswith("transformers_modules"), result["class"]
-    greedy = run_generate(model, "greedy", True)
-    assert result["greedy"] == greedy.tolist()
-    beam = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, min_new_tokens=10, num_beams=4)
-    assert result["beam"] == beam.tolist() == result["packed_beam"]
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=10, min_new_tokens=10)
+    model64 = as_float64(model)
+    greedy = run_generate(model64, "greedy", True, ids, mask)
+    assert_nontrivial(greedy)
+    assert result["greedy64"] == greedy.tolist()
+    assert result["beam64"] == model64.generate(**kwargs, num_beams=4).tolist()
+    beam = record_from_json(result["beam"])
+    here = recorded_generate(model, **kwargs, num_beams=4)
+    assert_same_tokens_where_margins_allow(here, beam, num_beams=4, min_steps=20)
+    assert result["packing_available"] == packing_available()
+    if packing_available():
+        assert_same_tokens_where_margins_allow(beam, record_from_json(result["packed_beam"]), num_beams=4, min_steps=20)
 
 
 def copy_rows(seed=0, length=(3, 8)):

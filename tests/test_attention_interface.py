@@ -10,6 +10,8 @@ and BartForConditionalGeneration, against independent references:
 * generate(): the KV cache against no cache, and a padded batch against each sentence alone.
 """
 
+import copy
+
 import pytest
 import torch
 from transformers import (AttentionInterface, BartConfig, BartForConditionalGeneration, MarianConfig,
@@ -324,20 +326,45 @@ def test_training_with_a_fully_masked_query_row_stays_finite():
 # --- generate() ---------------------------------------------------------------------------------------------------
 
 
-GENERATE_SEED = {"marian": 1, "bart": 3}  # random weights whose greedy output is not one repeated token
-
-
 def _generate(model, ids, mask, mode, use_cache, **kwargs):
     extra = dict(num_beams=4, num_return_sequences=2) if mode == "beam" else {}
     return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, min_new_tokens=8, do_sample=False,
                           use_cache=use_cache, return_dict_in_generate=True, output_scores=True, **extra, **kwargs)
 
 
+_GENERATE_MODELS = {}
+GENERATE_SEEDS = range(20)
+
+
+def generate_model(name):
+    """The tiny float64 model (hard_retrieval set) of the first seed whose decoding of batch() could show a bug: in
+    greedy and in beam search, at least 4 distinct tokens, and other tokens than sdpa gives. Searched here, on this
+    CPU's random weights (torch's normal sampling rounds differently per CPU kind), not assumed of a fixed seed.
+    Built once: do not modify it."""
+    if name not in _GENERATE_MODELS:
+        inputs = batch()
+        ids, mask = inputs["input_ids"], inputs["attention_mask"]
+        tried = {}
+        for seed in GENERATE_SEEDS:
+            model = tiny(name, seed=seed)
+            stock = {mode: _generate(model, ids, mask, mode, True).sequences for mode in ("greedy", "beam")}
+            model.set_attn_implementation("hard_retrieval")
+            hard = {mode: _generate(model, ids, mask, mode, True).sequences for mode in ("greedy", "beam")}
+            tried[seed] = {mode: len(hard[mode].unique()) for mode in hard}
+            if all(len(hard[m].unique()) >= 4 and not torch.equal(hard[m], stock[m]) for m in hard):
+                _GENERATE_MODELS[name] = model
+                break
+        assert name in _GENERATE_MODELS, (f"no seed in {GENERATE_SEEDS} gives {name} weights whose hard-retrieval "
+                                          f"decoding has >= 4 distinct tokens and differs from sdpa's (distinct "
+                                          f"tokens per seed: {tried}): the cache and batching checks could not fail")
+    return _GENERATE_MODELS[name]
+
+
+@pytest.mark.usefixtures("one_thread")  # tiny models: much faster on one thread when the cores are shared
 @pytest.mark.parametrize("name", MODELS)
 @pytest.mark.parametrize("mode", ["greedy", "beam"])
 def test_generate_cache_equals_no_cache_and_padded_batch_equals_alone(name, mode):
-    model = tiny(name, seed=GENERATE_SEED[name])
-    model.set_attn_implementation("hard_retrieval")
+    model = copy.deepcopy(generate_model(name))  # hard_retrieval set; varied output, unlike sdpa's (searched)
     inputs = batch()
     ids, mask = inputs["input_ids"], inputs["attention_mask"]
     cached, uncached = (_generate(model, ids, mask, mode, use_cache) for use_cache in (True, False))

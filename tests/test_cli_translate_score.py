@@ -1,6 +1,7 @@
 """``hf-hardattn translate`` and ``hf-hardattn score``: the outputs against the independent paths they wrap
 (``model.generate`` sentence by sentence, sacrebleu's own command line), file handling, and one-line errors."""
 
+import copy
 import gzip
 import io
 import json
@@ -12,18 +13,65 @@ import pytest
 import torch
 from transformers import MarianConfig, MarianMTModel
 
-from common import tiny_kwargs
-from hf_hardattn import HardRetrievalConfig, HardRetrievalForConditionalGeneration
+from common import FP32_PATHS_RTOL, tiny_kwargs
+from hf_hardattn import (HardRetrievalConfig, HardRetrievalForConditionalGeneration, SoftTransformerConfig,
+                         SoftTransformerForConditionalGeneration)
 from hf_hardattn.cli import main
+from hf_hardattn.packed_linear import packing_available
 from hf_hardattn.tokenization import train_tokenizer
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 SOURCES = ["a b c", "c b a d e", "e e d", "b", "d c b a e c", "a a"]
+REVERSED = [source[::-1] for source in SOURCES]  # what the fitted soft model translates SOURCES to
+MARGIN = 1.0  # logits: each memorised token wins by this much
+
+
+def reversal_batch(tok):
+    """SOURCES with their reversals as labels (padding: -100), the fitted soft model's training batch."""
+    batch = tok(SOURCES, padding=True, return_tensors="pt")
+    labels = tok(REVERSED, padding=True, return_tensors="pt")
+    batch["labels"] = labels["input_ids"].masked_fill(labels["attention_mask"] == 0, -100)
+    return batch
+
+
+def reversal_margins(model, tok, dtype=torch.float64):
+    """Per target token of the reversals (teacher-forced, in ``dtype``): its logit minus the best other logit; and the
+    largest |logit|."""
+    batch = reversal_batch(tok)
+    with torch.no_grad():
+        logits = copy.deepcopy(model).to(dtype).eval()(**batch).logits
+    labels = batch["labels"].clamp(min=0)[..., None]
+    margins = logits.gather(-1, labels)[..., 0] - logits.scatter(-1, labels, float("-inf")).amax(-1)
+    return margins[batch["labels"] != -100], logits.abs().max().item()
+
+
+def fitted_soft(config, tok):
+    """A tiny soft model fitted (in float64) until it has memorised the reversal of every source by MARGIN, checked
+    on its fp32 weights whatever the CPU's rounding: its greedy output is varied and known by construction. Returned
+    in fp32."""
+    torch.manual_seed(0)
+    model = SoftTransformerForConditionalGeneration(config).double()
+    batch = reversal_batch(tok)
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    for step in range(400):
+        if step % 10 == 0 and reversal_margins(copy.deepcopy(model).float(), tok)[0].min() >= MARGIN:
+            break
+        model.train()
+        loss = model(**batch).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model = model.float().eval()
+    margins = reversal_margins(model, tok)[0]
+    assert margins.min() >= MARGIN, (f"the tiny soft model did not memorise the reversals in {step} steps (smallest "
+                                     f"margin {margins.min():.3g} < {MARGIN}): the packed-decoding check needs them")
+    return model
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    """A tiny hard-retrieval model and a tiny MarianMTModel, each saved with the same tokenizer."""
+    """A tiny hard-retrieval model, a tiny fitted soft model and a tiny MarianMTModel, each saved with the same
+    tokenizer."""
     folder = tmp_path_factory.mktemp("models")
     tok = train_tokenizer(SOURCES * 3, kind="char", min_frequency=1)
     special = dict(vocab_size=len(tok), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
@@ -31,6 +79,8 @@ def saved(tmp_path_factory):
     torch.manual_seed(0)
     hard = HardRetrievalForConditionalGeneration(HardRetrievalConfig(**tiny_kwargs(**special, bos_token_id=tok.bos_token_id)))
     hard.save_pretrained(folder / "hard", tokenizer=tok)
+    config = SoftTransformerConfig(**tiny_kwargs(**special, bos_token_id=tok.bos_token_id))
+    fitted_soft(config, tok).save_pretrained(folder / "soft", tokenizer=tok)
     marian = MarianMTModel(MarianConfig(d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
                                         decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32,
                                         max_position_embeddings=64, **special))
@@ -88,21 +138,54 @@ def test_translate_stdin_to_stdout_and_sampling_seed(saved, monkeypatch, capsys)
     assert first != greedy * 4
 
 
+@pytest.mark.skipif(not packing_available(), reason="no oneDNN prepacked linear (pack_linears needs it)")
 def test_translate_pack_linears_gives_the_same_output(saved, tmp_path):
-    folder, _ = saved
+    """Greedy decoding with and without --pack-linears (two fp32 GEMM kernels) gives the same lines, on a fitted soft
+    model whose every decision is clear of their rounding: each token's logit margin (teacher-forced, fp32) exceeds
+    twice the bound on how far two fp32 paths' logits may part (common.FP32_PATHS_RTOL of the largest |logit|), so
+    both decode the memorised reversals; all of its ~40 tokens are compared. (A soft model: its only decisions are
+    the output argmaxes whose margins are read here; a hard-retrieval key choice would need its own margins.)"""
+    folder, tok = saved
+    margins, largest = reversal_margins(SoftTransformerForConditionalGeneration.from_pretrained(folder / "soft"), tok,
+                                        torch.float32)
+    bound = FP32_PATHS_RTOL * largest
+    assert margins.numel() >= 30 and margins.min() > 2 * bound, (f"a decision within rounding of a tie: smallest "
+                                                                  f"margin {margins.min():.3g} <= 2 x {bound:.3g}")
     source = tmp_path / "in.txt"
     source.write_text("\n".join(SOURCES), encoding="utf-8")
     outputs = []
     for extra in ([], ["--pack-linears"]):
         out = tmp_path / f"out{len(extra)}.txt"
-        assert main(["translate", str(folder / "hard"), "-i", str(source), "-o", str(out), "--quiet",
-                     "--threads", "1", *extra]) == 0
-        outputs.append(out.read_text())
-    assert outputs[0] == outputs[1]
+        assert main(["translate", str(folder / "soft"), "-i", str(source), "-o", str(out), "--quiet",
+                     "--threads", "1", "--num-beams", "1", *extra]) == 0
+        outputs.append(out.read_text().splitlines())
+    assert outputs[0] == REVERSED  # varied, source-dependent: the comparison below could fail
+    assert outputs[1] == outputs[0]
+
+
+def test_translate_int8_writes_one_line_per_source(saved, tmp_path):
+    folder, _ = saved
+    source = tmp_path / "in.txt"
+    source.write_text("\n".join(SOURCES), encoding="utf-8")
     out = tmp_path / "int8.txt"  # int8 layers: one line per source (the outputs may differ from fp32)
     assert main(["translate", str(folder / "hard"), "-i", str(source), "-o", str(out), "--quiet", "--threads", "1",
                  "--int8"]) == 0
     assert len(out.read_text().splitlines()) == len(SOURCES)
+
+
+def test_pack_linears_without_onednn_packing_is_one_line_error(saved, tmp_path, monkeypatch, capsys):
+    """Where torch lacks oneDNN's prepacked linear, --pack-linears is refused at the option (not a RuntimeError deep
+    in pack_linears after the model loaded)."""
+    import hf_hardattn.packed_linear
+
+    monkeypatch.setattr(hf_hardattn.packed_linear, "packing_available", lambda: False)
+    folder, _ = saved
+    source = tmp_path / "in.txt"
+    source.write_text("a b\n", encoding="utf-8")
+    assert main(["translate", str(folder / "hard"), "-i", str(source), "-o", str(tmp_path / "out.txt"), "--quiet",
+                 "--pack-linears"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("hf-hardattn translate: error: --pack-linears needs oneDNN's prepacked linear layers")
 
 
 @pytest.mark.parametrize("case", ["missing input", "not a model", "too long", "pack marian", "beyond positions",

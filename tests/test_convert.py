@@ -9,8 +9,8 @@ import os
 
 import pytest
 import torch
-from common import (EOS, PAD, VOCAB, assert_nontrivial, check_remote_code, check_save_load, fitted, run_generate,
-                    source_batch, tiny_kwargs, toy_tokenizer)
+from common import (EOS, PAD, VOCAB, assert_nontrivial, check_remote_code, check_save_load, collate, copy_task, fitted,
+                    run_generate, source_batch, tiny_kwargs, toy_tokenizer)
 from transformers import (BartConfig, BartForConditionalGeneration, BertConfig, M2M100Config,
                           M2M100ForConditionalGeneration, MarianConfig, MarianMTModel, MBartConfig,
                           MBartForConditionalGeneration)
@@ -46,17 +46,62 @@ def m2m100(**overrides):  # pre-norm, fairseq sinusoidal positions from pad + 1,
 
 FAMILIES = {"marian": marian, "bart": bart, "mbart": mbart, "m2m_100": m2m100}
 _FITTED = {}
+MARGIN = 1.0  # logits: each memorised token wins by this much (two fp32 paths part by ~1e-4 x max|logit| at most)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: faster on one thread, much faster on shared cores
+
+
+def memorised_rows():
+    """source_batch()'s two sources with their reversals as targets, and 6 reversal rows more (the training batch)."""
+    ids, mask = source_batch()
+    rows = [{"input_ids": row[m.bool()].tolist(), "attention_mask": [1] * int(m.sum()),
+             "labels": row[m.bool()].tolist()[-2::-1] + [EOS]} for row, m in zip(ids, mask)]
+    return rows + copy_task(6)
+
+
+def memorised_margins(model):
+    """Per target token of source_batch()'s rows (teacher-forced; the weights rounded to fp32, evaluated in float64):
+    its logit minus the best other logit."""
+    batch = collate(memorised_rows()[:2])
+    with torch.no_grad():
+        out = copy.deepcopy(model).float().double().eval()(**batch).logits
+    labels = batch["labels"]
+    target = out.gather(-1, labels.clamp(min=0)[..., None])[..., 0]
+    other = out.scatter(-1, labels.clamp(min=0)[..., None], float("-inf")).amax(-1)
+    return (target - other)[labels != -100]
 
 
 def source_model(family):
-    """The family's tiny source, fitted on the reversal task (so that decoding is varied), with a random
-    final_logits_bias where the family has one (a buffer that training leaves alone). Built once; deep-copy to edit."""
+    """The family's tiny source with a random final_logits_bias where the family has one (a buffer that training
+    leaves alone), drawn and fitted in float64 (the same weights on every CPU, to rounding) until it has memorised
+    the reversals of source_batch() by MARGIN, which is asserted here: greedy decoding of that batch is varied and
+    source-dependent by construction. Returned in fp32. Built once; deep-copy to edit."""
     if family not in _FITTED:
         torch.manual_seed(0)
-        model = FAMILIES[family]()
-        if hasattr(model, "final_logits_bias"):
-            model.final_logits_bias.copy_(torch.randn(model.final_logits_bias.shape) * 0.5)
-        _FITTED[family] = fitted(model, steps=60, lr=1e-2)
+        model = FAMILIES[family]().double()
+        generator = torch.Generator().manual_seed(0)  # float64 draws: the same on every CPU (float32 ones are not)
+        with torch.no_grad():  # N(0, 0.5) matrices: the tokens it does not memorise get logits far apart
+            for param in model.parameters():
+                if param.requires_grad and param.dim() >= 2:  # (Marian's sinusoidal table stays)
+                    param.copy_(torch.randn(param.shape, generator=generator, dtype=torch.float64) * 0.5)
+            if hasattr(model, "final_logits_bias"):
+                model.final_logits_bias.copy_(torch.randn(model.final_logits_bias.shape, generator=generator,
+                                                          dtype=torch.float64) * 0.5)
+        batch = collate(memorised_rows())
+        optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+        for step in range(300):
+            if step % 10 == 0 and memorised_margins(model).min() >= MARGIN:
+                break
+            model.train()
+            loss = model(**batch).loss
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        model = model.float().eval()
+        margins = memorised_margins(model)
+        assert margins.min() >= MARGIN, (f"the tiny {family} model did not memorise the reversals of source_batch() "
+                                         f"in {step} float64 Adam steps (smallest margin {margins.min():.3g} < "
+                                         f"{MARGIN}): the token checks need its varied, source-dependent output")
+        _FITTED[family] = model
     return _FITTED[family]
 
 
@@ -64,6 +109,12 @@ def decoder_inputs(model):
     """Teacher-forcing decoder inputs (no padding: fairseq positions give padded decoder positions their own value)."""
     start = model.config.decoder_start_token_id
     return torch.tensor([[start, 9, 14, 21, 33, 6], [start, 7, 7, 30, 12, 25]])
+
+
+def float64(model):
+    """A float64 copy: token comparisons run there, where the two code paths agree to ~1e-12 and no last-bit
+    difference of fp32 GEMMs can flip an argmax (the source's weights are fitted so that its tokens are varied)."""
+    return copy.deepcopy(model).double()
 
 
 def logits(model, dtype=torch.float32):
@@ -79,7 +130,8 @@ def logits(model, dtype=torch.float32):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_soft_is_exact(family):
     """Same logits (fp32 within 1e-4, float64 within 1e-10) on a right-padded source batch, and the same greedy and
-    beam-4 tokens (padded batch, cached decoding) as the source model."""
+    beam-4 tokens (padded batch, cached decoding, float64) as the source model; the source's greedy tokens are the
+    reversals it memorised (varied by construction)."""
     source = source_model(family)
     model, report = hf_hardattn.convert(source, "soft_transformer", return_report=True)
     assert type(model) is hf_hardattn.SoftTransformerForConditionalGeneration
@@ -89,15 +141,19 @@ def test_soft_is_exact(family):
         theirs, ours = logits(source, dtype), logits(model, dtype)
         assert ours.dtype == dtype
         assert (theirs - ours).abs().max().item() <= tolerance
+    theirs, ours = float64(source), float64(model)
     for mode in ("greedy", "beam"):
-        expected = run_generate(source, mode, True)
+        expected = run_generate(theirs, mode, True)
         assert_nontrivial(expected)
-        assert torch.equal(run_generate(model, mode, True), expected), mode
+        assert torch.equal(run_generate(ours, mode, True), expected), mode
+        if mode == "greedy":
+            assert expected[:, 1:5].tolist() == [[25, 21, 17, 13], [23, 19, 11, 7]]  # memorised: source-dependent
 
 
 def test_m2m100_left_padding_is_exact():
     """fairseq positions count from each row's first real token, as ours do for a left-padded source: M2M100's logits
-    are reproduced on a left-padded batch too (Marian and BART shift such a row's positions; ours do not)."""
+    are reproduced on a left-padded batch too (fp32 within 1e-4, float64 within 1e-10), and so are its beam-4 tokens
+    (float64) (Marian and BART shift such a row's positions; ours do not)."""
     source = source_model("m2m_100")
     model = hf_hardattn.convert(source, "soft_transformer")
     ids, mask = source_batch()
@@ -105,10 +161,13 @@ def test_m2m100_left_padding_is_exact():
                         in zip(ids, mask)])
     assert left[1, 0] == PAD and left[1, -1] == EOS
     kwargs = dict(input_ids=left, attention_mask=(left != PAD).long(), decoder_input_ids=decoder_inputs(source))
-    with torch.no_grad():
-        assert (source(**kwargs).logits - model(**kwargs).logits).abs().max().item() <= 1e-4
+    for cast, tolerance in ((copy.deepcopy, 1e-4), (float64, 1e-10)):
+        with torch.no_grad():
+            assert (cast(source)(**kwargs).logits - cast(model)(**kwargs).logits).abs().max().item() <= tolerance
     generate = dict(input_ids=left, attention_mask=(left != PAD).long(), max_new_tokens=8, num_beams=4)
-    assert torch.equal(model.generate(**generate), source.generate(**generate))
+    expected = float64(source).generate(**generate)
+    assert_nontrivial(expected)
+    assert torch.equal(float64(model).generate(**generate), expected)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -133,9 +192,9 @@ def test_soft_config_fields(family):
 
 def test_generation_config_is_copied():
     """generate() without arguments decodes with the source's generation config (bad_words_ids, num_beams, max_length,
-    forced_eos_token_id): the tokens equal the source's, and differ from decoding with the default config (so the
-    check can fail)."""
-    source = copy.deepcopy(source_model("marian"))
+    forced_eos_token_id): the tokens (float64) equal the source's, and differ from decoding with the default config
+    (so the check can fail)."""
+    source = float64(source_model("marian"))
     ids, mask = source_batch()
     plain = source.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8)
     banned = int(plain[0, 1])  # a token the source emits: banning it changes the output
@@ -192,8 +251,6 @@ OTHER_TYPES = {  # model type -> (overrides, names that must appear among the in
 def train_step(model):
     """One optimizer step on a reversal batch: the loss is finite and every trainable parameter that got a gradient
     changes."""
-    from common import collate, copy_task
-
     model.train()
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
@@ -206,11 +263,42 @@ def train_step(model):
     return model.eval()
 
 
+def check_generate_against_forward(model):
+    """Greedy and beam-4 decoding (cached, float64, no forced tokens) against one full forward of what was decoded:
+    each greedy token up to EOS is the argmax of the forward's logits at its step, and each returned beam's score is
+    the forward's log-probability of its tokens up to EOS over their number (length_penalty 1), within the rounding
+    of generate()'s float32 score sums (n + 1 roundings of at most 2**-24 of the sum of |log p|). Returns the greedy
+    tokens."""
+    model = float64(model).eval()
+    ids, mask = source_batch()
+    eos = model.config.eos_token_id
+    model.generation_config.forced_eos_token_id = None  # (Marian's 0 would replace the last step's argmax)
+    settings = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, length_penalty=1.0)
+    greedy = model.generate(num_beams=1, **settings)
+    beam = model.generate(num_beams=4, num_return_sequences=2, output_scores=True, return_dict_in_generate=True,
+                          **settings)
+    for sequences, scores in ((greedy, None), (beam.sequences, beam.sequences_scores)):
+        repeat = sequences.shape[0] // ids.shape[0]
+        with torch.no_grad():
+            log_probs = model(input_ids=ids.repeat_interleave(repeat, 0), attention_mask=mask.repeat_interleave(
+                repeat, 0), decoder_input_ids=sequences[:, :-1]).logits.log_softmax(-1)
+        for row, tokens in enumerate(sequences[:, 1:]):
+            ends = (tokens == eos).nonzero()
+            n = int(ends[0]) + 1 if len(ends) else len(tokens)
+            if scores is None:
+                assert log_probs[row, :n].argmax(-1).tolist() == tokens[:n].tolist(), (row, tokens.tolist())
+            else:
+                chosen = log_probs[row, torch.arange(n), tokens[:n]]
+                bound = 2 * (n + 1) * 2**-24 * chosen.abs().sum().item() / n
+                assert abs(chosen.sum().item() / n - scores[row].item()) <= bound, (row, tokens.tolist())
+    return greedy
+
+
 @pytest.mark.parametrize("target", OTHER_TYPES)
 def test_other_types(target, tmp_path):
-    """Each Transformer type gets the source's shared weights, reports what it initialised or dropped, trains one
-    step and generates (greedy and beam 4); the hard-retrieval one (Marian's positions and logits bias in another
-    type) also saves and reloads."""
+    """Each Transformer type gets the source's shared weights, reports what it initialised or dropped, and generates
+    (greedy and beam 4) as one full forward of its output scores it, varied tokens, before and after one training
+    step; the hard-retrieval one (Marian's positions and logits bias in another type) also saves and reloads."""
     source = source_model("marian")
     overrides, initialised = OTHER_TYPES[target]
     model_type = target if target.endswith("transformer") else "recurrent_transformer"
@@ -244,10 +332,9 @@ def test_other_types(target, tmp_path):
         assert any("Table 4" in note for note in report.notes)
         assert report.exact
         check_save_load(model, tmp_path)
+    assert_nontrivial(check_generate_against_forward(model))
     train_step(model)
-    for mode in ("greedy", "beam"):
-        out = run_generate(model, mode, True)
-        assert out.shape[0] == (2 if mode == "greedy" else 4) and out.shape[1] == 11
+    assert_nontrivial(check_generate_against_forward(model))
 
 
 @pytest.mark.parametrize("family", ["bart", "m2m_100"])

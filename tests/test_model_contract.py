@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForSeq2SeqLM, MarianConfig, MarianMTModel
 
-from common import (CONTRACT_MODELS, PAD, assert_nontrivial, contract_model, randomize, source_batch, tiny_kwargs)
+from common import (CONTRACT_MODELS, PAD, as_float64, assert_nontrivial, assert_step_scores_close, contract_model,
+                    randomize, source_batch, tiny_kwargs)
 from hf_hardattn import GaussianConfig, RecurrentConfig, SoftTransformerConfig
 from hf_hardattn.beam_joint import joint_log_probs, select_candidates
 from hf_hardattn.gaussian import GaussianAttention
@@ -403,25 +404,24 @@ def test_generate_returns_the_weights_and_states_of_every_step(name):
 @pytest.mark.parametrize("name", ["soft", "hard_retrieval", "gaussian_sh_x", "hybrid_multihead"])
 def test_beam_search_weights_with_grouped_memory_equal_the_expanded_ones(name):
     """Beams read one encoder row per sentence (grouped memory); the returned cross-attention weights are still one
-    row per beam, equal to transformers' expanded path."""
-    model = contract_model(name)
+    row per beam, equal to transformers' expanded path. Float64 (exact tokens between two code paths: see
+    common.as_float64): the same tokens, the weights within 1e-12 (float64 rounding of values in [0, 1])."""
+    model = as_float64(contract_model(name))
+    assert model._memory_grouped_decoding()
+    expanded = as_float64(model)
+    expanded._memory_grouped_decoding = lambda: False
     ids, mask = source_batch()
-    results = {}
-    for grouped in (True, False):
-        if not grouped:
-            model._memory_grouped_decoding = lambda: False
-        try:
-            results[grouped] = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, min_new_tokens=5,
-                                              num_beams=3, output_attentions=True, return_dict_in_generate=True)
-        finally:
-            model.__dict__.pop("_memory_grouped_decoding", None)
+    results = {grouped: m.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, min_new_tokens=5, num_beams=3,
+                                   output_attentions=True, return_dict_in_generate=True)
+               for grouped, m in ((True, model), (False, expanded))}
+    assert_nontrivial(results[True].sequences)
     assert torch.equal(results[True].sequences, results[False].sequences)
-    for step_g, step_e in zip(results[True].cross_attentions, results[False].cross_attentions):
-        for a, b in zip(step_g, step_e):
+    for step_g, step_e in zip(results[True].cross_attentions, results[False].cross_attentions, strict=True):
+        for a, b in zip(step_g, step_e, strict=True):
             assert (a is None) == (b is None)
             if a is not None:
                 assert a.shape[0] == 6
-                torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+                torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -431,9 +431,10 @@ def test_beam_search_weights_with_grouped_memory_equal_the_expanded_ones(name):
 @pytest.mark.parametrize("mode", ["greedy", "sample"])
 def test_generate_continues_from_a_returned_cache(name, mode):
     """4 tokens, then 4 more from the returned cache (the sequence so far as decoder input, its mask covering it, as
-    transformers asks of MarianMTModel too): the same tokens and scores as 8 tokens in one call. The decoders that keep
-    no key/value layers (Gaussian self-attention, GRU) used to feed the cached prefix again."""
-    model = contract_model(name)
+    transformers asks of MarianMTModel too): the same tokens and scores (common.assert_step_scores_close) as 8 tokens
+    in one call, in float64 (exact tokens between two code paths: see common.as_float64). The decoders that keep no
+    key/value layers (Gaussian self-attention, GRU) used to feed the cached prefix again."""
+    model = as_float64(contract_model(name))
     ids, mask = source_batch()
     kwargs = dict(input_ids=ids, attention_mask=mask, do_sample=mode == "sample", return_dict_in_generate=True,
                   output_scores=True)
@@ -447,8 +448,8 @@ def test_generate_continues_from_a_returned_cache(name, mode):
                             decoder_attention_mask=torch.ones_like(first.sequences), **{CACHE_FIELD: cache})
     assert_nontrivial(whole.sequences)
     assert torch.equal(second.sequences, whole.sequences)
-    for a, b in zip(second.scores, whole.scores[4:]):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    for t, (a, b) in enumerate(zip(second.scores, whole.scores[4:], strict=True)):
+        assert_step_scores_close(a, b, f"step {4 + t}")
     assert cache.get_seq_length() == 8
 
 
@@ -514,8 +515,9 @@ def left_padded():
 @pytest.mark.parametrize("name", CONTRACT_MODELS)
 def test_left_padded_source_gives_the_same_output_as_the_sentence_alone(name):
     """Positions (sinusoidal or learned, the Gaussian cross-attention centres) count from each row's first real token,
-    so a left-padded sentence decodes as it does alone (greedy and beam search, tokens and scores)."""
-    model = contract_model(name)
+    so a left-padded sentence decodes as it does alone (greedy and beam search, tokens and scores as
+    common.assert_step_scores_close), in float64 (exact tokens between two code paths: see common.as_float64)."""
+    model = as_float64(contract_model(name))
     ids, mask = left_padded()
     for beams in (1, 3):
         kwargs = dict(max_new_tokens=8, min_new_tokens=8, num_beams=beams, return_dict_in_generate=True,
@@ -526,8 +528,8 @@ def test_left_padded_source_gives_the_same_output_as_the_sentence_alone(name):
             real = mask[row].bool()
             alone = model.generate(input_ids=ids[row : row + 1, real], **kwargs)
             assert torch.equal(alone.sequences[0], batch.sequences[row]), (row, beams)
-            for a, b in zip(alone.scores, batch.scores):  # [beams, V] per step
-                torch.testing.assert_close(a, b[row * beams : (row + 1) * beams], rtol=0, atol=1e-4)
+            for t, (a, b) in enumerate(zip(alone.scores, batch.scores, strict=True)):  # [beams, V] per step
+                assert_step_scores_close(a, b[row * beams : (row + 1) * beams], f"row {row}, {beams} beams, step {t}")
 
 
 def test_left_padded_source_encodes_its_tokens_as_alone():

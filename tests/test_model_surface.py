@@ -12,7 +12,7 @@ import warnings
 import pytest
 import torch
 
-from common import collate, copy_task, randomize, source_batch, tiny_kwargs
+from common import assert_step_scores_close, collate, copy_task, randomize, source_batch, tiny_kwargs
 from hf_hardattn import (BeamJointRNNConfig, BeamJointRNNForConditionalGeneration, BeamJointTransformerConfig,
                          BeamJointTransformerForConditionalGeneration, GaussianConfig, GaussianForConditionalGeneration,
                          HardAttnCache, HardRetrievalConfig, HardRetrievalForConditionalGeneration, HybridConfig,
@@ -284,8 +284,9 @@ def assert_close_in_bf16(got, expected, every_position):
 @pytest.mark.parametrize("name", NAMES)
 def test_bfloat16_weights_forward_and_generate(name):
     """model.to(torch.bfloat16): every parameter and state in bf16 (beam-joint's mixture in fp32 by design), forward
-    and greedy decoding follow the fp32 model (decoding: the fp32 model teacher-forced on the bf16 model's tokens),
-    beam search runs."""
+    and decoding follow the fp32 model (decoding, greedy and beam search: the fp32 model teacher-forced on the bf16
+    model's tokens); a beam hypothesis's score is the mean of its tokens' log-probabilities (length penalty 1), the
+    hypotheses of a sentence best first."""
     model = randomize(MODELS[name](), std=0.2)  # moderate weights: attention neither flat nor saturated
     bf16 = copy.deepcopy(model).to(torch.bfloat16)
     assert {p.dtype for p in bf16.parameters()} == {torch.bfloat16}
@@ -300,8 +301,15 @@ def test_bfloat16_weights_forward_and_generate(name):
     teacher_forced = logits(model, ids, mask, greedy.sequences[:, :-1]).log_softmax(-1)
     assert_close_in_bf16(steps, teacher_forced, every_position)
     beams = bf16.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, min_new_tokens=8, num_beams=4,
-                          num_return_sequences=2)
-    assert beams.shape == (4, 9) and int(beams.max()) < model.config.vocab_size
+                          num_return_sequences=2, output_scores=True, return_dict_in_generate=True)
+    assert beams.sequences.shape == (4, 9)
+    tokens = bf16.compute_transition_scores(beams.sequences, beams.scores, beams.beam_indices)  # [4, 8] fp32
+    sums = tokens.sum(-1)  # fp32 sums of 8 terms in another order than generate's: 8 eps * sum |term| apart at most
+    assert ((beams.sequences_scores - sums / 8).abs() <= 8 * torch.finfo(torch.float32).eps * tokens.abs().sum(-1)).all()
+    assert (beams.sequences_scores[0::2] >= beams.sequences_scores[1::2]).all()  # 2 per sentence, best first
+    teacher_forced = logits(model, ids.repeat_interleave(2, 0), mask.repeat_interleave(2, 0), beams.sequences[:, :-1])
+    expected = teacher_forced.log_softmax(-1).gather(-1, beams.sequences[:, 1:, None])
+    assert_close_in_bf16(tokens[..., None], expected, every_position)
 
 
 TIME_LOOPS = ("hybrid", "recurrent", "beam_joint_rnn")  # a Python loop over target positions: unrolled when traced
@@ -384,9 +392,10 @@ KEY_VALUE_MODELS = {  # decoders whose cache is keys/values only (and the positi
 @pytest.mark.parametrize("name", sorted(KEY_VALUE_MODELS))
 def test_assisted_decoding_equals_greedy_decoding(name, monkeypatch):
     """An assistant with other weights proposes drafts that the model partly rejects; the cache is cropped back and
-    decoding gives the tokens and scores of plain greedy decoding."""
-    model = randomize(KEY_VALUE_MODELS[name]())
-    assistant = randomize(KEY_VALUE_MODELS[name](), seed=1)
+    decoding gives the tokens and scores of plain greedy decoding (float64: exact tokens between two code paths, see
+    common.as_float64; the scores as common.assert_step_scores_close)."""
+    model = randomize(KEY_VALUE_MODELS[name]()).double()
+    assistant = randomize(KEY_VALUE_MODELS[name](), seed=1).double()
     removed, crop = [], HardAttnCache.crop
 
     def recording_crop(cache, n):
@@ -402,8 +411,8 @@ def test_assisted_decoding_equals_greedy_decoding(name, monkeypatch):
     assisted = model.generate(assistant_model=assistant, **kwargs)
     assert sum(removed) > 0  # drafts were rejected and cropped away
     assert torch.equal(assisted.sequences, plain.sequences)
-    for step, expected in zip(assisted.scores, plain.scores, strict=True):
-        torch.testing.assert_close(step, expected, rtol=0, atol=1e-4)
+    for t, (step, expected) in enumerate(zip(assisted.scores, plain.scores, strict=True)):
+        assert_step_scores_close(step, expected, f"step {t}")
 
 
 @pytest.mark.parametrize("name", ["gaussian", "hybrid", "recurrent", "beam_joint_rnn"])

@@ -1,12 +1,15 @@
 """pack_linears (packed_linear.py): decoding with oneDNN-prepacked linear weights gives the outputs of the plain
 model (a second code path: F.linear), for every variant and MarianMTModel; training, state dicts, saving and copies
-are unaffected; the packed copy follows in-place weight changes."""
+are unaffected; the packed copy follows in-place weight changes. Both paths are fp32 only (the packed one exists for
+fp32), so generated tokens are compared where the plain model's margins exceed the paths' rounding
+(common.assert_same_tokens_where_margins_allow)."""
 
 import copy
 
 import pytest
 import torch
-from common import assert_nontrivial, fitted, randomize, run_generate, source_batch, tiny_kwargs
+from common import (assert_nontrivial, assert_same_tokens_where_margins_allow, decoding_batch, fitted, generate_kwargs,
+                    randomize, recorded_generate, source_batch, tiny_kwargs)
 from transformers import AutoModelForSeq2SeqLM, MarianConfig, MarianMTModel
 
 import hf_hardattn  # noqa: F401
@@ -47,15 +50,25 @@ def assert_packed_path_used(model):
     assert packed and sum(packed) >= 0.8 * len(packed), f"packed path ran in {sum(packed)} of {len(packed)} layers"
 
 
+def recorded(model, mode):
+    ids, mask = decoding_batch()
+    return recorded_generate(model, input_ids=ids, attention_mask=mask, **generate_kwargs(mode))
+
+
 @pytest.mark.parametrize("name", list(MODELS))
 def test_packed_decoding_equals_plain(name):
+    """Teacher-forced logits within rounding; greedy and beam search (4 beams; 32 rows, all packed) give the plain
+    model's tokens and step scores wherever its margins allow, at least MIN_STEPS of the 80 decisions (8 sentences x
+    10 steps) each."""
+    torch.manual_seed(0)  # the same model whichever tests ran before
     plain = fitted(MODELS[name]())  # varied outputs (random tied-embedding models repeat one token)
     packed = copy.deepcopy(plain).pack_linears()
     torch.testing.assert_close(logits(packed), logits(plain), rtol=1e-5, atol=1e-5)
-    for mode in ("greedy", "beam"):
-        expected = run_generate(plain, mode, True)
-        assert_nontrivial(expected)
-        assert torch.equal(run_generate(packed, mode, True), expected), mode
+    for mode, beams in (("greedy", 1), ("beam", 4)):
+        expected = recorded(plain, mode)
+        assert_nontrivial(expected["sequences"])
+        assert_same_tokens_where_margins_allow(expected, recorded(packed, mode), num_beams=beams,
+                                               min_steps=MIN_STEPS[mode])
     assert_packed_path_used(packed)
 
 
@@ -67,9 +80,11 @@ def test_marian_too():
     torch.manual_seed(0)
     plain = randomize(MarianMTModel(config))
     packed = pack_linears(copy.deepcopy(plain))
-    ids, mask = source_batch()
+    ids, mask = decoding_batch()
     kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, min_new_tokens=8, num_beams=3)
-    assert torch.equal(packed.generate(**kwargs), plain.generate(**kwargs))
+    expected = recorded_generate(plain, **kwargs)
+    assert_same_tokens_where_margins_allow(expected, recorded_generate(packed, **kwargs), num_beams=3,
+                                           min_steps=MIN_STEPS["beam"])
     assert packed.lm_head.packed_weight.key is not None
 
 
