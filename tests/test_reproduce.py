@@ -60,6 +60,10 @@ def test_dependencies_run_first_and_every_row_is_recorded(run_dir):
         assert "nrefs:1" in row["signature"]
         assert row["machine"]["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
         assert row["machine"]["threads"] == torch.get_num_threads() and row["machine"]["torch"] == torch.__version__
+    for name in rows:  # the parameter count and type of the model each row saved
+        model = AutoModelForSeq2SeqLM.from_pretrained(run_dir["out"] / "models" / name)
+        assert rows[name]["params"] == sum(p.numel() for p in model.parameters()), name
+        assert rows[name]["model_type"] == model.config.model_type
     assert rows["soft_decoded_hard"]["decoded_from"] == "soft"
     assert rows["soft_decoded_hard"]["steps"] == rows["soft"]["steps"] == 3
     assert rows["marian"]["model_type"] == "marian"
@@ -235,13 +239,98 @@ def test_table_puts_each_rows_difference_to_its_baseline_beside_the_direction():
     assert only.splitlines()[2].endswith("| about equal to soft |  |")
 
 
+def expected_model(name, recipe):
+    """(model_type, config fields) that the row ``name`` stands for, from its paper's setting."""
+    hard, gaussian = "hard_retrieval", "gaussian"
+    kinds = dict(soft=("soft", "soft", "soft"), hard_cross=("soft", "soft", hard),
+                 hard_self_cross=("soft", hard, hard), hard_enc_dec=(hard, hard, hard))
+    if name == "marian":
+        return "marian", dict(d_model=recipe.dims["d_model"], scale_embedding=True)
+    if name in kinds:
+        fields = dict(zip(("encoder_attention", "decoder_attention", "cross_attention"), kinds[name]))
+        return ("soft_transformer" if name == "soft" else "hard_retrieval_transformer"), fields
+    layers = recipe.dims["decoder_layers"]
+    gaussians = {"hc_sa": "soft", "hc_all": gaussian, "sh_x": ["none"] * (layers - 1) + ["soft"]}
+    if name in gaussians:
+        return "gaussian_transformer", dict(encoder_attention=gaussian, decoder_attention=gaussian,
+                                            cross_attention=gaussians[name])
+    if name.startswith("recurrent_"):
+        return "recurrent_transformer", dict(recurrent_variant=name[len("recurrent_"):], cross_attention="recurrent")
+    paper_rnn = dict(rnn_decoder_style="luong", rnn_cell="lstm", rnn_attention="dot", label_smoothing=0.0)
+    earlier_rnn = dict(rnn_decoder_style="bahdanau", rnn_cell="gru", rnn_attention="additive",
+                       label_smoothing=recipe.label_smoothing)
+    if name.startswith("hybrid_"):
+        return "hybrid_transformer", dict(rnn_attention=name.split("_")[1], rnn_decoder_style="bahdanau",
+                                          rnn_cell="gru", decoder_layers=1)
+    if name == "rnn_luong_soft":
+        return "hybrid_transformer", paper_rnn
+    if name in ("beam_joint_rnn_k6", "full_joint_rnn"):
+        return "beam_joint_rnn", dict(paper_rnn, joint_k=6, full_joint=name.startswith("full"))
+    if name in ("beam_joint_rnn_bahdanau_k6", "full_joint_rnn_bahdanau"):
+        return "beam_joint_rnn", dict(earlier_rnn, joint_k=6, full_joint=name.startswith("full"))
+    if name == "beam_joint_k6":
+        return "beam_joint_transformer", dict(joint_k=6, label_smoothing=0.0, joint_inference_k=None)
+    raise AssertionError(f"no expectation for row {name}")
+
+
+@pytest.mark.usefixtures("one_thread")  # (tests/conftest.py) tiny models: much faster on one thread
 def test_every_row_builds_for_its_tasks():
+    """Each row of each task builds, at the task's tiny preset, the model its name stands for (model type, attention
+    kinds, decoder, K; the recipe's sizes and vocabulary), whose loss on a batch of the task's data is finite with a
+    gradient for every trainable parameter; a decoded-differently row derives from its source row's model the
+    decoding it names, with the same weights, leaving the source model as it was."""
+    import datasets
+
+    from hf_hardattn.tokenization import train_tokenizer
+
     names = [row.name for row in reproduce.ROWS]
     assert len(names) == len(set(names))
-    for row in reproduce.ROWS:
-        assert (row.build is None) != (row.source is None), row.name
-        if row.source is not None:
-            assert row.source in names and row.derive is not None
+    for task in reproduce.TASKS:
+        recipe = reproduce.PRESETS[task]["tiny"]
+        train = datasets.Dataset.from_dict({"source": EN, "target": DE})
+        tokenizer = train_tokenizer(EN + DE, **recipe.tokenizer)
+        ctx = dict(recipe=recipe, tokenizer=tokenizer, train=train)
+        batch = tokenizer(EN[:3], text_target=DE[:3], padding=True, return_tensors="pt")
+        batch["labels"][batch["labels"] == tokenizer.pad_token_id] = -100
+        rows = reproduce.rows_for(task)
+        assert {row.name for row in rows} == set(names) - (set() if task == "nouns" else
+                                                            {"full_joint_rnn", "full_joint_rnn_bahdanau"})
+        built = {}
+        for row in rows:
+            assert (row.build is None) != (row.source is None), row.name
+            if row.source is not None:
+                continue
+            torch.manual_seed(0)
+            model = built[row.name] = row.build(ctx)
+            model_type, fields = expected_model(row.name, recipe)
+            config = model.config
+            assert config.model_type == model_type, row.name
+            assert {name: getattr(config, name) for name in fields} == fields, row.name
+            assert config.vocab_size == len(tokenizer) and config.d_model == recipe.dims["d_model"], row.name
+            if row.name == "hc_all":  # gamma: the training corpus' target/source length ratio, fitted here
+                assert config.length_ratio is not None and config.length_ratio > 0
+            loss = model.train()(**batch).loss
+            loss.backward()
+            assert torch.isfinite(loss), row.name
+            assert all(p.grad is not None for p in model.parameters() if p.requires_grad), row.name
+        for row in rows:
+            if row.source is None:
+                continue
+            assert row.source in built and row.derive is not None, row.name
+            source = built[row.source].eval()
+            before = source.config.to_dict()
+            derived = row.derive(source)
+            assert source.config.to_dict() == before, row.name  # the source row's model is left as it was
+            for (name, weight), (other, kept) in zip(derived.state_dict().items(), source.state_dict().items()):
+                assert name == other and torch.equal(weight, kept), (row.name, name)
+            config = derived.config
+            if row.name == "soft_decoded_hard":
+                assert (config.decoder_attention, config.cross_attention) == ("hard_retrieval", "hard_retrieval")
+            elif row.name == "hard_decoded_soft":
+                assert (config.decoder_attention, config.cross_attention) == ("soft", "soft")
+            else:
+                assert row.name.endswith("_decoded_k1") and config.joint_inference_k == 1, row.name
+                assert source.config.joint_inference_k != 1
 
 
 def test_cli_entry():

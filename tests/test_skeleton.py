@@ -7,8 +7,9 @@ import torch
 import torch.nn.functional as F
 from transformers.modeling_outputs import BaseModelOutput
 
-from common import (CONTRACT_MODELS, GROUPED_MODES, check_grouped_memory, check_trainer, collate, contract_model,
-                    copy_task, decode_step_by_step, fitted, randomize, source_batch, tiny_kwargs)
+from common import (CONTRACT_MODELS, EOS, GROUPED_MODES, check_grouped_memory, check_trainer, collate,
+                    contract_model, copy_task, decode_step_by_step, fitted, randomize, source_batch, tiny_kwargs,
+                    toy_tokenizer)
 from hf_hardattn import (BeamJointRNNConfig, BeamJointRNNForConditionalGeneration, BeamJointTransformerConfig,
                          BeamJointTransformerForConditionalGeneration, GaussianConfig,
                          GaussianForConditionalGeneration, HardAttnCache, HardRetrievalConfig,
@@ -134,12 +135,28 @@ def test_refuses_a_static_cache_naming_cache_implementation():
 
 @pytest.mark.parametrize("name", ["soft", "hard"])
 def test_seq2seq_trainer_lowers_loss_and_reports_bleu(name, tmp_path):
+    """The BLEU that Seq2SeqTrainer.predict reports (predict_with_generate through our generate()) equals sacrebleu
+    of the trained model's own greedy outputs for the same test batch, written out here; the outputs are not empty,
+    share tokens with the references and are not all correct (a BLEU of 0 or 100 would compare too little)."""
+    import sacrebleu
+    from transformers import DataCollatorForSeq2Seq
+
     if name == "soft":
         model = SoftTransformerForConditionalGeneration(SoftTransformerConfig(**tiny_kwargs()))
     else:
         model = HardRetrievalForConditionalGeneration(HardRetrievalConfig(**tiny_kwargs()))
     first, last, bleu = check_trainer(model, tmp_path)
-    assert 0.0 <= bleu <= 100.0
+    test = copy_task(16, seed=1)  # check_trainer's test set: one batch of its collator
+    batch = DataCollatorForSeq2Seq(toy_tokenizer(), model=model)(test)
+    with torch.no_grad():
+        generated = model.eval().generate(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                          max_new_tokens=12)
+    hypotheses = [" ".join(str(t) for t in row if t > EOS) for row in generated.tolist()]
+    references = [" ".join(str(t) for t in row["labels"] if t > EOS) for row in test]
+    assert all(hypotheses), hypotheses
+    expected = sacrebleu.corpus_bleu(hypotheses, [references])
+    assert bleu == pytest.approx(expected.score, rel=1e-12, abs=1e-12)
+    assert expected.counts[0] > 0 and expected.score < 100.0, (expected, hypotheses, references)
 
 
 def test_buffered_cache_layer_equals_dynamic_layer():

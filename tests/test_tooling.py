@@ -18,7 +18,7 @@ from common import tiny_kwargs
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from transformers import AutoTokenizer  # noqa: E402
+from transformers import AutoTokenizer, TrainerCallback  # noqa: E402
 
 from hf_hardattn import SoftTransformerConfig, SoftTransformerForConditionalGeneration  # noqa: E402
 from hf_hardattn.data import _noun_paradigms, german_nouns, load_parallel, multi30k  # noqa: E402
@@ -159,7 +159,35 @@ def reversal_dataset(n=256, seed=0):
     return datasets.Dataset.from_dict({"source": words, "target": [w[::-1] for w in words]})
 
 
-def test_tokenize_and_train_seq2seq(tmp_path):
+class StepClock(TrainerCallback):
+    """``hf_hardattn.training``'s clock (its ``time.perf_counter``) made to advance ``seconds`` at the start of every
+    optimizer step, so that a time budget ends after a number of steps that does not depend on the CPU's speed. Pass
+    it to train_seq2seq as a callback; it stops training itself after ``limit`` steps (a budget that never ends
+    fails the test's step count instead of training forever)."""
+
+    def __init__(self, seconds, limit=100):
+        self.now, self.seconds, self.limit = 1000.0, seconds, limit
+
+    def perf_counter(self):
+        return self.now
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.now += self.seconds
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step >= self.limit:
+            control.should_training_stop = True
+
+
+def step_clock(monkeypatch, seconds):
+    import hf_hardattn.training
+
+    clock = StepClock(seconds)
+    monkeypatch.setattr(hf_hardattn.training, "time", clock)
+    return clock
+
+
+def test_tokenize_and_train_seq2seq(tmp_path, monkeypatch):
     raw = reversal_dataset()
     tok = train_tokenizer(raw, kind="char", min_frequency=1)
     data = tokenize_dataset(raw, tok, max_length=16)
@@ -174,10 +202,17 @@ def test_tokenize_and_train_seq2seq(tmp_path):
     assert trainer.state.global_step == 30
     assert losses[-1] < 0.8 * losses[0], losses
     assert not model.training
-    # a wall-clock budget stops training long before its step limit
-    budget = train_seq2seq(model, tok, data, output_dir=tmp_path / "run2", minutes=0.01, batch_size=16,
-                           warmup_steps=5, progress=True)
-    assert 1 <= budget.state.global_step < 10**9
+    # a wall-clock budget stops training at the end of the first step that reaches it (steps of 0.25 s on the
+    # clock: 0.6 s are reached at the end of step 3), long before its step limit
+    with monkeypatch.context() as patch:
+        budget = train_seq2seq(model, tok, data, output_dir=tmp_path / "run2", minutes=0.01, batch_size=16,
+                               warmup_steps=5, progress=True, callbacks=[step_clock(patch, 0.25)])
+    assert budget.state.global_step == 3 and budget.state.max_steps == 10**9
+    # on the real clock: the run lasts at least its budget of 0.3 s (it stops only once the budget is spent)
+    budget = train_seq2seq(model, tok, data, output_dir=tmp_path / "run3", minutes=0.005, batch_size=16,
+                           warmup_steps=5, progress=False)
+    runtime = next(log["train_runtime"] for log in budget.state.log_history if "train_runtime" in log)
+    assert budget.state.global_step >= 1 and runtime >= 0.29, (budget.state.global_step, runtime)
     with pytest.raises(ValueError, match="lr_scheduler"):
         train_seq2seq(model, tok, data, output_dir=tmp_path / "x", lr_scheduler="linear")  # neither steps nor minutes
     with pytest.raises(ValueError, match="lr_scheduler"):
@@ -214,9 +249,11 @@ def test_time_decay_schedule_by_hand():
 
 
 def test_bf16_time_decay_training_decays_to_zero(tmp_path, monkeypatch):
-    """bf16 autocast training on CPU with a time-decayed linear schedule: the loss falls, the last learning rate is
-    near 0, the model's weights stay fp32, and the trained model decodes in fp32 again (accelerate's autocast
-    wrapper of its forward is removed)."""
+    """bf16 autocast training on CPU with a time-decayed linear schedule: on a clock of 0.28 s per step, the 9 s budget
+    ends training at step 33 (the first to reach it) and every step's learning rate is the schedule by hand (warm-up
+    over 5 steps, then linear from the time at the warm-up's end to 0 at the budget); the loss falls, the model's
+    weights stay fp32, and the trained model decodes in fp32 again (accelerate's autocast wrapper of its forward is
+    removed)."""
     import hf_hardattn.training
 
     monkeypatch.setattr(hf_hardattn.training, "cpu_has_bf16_matmul", lambda: True)  # tiny: fast enough on any CPU
@@ -229,12 +266,19 @@ def test_bf16_time_decay_training_decays_to_zero(tmp_path, monkeypatch):
     model.lm_head.register_forward_hook(lambda module, args, out: dtypes.add(out.dtype))
     trainer = train_seq2seq(model, tok, data, output_dir=tmp_path / "run", minutes=0.15, batch_size=16,
                             learning_rate=3e-3, warmup_steps=5, logging_steps=1, progress=False,
-                            lr_scheduler="linear", bf16=True)
+                            lr_scheduler="linear", bf16=True, callbacks=[step_clock(monkeypatch, 0.28)])
     assert dtypes == {torch.bfloat16}  # the steps ran under autocast
     logs = [log for log in trainer.state.log_history if "loss" in log]
-    assert trainer.state.global_step > 20
-    assert max(log["learning_rate"] for log in logs) > 2e-3
-    assert logs[-1]["learning_rate"] < 0.15 * 3e-3, logs[-1]
+    assert trainer.state.global_step == 33 and [log["step"] for log in logs] == list(range(1, 34))
+
+    def by_hand(step):  # the rate set at the end of `step` (then 0.28 * step s on the clock), used by step + 1
+        if step < 5:
+            return 3e-3 * step / 5
+        return 3e-3 * (1 - min(1.0, (0.28 * step - 0.28 * 5) / (9.0 - 0.28 * 5)))
+
+    used = [log["learning_rate"] for log in logs]  # the rate each step trained with
+    assert used == pytest.approx([by_hand(s) for s in range(33)], rel=1e-6, abs=1e-12)
+    assert used[-1] > 0.0 and set(trainer.lr_scheduler.get_last_lr()) == {0.0}  # 0 once the budget is spent
     assert logs[-1]["loss"] < 0.8 * logs[0]["loss"]
     assert all(p.dtype == torch.float32 for p in model.parameters())
     dtypes.clear()
@@ -341,21 +385,26 @@ def test_bleu_and_accuracy_against_hand_values():
     assert value == pytest.approx(0.5) and predictions == hypotheses
 
 
-def test_decode_speed_forces_length_and_counts_runs():
+def test_decode_speed_forces_length_and_counts_runs(monkeypatch):
+    """Sentences per second = batch size / the median time of the timed runs (the warm-up run not counted), each
+    forced to exactly the asked number of new tokens; on a clock that each run advances by a set time."""
     torch.manual_seed(0)
     model = SoftTransformerForConditionalGeneration(SoftTransformerConfig(**tiny_kwargs())).eval()
     calls = []
     generate = model.generate
+    clock = step_clock(monkeypatch, 0.0)
+    durations = [50.0, 1.0, 4.0, 2.0]  # warm-up, then 3 timed runs: median 2 s
 
     def counted(**kwargs):
         out = generate(**kwargs)
+        clock.now += durations[len(calls)]
         calls.append((kwargs["min_new_tokens"], kwargs["max_new_tokens"], out.shape))
         return out
 
     model.generate = counted
     ids = torch.randint(4, 40, (3, 6))
     speed = decode_speed(model, ids, torch.ones_like(ids), num_beams=1, new_tokens=7, repeats=3)
-    assert speed > 0
+    assert speed == pytest.approx(3 / 2.0)
     assert len(calls) == 4  # one warm-up + 3 timed runs
     assert all(c[:2] == (7, 7) and c[2] == (3, 8) for c in calls)  # start token + exactly 7 new tokens
 
@@ -363,26 +412,68 @@ def test_decode_speed_forces_length_and_counts_runs():
 # ---------------------------------------------------------------------------------------------------------------
 # command line
 # ---------------------------------------------------------------------------------------------------------------
-def test_demo_end_to_end(tmp_path, capsys):
+def test_demo_end_to_end(tmp_path, capsys, monkeypatch):
+    """The demo (50 steps per model, far inside its time budget on any CPU) trains both models (the loss falls) and
+    saves exactly the trained weights; what it stores and prints is what the saved models do: each reloaded model's
+    greedy outputs on the same 40 test examples (the shuffled test split of german_nouns, drawn here), decoded as the
+    demo decodes them, give the stored exact match, and on the printed examples the printed rows; the copy-the-lemma
+    baseline and the speed ratio are those of its own figures."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForSeq2SeqLM
+
+    import hf_hardattn.training
     from hf_hardattn.cli import main
 
+    trainers = []
+    train = hf_hardattn.training.train_seq2seq
+
+    def recorded(*args, **kwargs):  # the demo's trainers, to compare the saved weights with the trained ones
+        trainers.append(train(*args, **kwargs))
+        return trainers[-1]
+
+    monkeypatch.setattr(hf_hardattn.training, "train_seq2seq", recorded)
     out = tmp_path / "demo"
-    main(["demo", "--tiny", "--minutes", "0.1", "--max-examples", "2000", "--eval-examples", "40",
+    main(["demo", "--tiny", "--minutes", "10", "--max-steps", "50", "--max-examples", "2000", "--eval-examples", "40",
           "--speed-batch", "4", "--speed-tokens", "4", "--speed-rounds", "1", "--show", "3",
           "--output-dir", str(out)])
     printed = capsys.readouterr().out
-    assert "speed ratio hard/soft" in printed and "reloaded" in printed
-    for name, model_type in (("soft", "soft_transformer"), ("hard", "hard_retrieval_transformer")):
+    assert "speed ratio hard/soft" in printed and "(same predictions as before saving: " in printed
+    test = german_nouns(seed=0, max_examples=2000)["test"].shuffle(seed=0).select(range(40))
+    results = json.loads((out / "demo_results.json").read_text())
+    copy_baseline = sum(a == b for a, b in zip(test["lemma"], test["target"])) / 40
+    assert results["eval_examples"] == 40 and results["copy_baseline"] == pytest.approx(copy_baseline)
+    assert f"copy-the-lemma baseline: {100 * copy_baseline:.1f}%" in printed
+    assert len(trainers) == 2
+    for trainer, (name, model_type) in zip(trainers, (("soft", "soft_transformer"),
+                                                     ("hard", "hard_retrieval_transformer"))):
         folder = out / name
         for file in ("model.safetensors", "config.json", "tokenizer.json", "README.md"):
             assert (folder / file).exists(), (name, file)
+        result = results["results"][name]
+        assert result["steps"] == trainer.state.global_step == 50, result
+        assert result["last_loss"] < result["first_loss"], result
+        trained = trainer.model.state_dict()
+        assert all(torch.equal(weight, trained[key]) for key, weight in load_file(folder / "model.safetensors").items())
+        model = AutoModelForSeq2SeqLM.from_pretrained(folder).eval()
+        tok = AutoTokenizer.from_pretrained(folder)
+        assert model.config.model_type == model_type
+        # decoded as the demo scores (greedy, all 40 in one batch, --max-length 64): the same computation
+        predictions = translate(model, tok, test["source"], num_beams=1, batch_size=250, max_new_tokens=64)
+        exact = sum(p == t.strip() for p, t in zip(predictions, test["target"])) / 40
+        assert result["accuracy"] == exact
         card = (folder / "README.md").read_text()
-        assert model_type in card and "test exact match" in card
-    results = json.loads((out / "demo_results.json").read_text())
-    for name in ("soft", "hard"):
-        assert 0 <= results["results"][name]["accuracy"] <= 1
-        assert results["results"][name]["steps"] >= 1
-    assert results["speed_ratio_hard_over_soft"] > 0
+        assert model_type in card and f"| test exact match (greedy) | {100 * exact:.1f}% on 40 examples |" in card
+        assert "| training | 50 steps, " in card
+    # the printed examples: the reloaded hard model's outputs for them (decoded together, as the demo does)
+    shown = printed.split("unseen test lemmas:\n")[1].split("\n\n")[0].splitlines()[1:]
+    labels = [f"  {lemma:<26} {(f'<{g}> ' if g else '') + tag:<16} " for lemma, g, tag in
+              zip(test["lemma"], test["gender"], test["tag"])]
+    picks = [next(i for i, label in enumerate(labels) if row.startswith(label)) for row in shown]
+    outputs = translate(model, tok, [test["source"][i] for i in picks], num_beams=1, max_new_tokens=64)
+    assert len(shown) == 3 and shown == [f"{labels[i]}{p:<28} {test['target'][i]}  "
+                                         f"{'ok' if p == test['target'][i] else '--'}" for i, p in zip(picks, outputs)]
+    speeds = [results["results"][name]["sentences_per_second"] for name in ("hard", "soft")]
+    assert min(speeds) > 0 and results["speed_ratio_hard_over_soft"] == pytest.approx(speeds[0] / speeds[1])
 
 
 def test_tokenizer_command(tmp_path, monkeypatch):
