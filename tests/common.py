@@ -54,8 +54,9 @@ def source_batch():
 
 
 def decoding_batch(extra=6, seed=2):
-    """`source_batch()` and ``extra`` sentences of the reversal task (`copy_task`), right-padded: 8 sentences by default,
-    so that an fp32 comparison finds enough decisions clear of rounding (`assert_same_tokens_where_margins_allow`)."""
+    """`source_batch()` and ``extra`` sentences of the reversal task (`copy_task`), right-padded (8 sentences by
+    default): enough decisions for an fp32 comparison to find many clear of rounding
+    (`assert_same_tokens_where_margins_allow`)."""
     ids, _ = source_batch()
     rows = [row[row != PAD].tolist() for row in ids] + [r["input_ids"] for r in copy_task(extra, seed=seed)]
     width = max(map(len, rows))
@@ -81,6 +82,22 @@ def run_generate(model, mode, use_cache, input_ids=None, attention_mask=None):
         torch.manual_seed(1234)
     return model.generate(input_ids=input_ids, attention_mask=attention_mask, use_cache=use_cache,
                           **generate_kwargs(mode))
+
+
+def memorise(model, batch, margins, minimum, max_steps, learning_rate=3e-3):
+    """Adam on one fixed batch until ``margins(model)`` (each target token's logit minus the best other one) is at
+    least ``minimum`` everywhere, checked every 10 steps; returns the number of steps taken (the caller asserts the
+    margins, with its own message, and casts the model)."""
+    optimizer = torch.optim.Adam(model.parameters(), lr=learning_rate)
+    for step in range(max_steps):
+        if step % 10 == 0 and margins(model).min() >= minimum:
+            return step
+        model.train()
+        loss = model(**batch).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return max_steps
 
 
 MIN_DISTINCT_TOKENS = 4
@@ -197,7 +214,7 @@ def clear_steps(reference, num_beams=1, rtol=FP32_PATHS_RTOL):
     return clear, bounds
 
 
-def assert_same_tokens_where_margins_allow(reference, other, num_beams=1, min_steps=10, rtol=FP32_PATHS_RTOL):
+def assert_same_tokens_where_margins_allow(reference, other, num_beams=1, min_steps=40, rtol=FP32_PATHS_RTOL):
     """Two fp32 code paths decode alike: `recorded_generate` records of the same model and inputs. For each sentence,
     up to its first step whose decision a rounding within the bound could change (`clear_steps`): the same running
     sequences and step scores within the bound (which checks the bound itself); where every step was clear, the same
@@ -269,7 +286,8 @@ def check_padded_batch(model, modes=("greedy", "beam")):
         per_row, beams = batched.sequences.shape[0] // ids.shape[0], kwargs.get("num_beams", 1)
         for i in range(ids.shape[0]):
             length = int(mask[i].sum())
-            single = model.generate(input_ids=ids[i : i + 1, :length], attention_mask=mask[i : i + 1, :length], **kwargs)
+            alone = dict(input_ids=ids[i : i + 1, :length], attention_mask=mask[i : i + 1, :length])
+            single = model.generate(**alone, **kwargs)
             expected = batched.sequences[i * per_row : (i + 1) * per_row, : single.sequences.shape[1]]
             assert torch.equal(single.sequences, expected), \
                 f"{mode}: row {i} alone {single.sequences.tolist()} != in batch {expected.tolist()}"
@@ -349,7 +367,7 @@ def check_remote_code(model, tmp_path):
     and here the float64 model gives the same greedy and beam tokens (see `as_float64`). The fp32 model's beam search,
     and (where this torch build has oneDNN's prepacked linear, as `pack_linears` needs) the packed one's, decode as
     here: the fresh process may pick other threads and kernels, so exact tokens only where margins allow (of the 80
-    decisions of `decoding_batch()`, at least 20 clear)."""
+    decisions of `decoding_batch()`, at least half clear)."""
     import inspect
 
     from hf_hardattn.packed_linear import packing_available
@@ -380,10 +398,10 @@ def check_remote_code(model, tmp_path):
     assert result["beam64"] == model64.generate(**kwargs, num_beams=4).tolist()
     beam = record_from_json(result["beam"])
     here = recorded_generate(model, **kwargs, num_beams=4)
-    assert_same_tokens_where_margins_allow(here, beam, num_beams=4, min_steps=20)
+    assert_same_tokens_where_margins_allow(here, beam, num_beams=4, min_steps=40)
     assert result["packing_available"] == packing_available()
     if packing_available():
-        assert_same_tokens_where_margins_allow(beam, record_from_json(result["packed_beam"]), num_beams=4, min_steps=20)
+        assert_same_tokens_where_margins_allow(beam, record_from_json(result["packed_beam"]), num_beams=4, min_steps=40)
 
 
 def copy_rows(seed=0, length=(3, 8)):

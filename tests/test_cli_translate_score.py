@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import MarianConfig, MarianMTModel
 
-from common import FP32_PATHS_RTOL, tiny_kwargs
+from common import FP32_PATHS_RTOL, memorise, tiny_kwargs
 from hf_hardattn import (HardRetrievalConfig, HardRetrievalForConditionalGeneration, SoftTransformerConfig,
                          SoftTransformerForConditionalGeneration)
 from hf_hardattn.cli import main
@@ -51,16 +51,8 @@ def fitted_soft(config, tok):
     in fp32."""
     torch.manual_seed(0)
     model = SoftTransformerForConditionalGeneration(config).double()
-    batch = reversal_batch(tok)
-    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
-    for step in range(400):
-        if step % 10 == 0 and reversal_margins(copy.deepcopy(model).float(), tok)[0].min() >= MARGIN:
-            break
-        model.train()
-        loss = model(**batch).loss
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
+    step = memorise(model, reversal_batch(tok), lambda m: reversal_margins(copy.deepcopy(m).float(), tok)[0], MARGIN,
+                    max_steps=400)
     model = model.float().eval()
     margins = reversal_margins(model, tok)[0]
     assert margins.min() >= MARGIN, (f"the tiny soft model did not memorise the reversals in {step} steps (smallest "

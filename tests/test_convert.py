@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 from common import (EOS, PAD, VOCAB, assert_nontrivial, check_remote_code, check_save_load, collate, copy_task, fitted,
-                    run_generate, source_batch, tiny_kwargs, toy_tokenizer)
+                    memorise, run_generate, source_batch, tiny_kwargs, toy_tokenizer)
 from transformers import (BartConfig, BartForConditionalGeneration, BertConfig, M2M100Config,
                           M2M100ForConditionalGeneration, MarianConfig, MarianMTModel, MBartConfig,
                           MBartForConditionalGeneration)
@@ -86,16 +86,7 @@ def source_model(family):
             if hasattr(model, "final_logits_bias"):
                 model.final_logits_bias.copy_(torch.randn(model.final_logits_bias.shape, generator=generator,
                                                           dtype=torch.float64) * 0.5)
-        batch = collate(memorised_rows())
-        optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
-        for step in range(300):
-            if step % 10 == 0 and memorised_margins(model).min() >= MARGIN:
-                break
-            model.train()
-            loss = model(**batch).loss
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
+        step = memorise(model, collate(memorised_rows()), memorised_margins, MARGIN, max_steps=300)
         model = model.float().eval()
         margins = memorised_margins(model)
         assert margins.min() >= MARGIN, (f"the tiny {family} model did not memorise the reversals of source_batch() "
