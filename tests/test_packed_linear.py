@@ -23,6 +23,7 @@ from hf_hardattn.packed_linear import is_packed, pack_linears, unpack_linears
 
 RNN_KW = dict(decoder_layers=1, rnn_hidden_size=32)
 pytestmark = pytest.mark.skipif(not packed_linear.packing_available(), reason="no oneDNN prepacked linear")
+HALF = 0.5  # of the decisions (sentences x steps) at least this share clear of rounding (seen: 0.87-1 for beams)
 
 MODELS = {
     "soft": lambda: SoftTransformerForConditionalGeneration(SoftTransformerConfig(**tiny_kwargs())),
@@ -58,8 +59,8 @@ def recorded(model, mode):
 @pytest.mark.parametrize("name", list(MODELS))
 def test_packed_decoding_equals_plain(name):
     """Teacher-forced logits within rounding; greedy and beam search (4 beams; 32 rows, all packed) give the plain
-    model's tokens and step scores wherever its margins allow, at least MIN_STEPS of the 80 decisions (8 sentences x
-    10 steps) each."""
+    model's tokens and step scores wherever its margins allow, at least half of the 80 decisions (8 sentences x 10
+    steps) each."""
     torch.manual_seed(0)  # the same model whichever tests ran before
     plain = fitted(MODELS[name]())  # varied outputs (random tied-embedding models repeat one token)
     packed = copy.deepcopy(plain).pack_linears()
@@ -67,8 +68,7 @@ def test_packed_decoding_equals_plain(name):
     for mode, beams in (("greedy", 1), ("beam", 4)):
         expected = recorded(plain, mode)
         assert_nontrivial(expected["sequences"])
-        assert_same_tokens_where_margins_allow(expected, recorded(packed, mode), num_beams=beams,
-                                               min_steps=MIN_STEPS[mode])
+        assert_same_tokens_where_margins_allow(expected, recorded(packed, mode), num_beams=beams, min_steps=HALF * 80)
     assert_packed_path_used(packed)
 
 
@@ -83,8 +83,8 @@ def test_marian_too():
     ids, mask = decoding_batch()
     kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, min_new_tokens=8, num_beams=3)
     expected = recorded_generate(plain, **kwargs)
-    assert_same_tokens_where_margins_allow(expected, recorded_generate(packed, **kwargs), num_beams=3,
-                                           min_steps=MIN_STEPS["beam"])
+    got = recorded_generate(packed, **kwargs)
+    assert_same_tokens_where_margins_allow(expected, got, num_beams=3, min_steps=HALF * 64)  # 8 sentences x 8 steps
     assert packed.lm_head.packed_weight.key is not None
 
 
