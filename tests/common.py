@@ -393,7 +393,7 @@ def check_remote_code(model, tmp_path):
     kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=10, min_new_tokens=10)
     model64 = as_float64(model)
     greedy = run_generate(model64, "greedy", True, ids, mask)
-    assert_nontrivial(greedy)
+    assert_nontrivial(greedy[:2])  # source_batch()'s two sentences, as the other checks (8 would hide a repeated token)
     assert result["greedy64"] == greedy.tolist()
     assert result["beam64"] == model64.generate(**kwargs, num_beams=4).tolist()
     beam = record_from_json(result["beam"])
