@@ -25,8 +25,11 @@ median per model is reported, so load from other processes hits all of them alik
   ``soft_int8_expanded``: with transformers' one encoder row per beam (the grouped memory's share of the gain).
 * ``ct2_float32`` / ``ct2_int8``: the same MarianMTModel converted with ``ctranslate2`` (what a user would pick for
   fast CPU decoding), ``intra_threads`` = --threads; the reference, not a model of this package. Measured in a
-  second process after the torch models (its OpenMP threads keep spinning after each call and would slow down the
-  next torch model in the same process).
+  second process (its OpenMP threads keep spinning after each call and would slow down the next torch model in the
+  same process), driven round by round from the first: within each round the ct2 models run after the torch
+  models, with a pause of PAUSE_S around them, so load from other processes hits both alike. Its backend is its
+  own default for the CPU (oneDNN int8 on AMD; ``CT2_USE_MKL=1`` was 3-4x slower on the AVX2 EPYC), printed with
+  ``CT2_VERBOSE=1``.
 
 Targets (issue #7): soft >= 1.2x marian; hard_retrieval >= 0.8x attention_removed; hybrid 6-1 >= 4x soft;
 sh_x >= 1.3x soft. Issue #44: soft_int8 >= 1.0x ct2_int8 at every setting and >= 1.3x at batch 1; hybrid_dot_int8
@@ -250,16 +253,79 @@ def run_once(model, ids, mask, num_beams, new_tokens):
     return out
 
 
-def measure(models, ids, mask, num_beams, new_tokens, repeats):
-    """sentences/s per model: batch size / median time; models alternate within each round."""
+PAUSE_S = 0.5  # between torch's and ctranslate2's calls: both OpenMP runtimes spin a while after a call
+
+
+class CT2Process:
+    """The ct2_* models in a process of their own (ctranslate2's OpenMP threads keep spinning after each call and
+    would slow down the torch model timed next in the same process), driven from this one round by round, so that
+    they alternate with the torch models in time and load from other processes hits both alike."""
+
+    def __init__(self, names, threads):
+        import subprocess
+        import sys
+
+        self.process = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--ct2-serve", "--models", *names,
+                                         "--threads", str(threads)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        text=True)
+        self._answer()  # converted and loaded
+
+    def _answer(self):
+        for line in self.process.stdout:
+            if line.startswith("CT2 "):
+                return json.loads(line[4:])
+        raise RuntimeError(f"the ctranslate2 process ended (exit code {self.process.wait()})")
+
+    def times(self, batch_size, num_beams, new_tokens):
+        """Seconds of one call of each ct2 model on ``make_inputs(batch_size)``."""
+        self.process.stdin.write(json.dumps([batch_size, num_beams, new_tokens]) + "\n")
+        self.process.stdin.flush()
+        return self._answer()
+
+    def close(self):
+        self.process.stdin.close()
+        self.process.wait()
+
+
+def ct2_serve(names, threads):
+    """The other end of :class:`CT2Process`: one line [batch size, beams, new tokens] in, one line of times out."""
+    import sys
+
+    with tempfile.TemporaryDirectory() as folder:
+        torch.manual_seed(0)
+        marian = build_marian().eval()
+        ct2 = {name: CT2Model(marian, name.split("_")[1], threads, folder) for name in names}
+        print("CT2 {}", flush=True)
+        for line in sys.stdin:
+            batch_size, num_beams, new_tokens = json.loads(line)
+            ids, mask = make_inputs(batch_size)
+            times = {}
+            for name, model in ct2.items():
+                start = time.perf_counter()
+                run_once(model, ids, mask, num_beams, new_tokens)
+                times[name] = time.perf_counter() - start
+            print("CT2 " + json.dumps(times), flush=True)
+
+
+def measure(models, ids, mask, num_beams, new_tokens, repeats, ct2=None):
+    """sentences/s per model: batch size / median time; models alternate within each round (the ct2_* models of
+    ``ct2``, a :class:`CT2Process`, too: after the torch models, with a pause around them)."""
     times = {name: [] for name in models}
     for model in models.values():
         run_once(model, ids, mask, num_beams, new_tokens)  # warm-up
+    if ct2 is not None:
+        time.sleep(PAUSE_S)
+        times.update({name: [] for name in ct2.times(ids.shape[0], num_beams, new_tokens)})  # warm-up
     for _ in range(repeats):
         for name, model in models.items():
             start = time.perf_counter()
             run_once(model, ids, mask, num_beams, new_tokens)
             times[name].append(time.perf_counter() - start)
+        if ct2 is not None:
+            time.sleep(PAUSE_S)
+            for name, seconds in ct2.times(ids.shape[0], num_beams, new_tokens).items():
+                times[name].append(seconds)
+            time.sleep(PAUSE_S)
     return {name: ids.shape[0] / statistics.median(t) for name, t in times.items()}
 
 
@@ -312,7 +378,7 @@ def main(argv=None):
     parser.add_argument("--output", default=os.path.join(os.path.dirname(__file__), "results", "decode_speed.json"))
     parser.add_argument("--memory", action="store_true",
                         help="instead of speed: peak memory and weight size of each model, each in a fresh process")
-    parser.add_argument("--ct2-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--ct2-serve", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--memory-worker", help=argparse.SUPPRESS)
     parser.add_argument("--ct2-convert", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -334,41 +400,27 @@ def main(argv=None):
         return memory_table(names, args)
     torch.set_num_threads(args.threads)
     settings = [(mode, batch_size) for mode in args.modes for batch_size in args.batch_sizes]
-    if args.ct2_worker:  # ctranslate2 in its own process: its OpenMP threads keep spinning after a call and would
-        # slow down the torch model measured next in the same process
-        with tempfile.TemporaryDirectory() as folder:
-            torch.manual_seed(0)
-            marian = build_marian().eval()
-            ct2 = {name: CT2Model(marian, name.split("_")[1], args.threads, folder) for name in names}
-            speeds = [measure(ct2, *make_inputs(b), 4 if m == "beam4" else 1, args.new_tokens, args.repeats)
-                      for m, b in settings]
-        print("CT2RESULT" + json.dumps(speeds))
-        return speeds
+    if args.ct2_serve:
+        return ct2_serve(names, args.threads)
     models = {}
     for name in names:
         if name not in CT2:
             torch.manual_seed(0)
             models[name] = BUILDERS[name]().eval()
-    rows = []
-    for mode, batch_size in settings:
-        ids, mask = make_inputs(batch_size)
-        speeds = measure(models, ids, mask, 4 if mode == "beam4" else 1, args.new_tokens, args.repeats)
-        rows.append({"mode": mode, "batch_size": batch_size, "sentences_per_s": speeds})
-        print(f"{mode:6s} batch {batch_size:3d}: " + ", ".join(f"{n} {s:.2f}" for n, s in speeds.items()), flush=True)
     ct2_names = [name for name in names if name in CT2]
-    if ct2_names:
-        import subprocess
-        import sys
-
-        command = [sys.executable, os.path.abspath(__file__), "--ct2-worker", "--models", *ct2_names,
-                   "--batch-sizes", *map(str, args.batch_sizes), "--modes", *args.modes, "--repeats",
-                   str(args.repeats), "--new-tokens", str(args.new_tokens), "--threads", str(args.threads)]
-        out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
-        for row, speeds in zip(rows, json.loads(out.split("CT2RESULT", 1)[1])):
-            row["sentences_per_s"].update(speeds)
-            print(f"{row['mode']:6s} batch {row['batch_size']:3d}: "
-                  + ", ".join(f"{n} {s:.2f}" for n, s in speeds.items()), flush=True)
-        models.update({name: None for name in ct2_names})
+    ct2 = CT2Process(ct2_names, args.threads) if ct2_names else None
+    rows = []
+    try:
+        for mode, batch_size in settings:
+            ids, mask = make_inputs(batch_size)
+            speeds = measure(models, ids, mask, 4 if mode == "beam4" else 1, args.new_tokens, args.repeats, ct2)
+            rows.append({"mode": mode, "batch_size": batch_size, "sentences_per_s": speeds})
+            print(f"{mode:6s} batch {batch_size:3d}: " + ", ".join(f"{n} {s:.2f}" for n, s in speeds.items()),
+                  flush=True)
+    finally:
+        if ct2 is not None:
+            ct2.close()
+    models.update({name: None for name in ct2_names})
     ratios = [r for r in RATIOS if r[1] in models and r[2] in models]
     speed_lines = ["| model | " + " | ".join(f"{r['mode']} b{r['batch_size']}" for r in rows) + " |",
                    "| --- |" + " ---: |" * len(rows)]

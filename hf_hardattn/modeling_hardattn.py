@@ -38,7 +38,7 @@ from transformers.utils.hub import hf_api
 
 from .configuration_hardattn import ROLES, HardAttnConfig
 from .model_card import RESULTS_FILE, write_model_card
-from .packed_linear import DEFAULT_MAX_ROWS, pack_linears, unpack_linears
+from .packed_linear import DEFAULT_MAX_ROWS, Int8Linear, pack_linears, unpack_linears
 from .safe_io import atomic_folder, stale_weights, target_folder, verify_folder, write_checksums
 
 # transformers 5.24 renamed the decoding cache from `past_key_values` to `cache`: generate() passes `cache=` and model
@@ -1104,6 +1104,8 @@ class HardAttnPreTrainedModel(PreTrainedModel):
                                  inplace=True)
             finally:
                 torch.backends.quantized.engine = engine
+        for name in names:  # the same kernel on a shorter call path (packed_linear.Int8Linear)
+            Int8Linear.swap_into(self.get_submodule(name))
         self.is_int8 = True
         return self
 

@@ -112,3 +112,27 @@ def is_packed(module: nn.Module) -> bool:
 
 
 __all__ = ["pack_linears", "unpack_linears", "is_packed", "packed_layers", "packing_available", "DEFAULT_MAX_ROWS"]
+
+
+class Int8Linear(torch.ao.nn.quantized.dynamic.Linear):
+    """torch's dynamic int8 linear layer (what ``quantize_int8()`` makes of each ``nn.Linear``) with the shortest
+    call path: the same kernel with the same arguments as torch's module (``quantized::linear_dynamic`` on the
+    packed int8 weight, ``reduce_range=True``), without the per-call checks of a layer that may hold fp16 weights
+    or an old serialization version. Decoding calls ~40 linear layers per step, so at batch 1 those checks cost
+    about a tenth of the step (2-core AMD EPYC, AVX2, greedy, Transformer-base: 239 -> 214 ms for 30 tokens; the
+    outputs are bit for bit the same). Made by class swap in ``quantize_int8``, so state dict and repr are torch's."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = _LINEAR_DYNAMIC(x, self._packed_params._packed_params, True)
+        return out if out.dtype == x.dtype else out.to(x.dtype)
+
+    @classmethod
+    def swap_into(cls, module: nn.Module) -> nn.Module:
+        """``module`` (a ``torch.ao.nn.quantized.dynamic.Linear`` with int8 weights) as an :class:`Int8Linear`."""
+        if type(module) is not torch.ao.nn.quantized.dynamic.Linear or module._packed_params.dtype != torch.qint8:
+            raise TypeError(f"Int8Linear.swap_into takes torch's dynamic int8 Linear, got {module!r}.")
+        module.__class__ = cls
+        return module
+
+
+_LINEAR_DYNAMIC = torch.ops.quantized.linear_dynamic.default

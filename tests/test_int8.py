@@ -11,11 +11,15 @@ from torch import nn
 
 from common import CONTRACT_MODELS, contract_model, decode_step_by_step, source_batch, tiny_kwargs
 from hf_hardattn import SoftTransformerConfig, SoftTransformerForConditionalGeneration
+from hf_hardattn.packed_linear import Int8Linear
 
 
 def quantized_linears(model):
-    return {name: module for name, module in model.named_modules() if "quantized" in type(module).__module__
-            and type(module).__name__ == "Linear"}
+    """The int8 layers: torch's dynamic int8 Linear, as ``packed_linear.Int8Linear`` (its shorter call path)."""
+    layers = {name: module for name, module in model.named_modules()
+              if isinstance(module, torch.ao.nn.quantized.dynamic.Linear)}
+    assert all(type(module) is Int8Linear for module in layers.values()), {type(m) for m in layers.values()}
+    return layers
 
 
 def fp32_linears(model):
