@@ -299,12 +299,18 @@ def main(argv=None):
                         help="default benchmarks/results/gpu_speed_<gpu-name-slug>.json (gpu_speed_cpu_smoke.json "
                              "for --smoke on a CPU)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's; smoke: 1)")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=None,
+                        help="decoding batch sizes (default 1 64; smoke 1 3)")
     args = parser.parse_args(argv)
     budget = Budget(args.budget_seconds, START)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if args.threads or args.smoke:
         torch.set_num_threads(args.threads or 1)  # tiny ops: threads only wait for each other
-    size = SMOKE if args.smoke else BASE
+    size = dict(SMOKE if args.smoke else BASE)
+    if args.batch_sizes:
+        if min(args.batch_sizes) < 1:
+            parser.error(f"--batch-sizes must be positive integers, got {args.batch_sizes}")
+        size["batch_sizes"] = args.batch_sizes
     decode_rounds = args.decode_rounds or (1 if args.smoke else 7)
     train_rounds = args.train_rounds or (1 if args.smoke else 10)
     warmup = args.warmup if args.warmup is not None else (1 if args.smoke else 2)
