@@ -308,8 +308,9 @@ def ct2_serve(names, threads):
 
 
 def measure(models, ids, mask, num_beams, new_tokens, repeats, ct2=None):
-    """sentences/s per model: batch size / median time; models alternate within each round (the ct2_* models of
-    ``ct2``, a :class:`CT2Process`, too: after the torch models, with a pause around them)."""
+    """(sentences/s per model: batch size / median time, the times of every round); models alternate within each
+    round (the ct2_* models of ``ct2``, a :class:`CT2Process`, too: after the torch models, with a pause around
+    them)."""
     times = {name: [] for name in models}
     for model in models.values():
         run_once(model, ids, mask, num_beams, new_tokens)  # warm-up
@@ -326,7 +327,7 @@ def measure(models, ids, mask, num_beams, new_tokens, repeats, ct2=None):
             for name, seconds in ct2.times(ids.shape[0], num_beams, new_tokens).items():
                 times[name].append(seconds)
             time.sleep(PAUSE_S)
-    return {name: ids.shape[0] / statistics.median(t) for name, t in times.items()}
+    return {name: ids.shape[0] / statistics.median(t) for name, t in times.items()}, times
 
 
 def weight_bytes(model):
@@ -413,8 +414,9 @@ def main(argv=None):
     try:
         for mode, batch_size in settings:
             ids, mask = make_inputs(batch_size)
-            speeds = measure(models, ids, mask, 4 if mode == "beam4" else 1, args.new_tokens, args.repeats, ct2)
-            rows.append({"mode": mode, "batch_size": batch_size, "sentences_per_s": speeds})
+            speeds, times = measure(models, ids, mask, 4 if mode == "beam4" else 1, args.new_tokens, args.repeats,
+                                    ct2)
+            rows.append({"mode": mode, "batch_size": batch_size, "sentences_per_s": speeds, "seconds_per_round": times})
             print(f"{mode:6s} batch {batch_size:3d}: " + ", ".join(f"{n} {s:.2f}" for n, s in speeds.items()),
                   flush=True)
     finally:
