@@ -50,9 +50,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .hard_retrieval import gather_rows, inference_indices, sampled_retrieval
-from .modeling_hardattn import full_mask
-
-ROLES = ("encoder", "decoder", "cross")
+from .layers import full_mask
+from .registry import ROLES
 
 VARIANTS = {
     "hard_retrieval": ("decoder", "cross"),
