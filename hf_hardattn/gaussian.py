@@ -514,6 +514,20 @@ def fit_length_ratio(config_or_model, dataset, tokenizer, **kwargs) -> float:
     return gamma
 
 
+def length_ratio_unless_given(config, dataset, tokenizer, given=None):
+    """hc-all's rule, for any config with hard-coded (Gaussian) cross-attention: its gamma is ``given`` when not None,
+    else the config's own when set, else fitted on ``dataset`` with :func:`fit_length_ratio`. Other configs are left as
+    they are. Returns the config's gamma (None where it reads none)."""
+    if "gaussian" not in config.attention_kinds("cross"):
+        return _setting(config, "length_ratio")
+    if given is not None:
+        config.length_ratio = given
+        check_gaussian_settings(config)
+    elif _setting(config, "length_ratio") is None:
+        fit_length_ratio(config, dataset, tokenizer)
+    return config.length_ratio
+
+
 class GaussianForConditionalGeneration(HardAttnForConditionalGeneration):
     config_class = GaussianConfig
     card_title = "Transformer with hard-coded Gaussian attention"
@@ -544,4 +558,5 @@ __all__ = [
     "gaussian_density",
     "head_offsets",
     "length_ratio",
+    "length_ratio_unless_given",
 ]

@@ -128,6 +128,7 @@ class HardAttnPreTrainedModel(Int8Mixin, SavingMixin, PreTrainedModel):
     def unpack_linears(self):
         return unpack_linears(self)
 
+
 class HardAttnModel(HardAttnPreTrainedModel):
     """Shared token embeddings + encoder + decoder (no output layer)."""
 
