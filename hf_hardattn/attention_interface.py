@@ -56,7 +56,7 @@ from .registry import ROLES
 VARIANTS = {
     "hard_retrieval": ("decoder", "cross"),
     "hard_retrieval_cross": ("cross",),
-    "hard_retrieval_all": ("encoder", "decoder", "cross"),
+    "hard_retrieval_all": tuple(ROLES),
 }
 
 

@@ -47,14 +47,14 @@ from torch import nn
 from .configuration_hardattn import HardAttnConfig
 from .inputs import is_tracing
 from .modeling_hardattn import HardAttnForConditionalGeneration
-from .registry import KINDS
+from .registry import KINDS, ROLES
 
 GAUSSIAN_IMPLEMENTATIONS = ("full", "conv", "index")
 PRESETS = ("hc-sa", "hc-all", "sh-x")
 # The kind's settings and their defaults, in the registry of kinds (sigma 1, window 3, Sec. 6.3; offsets: Sec. 3.1 /
 # Appendix A: encoder (l, r), decoder (l, c); Sec. 3.2: cross floor(gamma*i + {-1, 0, 1}))
 DEFAULTS = KINDS["gaussian"].settings
-OFFSET_FIELDS = {"encoder": "encoder_offsets", "decoder": "decoder_offsets", "cross": "cross_offsets"}
+OFFSET_FIELDS = {role: f"{role}_offsets" for role in ROLES}  # encoder_offsets, decoder_offsets, cross_offsets
 DEFAULT_OFFSETS = {role: DEFAULTS[field] for role, field in OFFSET_FIELDS.items()}
 # ``full`` during cached decoding skips keys whose weight is below this fraction of the head's peak weight
 FULL_CUTOFF = 1e-6

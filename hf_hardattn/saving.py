@@ -56,7 +56,7 @@ class SavingMixin:
             write_checksums(staging)
         if push_to_hub:
             repo_id = hub.pop("repo_id", os.path.basename(os.path.normpath(str(save_directory))))
-            self._upload_to_hub(final, repo_id, before, token=kwargs.get("token"), **hub)
+            self.upload_folder_to_hub(final, repo_id, before, token=kwargs.get("token"), **hub)
 
     def save_kind_files(self, folder):
         """Copy into ``folder`` the runtime file of every attention kind the config uses (with that file's relative
@@ -88,11 +88,12 @@ class SavingMixin:
         Returns the commit's ``CommitInfo``."""
         with tempfile.TemporaryDirectory() as folder:
             self.save_pretrained(folder, max_shard_size=max_shard_size, tokenizer=tokenizer)
-            return self._upload_to_hub(folder, repo_id, {}, private=private, token=token, tags=tags,
+            return self.upload_folder_to_hub(folder, repo_id, {}, private=private, token=token, tags=tags,
                                        commit_message=commit_message, commit_description=commit_description,
                                        revision=revision, create_pr=create_pr)
 
-    def _upload_to_hub(self, folder, repo_id, files_timestamps, *, private=None, token=None, tags=None, **commit):
+    def upload_folder_to_hub(self, folder, repo_id, files_timestamps, *, private=None, token=None, tags=None,
+                             **commit):
         """Create the repo if needed, add the model's and the given ``tags`` to the card (as transformers does), and
         upload the files of ``folder`` written after ``files_timestamps`` in one commit (``_upload_modified_files``)."""
         repo_id = hf_api().create_repo(repo_id, private=private, token=token, exist_ok=True).repo_id

@@ -505,7 +505,7 @@ def run_publish(args) -> dict:
             _print(f"dry run: the upload folder is {args.dry_run}; nothing pushed")
             return dict(folder=args.dry_run, files=sorted(os.listdir(args.dry_run)))
         try:
-            info = model._upload_to_hub(staging, args.repo_id, {}, private=args.private or None,
+            info = model.upload_folder_to_hub(staging, args.repo_id, {}, private=args.private or None,
                                         commit_message=args.commit_message or "Upload with hf-hardattn publish")
         except Exception as error:  # network, authentication, permissions: one line, nothing half-done locally
             raise CommandError(f"pushing to {args.repo_id!r} failed: {' '.join(str(error).split())[:300]}") from error

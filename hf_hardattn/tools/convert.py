@@ -53,7 +53,7 @@ from transformers.utils import logging
 
 from ..gaussian import GaussianAttention
 from ..layers import SoftAttention
-from ..registry import MODEL_TYPES, model_classes
+from ..registry import MODEL_TYPES, ROLES, model_classes
 
 logger = logging.get_logger(__name__)
 
@@ -394,9 +394,9 @@ def _map_positions(write, target, target_name, source, source_name, family):
 def _describe_target(model, source, report):
     """Notes on how the target's computation differs from the source's (beyond the initialised/dropped tensors)."""
     config = model.config
-    kinds = {role: config.attention_kinds(role) for role in ("encoder", "decoder", "cross")}
-    heads = {"encoder": source.config.encoder_attention_heads, "decoder": source.config.decoder_attention_heads,
-             "cross": source.config.decoder_attention_heads}
+    kinds = {role: config.attention_kinds(role) for role in ROLES}
+    heads = {role: source.config.encoder_attention_heads if role == "encoder" else source.config.decoder_attention_heads
+             for role in ROLES}
     for role, per_layer in kinds.items():
         other = sorted(set(per_layer) - {"soft"})
         if other:
