@@ -51,12 +51,14 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .hard_retrieval import gather_rows, inference_indices, sampled_retrieval
 from .layers import full_mask
-from .registry import ROLES
+from .registry import ROLES as ROLE_ENTRIES
+
+ROLES = tuple(ROLE_ENTRIES)  # the role names: encoder, decoder, cross
 
 VARIANTS = {
     "hard_retrieval": ("decoder", "cross"),
     "hard_retrieval_cross": ("cross",),
-    "hard_retrieval_all": tuple(ROLES),
+    "hard_retrieval_all": ROLES,
 }
 
 

@@ -18,13 +18,17 @@ from transformers.utils import cached_file
 class Role(NamedTuple):
     field: str  # the config field holding the role's kind(s)
     layers_field: str  # the config field holding the number of layers of that role
-    outputs: str  # the model output field holding its attention weights (output_attentions=True)
+
+    @property
+    def outputs(self) -> str:
+        """The model output field holding the role's attention weights (``output_attentions=True``)."""
+        return f"{self.field}s"
 
 
 ROLES = {
-    "encoder": Role("encoder_attention", "encoder_layers", "encoder_attentions"),
-    "decoder": Role("decoder_attention", "decoder_layers", "decoder_attentions"),
-    "cross": Role("cross_attention", "decoder_layers", "cross_attentions"),
+    "encoder": Role("encoder_attention", "encoder_layers"),
+    "decoder": Role("decoder_attention", "decoder_layers"),
+    "cross": Role("cross_attention", "decoder_layers"),
 }
 
 
