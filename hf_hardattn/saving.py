@@ -45,7 +45,7 @@ class SavingMixin:
         before = self._get_files_timestamps(final) if os.path.isdir(final) else {}
         with atomic_folder(final, drop=stale_weights(kwargs.get("variant"))) as staging:
             super().save_pretrained(staging, *args, **kwargs)
-            if self.is_remote_code():  # (as transformers, which has copied the model type's file and its imports)
+            if self._auto_class is not None:  # (as transformers: it has copied the model type's file and its imports)
                 self.save_kind_files(staging)
             results = os.path.join(final, RESULTS_FILE)
             if os.path.isfile(results):  # the card shows the folder's results
