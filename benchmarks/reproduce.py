@@ -1,4 +1,4 @@
-"""The papers' tables on real data, one row per variant, one shared recipe (see hf_hardattn/reproduce.py).
+"""The papers' tables on real data, one row per variant, one shared recipe (see hf_hardattn/tools/reproduce.py).
 
     python benchmarks/reproduce.py --task multi30k --preset cpu              # all rows, 35 min each, resumable
     python benchmarks/reproduce.py --task multi30k --preset cpu --rows marian soft

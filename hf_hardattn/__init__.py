@@ -4,8 +4,15 @@ Importing the package registers every model type with ``AutoConfig`` / ``AutoMod
 classes for remote-code saving, so a saved folder also loads with ``trust_remote_code=True`` where hf_hardattn is
 not installed. It also registers the ``translation`` pipeline task (``hf_hardattn.pipelines``), for any seq2seq model.
 ``hf_hardattn.convert(source, model_type, **config_overrides)`` maps a pretrained Marian / BART / mBART / M2M100 model
-into any of these model types (``hf_hardattn/convert.py``).
+into any of these model types (``hf_hardattn/tools/convert.py``).
+
+Layout: the top level holds the runtime (what a saved model carries, flat: remote code copies a model file and its
+same-folder imports) and the two registrations with transformers (``pipelines``, ``attention_interface``);
+``hf_hardattn.tools`` holds the tooling (command line, training, reproduction, data, plots, conversion), importable by
+its old paths too (``hf_hardattn.training``, ...). ``registry.py`` lists the attention kinds and the model types.
 """
+
+import sys
 
 from transformers import AutoConfig, AutoModelForSeq2SeqLM
 
@@ -13,7 +20,6 @@ from .attention_interface import register as _register_attention_interface
 from .beam_joint import (BeamJointRNNConfig, BeamJointRNNForConditionalGeneration, BeamJointTransformerConfig,
                          BeamJointTransformerForConditionalGeneration)
 from .configuration_hardattn import ATTENTION_KINDS, HardAttnConfig
-from .convert import ConversionReport, convert
 from .gaussian import GaussianConfig, GaussianForConditionalGeneration, fit_length_ratio
 from .hard_retrieval import HardRetrievalConfig, HardRetrievalForConditionalGeneration
 from .hybrid import HybridConfig, HybridForConditionalGeneration
@@ -21,19 +27,20 @@ from .modeling_hardattn import HardAttnCache, HardAttnForConditionalGeneration
 from .pipelines import TranslationPipeline
 from .pipelines import register as _register_pipelines
 from .recurrent import RecurrentConfig, RecurrentForConditionalGeneration
+from .registry import MODEL_TYPES, model_classes
 from .soft import SoftTransformerConfig, SoftTransformerForConditionalGeneration
+from .tools import convert as _convert_module
+from .tools import keep_old_paths as _keep_old_paths
+from .tools.convert import ConversionReport, convert
 
 __version__ = "0.1.0"
 
-MODEL_CLASSES = {
-    SoftTransformerConfig: SoftTransformerForConditionalGeneration,
-    HardRetrievalConfig: HardRetrievalForConditionalGeneration,
-    GaussianConfig: GaussianForConditionalGeneration,
-    HybridConfig: HybridForConditionalGeneration,
-    RecurrentConfig: RecurrentForConditionalGeneration,
-    BeamJointTransformerConfig: BeamJointTransformerForConditionalGeneration,
-    BeamJointRNNConfig: BeamJointRNNForConditionalGeneration,
-}
+MODEL_CLASSES = dict(model_classes(model_type) for model_type in MODEL_TYPES)  # config class -> model class
+
+# the tool modules' old paths: hf_hardattn.training etc. import hf_hardattn.tools.training etc.; hf_hardattn.convert
+# stays the function above while `from hf_hardattn.convert import ...` finds the module
+sys.modules[f"{__name__}.convert"] = _convert_module
+_keep_old_paths(__name__)
 
 
 def _register():

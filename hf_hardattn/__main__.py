@@ -1,6 +1,6 @@
-"""``python -m hf_hardattn ...`` = the ``hf-hardattn`` command (see :mod:`hf_hardattn.cli`)."""
+"""``python -m hf_hardattn ...`` = the ``hf-hardattn`` command (see :mod:`hf_hardattn.tools.cli`)."""
 
-from .cli import main
+from .tools.cli import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -50,14 +50,15 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .hard_retrieval import gather_rows, inference_indices, sampled_retrieval
-from .modeling_hardattn import full_mask
+from .layers import full_mask
+from .registry import ROLES as ROLE_ENTRIES
 
-ROLES = ("encoder", "decoder", "cross")
+ROLES = tuple(ROLE_ENTRIES)  # the role names: encoder, decoder, cross
 
 VARIANTS = {
     "hard_retrieval": ("decoder", "cross"),
     "hard_retrieval_cross": ("cross",),
-    "hard_retrieval_all": ("encoder", "decoder", "cross"),
+    "hard_retrieval_all": ROLES,
 }
 
 

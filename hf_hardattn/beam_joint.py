@@ -45,8 +45,10 @@ import torch.nn.functional as F
 
 from .configuration_hardattn import HardAttnConfig
 from .hybrid import HybridConfig, HybridForConditionalGeneration
-from .modeling_hardattn import (DecoderResult, HardAttnForConditionalGeneration, causal_mask, check_memory_rows,
-                                is_tracing, padding_mask, token_mean)
+from .inputs import is_tracing
+from .layers import DecoderResult, causal_mask, check_memory_rows, padding_mask
+from .loss import token_mean
+from .modeling_hardattn import HardAttnForConditionalGeneration
 
 # Masked attention scores: a large finite negative instead of -inf, so that log-probabilities and their gradients
 # stay finite at padded positions (their probability is exactly 0 after exp).
@@ -444,16 +446,6 @@ class BeamJointTransformerConfig(JointFields, HardAttnConfig):
         return layer
 
 
-def _residual(sublayer, x, out):
-    """The skeleton's SubLayer residual + norm, applied to an already computed sub-layer output ``out``."""
-    out = F.dropout(out, sublayer.dropout, sublayer.training)
-    return x + out if sublayer.pre_norm else sublayer.norm(x + out)
-
-
-def _sublayer_input(sublayer, x):
-    return sublayer.norm(x) if sublayer.pre_norm else x
-
-
 def candidate_self_attention(q, k_own, v_own, k_hist, v_hist, hist_mask, scale, dropout, training):
     """Self-attention of the candidates of a layer after the joint layer: candidate (t, k) attends to the soft
     decoder's states of the positions before t (``hist_mask``) and to its own state at t.
@@ -549,7 +541,7 @@ class BeamJointTransformerForConditionalGeneration(JointOutputMixin, HardAttnFor
                     x, self_weights = x if output_attentions else (x, None)
                 sub = layer.cross_attn
                 attn = sub.module
-                q, k, v = attn.project(_sublayer_input(sub, x), memory, cache)  # [B, H, T, hd], [B, H, S, hd]
+                q, k, v = attn.project(sub.input(x), memory, cache)  # [B, H, T, hd], [B, H, S, hd]
                 scores = _at_least_fp32(q @ k.transpose(-1, -2)) * attn.head_dim**-0.5  # Eq. 1 per head
                 if cross_mask is not None:
                     scores = scores.masked_fill(~cross_mask, _NEG)
@@ -565,10 +557,10 @@ class BeamJointTransformerForConditionalGeneration(JointOutputMixin, HardAttnFor
                         cache.sentence_states["beam_joint.hard"] = hard
                 picked = torch.gather(hard, 1, index_k.reshape(batch, -1, 1).expand(-1, -1, hard.shape[-1]))
                 n_cand = index_k.shape[-1]
-                y = _residual(sub, x[:, :, None, :], picked.view(batch, length, n_cand, -1).to(x.dtype))
+                y = sub.residual(x[:, :, None, :], picked.view(batch, length, n_cand, -1).to(x.dtype))
                 y = layer.ffn(y).reshape(batch, length * n_cand, -1)  # candidates flattened as t * K + k
                 if index < n_layers - 1:  # the soft stream feeds later layers' self-attention
-                    x = _residual(sub, x, attn.merge(attn.attend(q, k, v, cross_mask, False)))
+                    x = sub.residual(x, attn.merge(attn.attend(q, k, v, cross_mask, False)))
                     x = layer.ffn(x)
                 record(y.view(batch, length, n_cand, -1), self_weights, log_heads.exp() if output_attentions else None)
                 continue
@@ -577,18 +569,18 @@ class BeamJointTransformerForConditionalGeneration(JointOutputMixin, HardAttnFor
             if layer.self_attn is not None:
                 sub = layer.self_attn
                 attn = sub.module
-                q, k, v = attn.project(_sublayer_input(sub, x), None, cache)  # soft stream (updates the cache)
+                q, k, v = attn.project(sub.input(x), None, cache)  # soft stream (updates the cache)
                 key_length = k.shape[2]
                 hist = causal_mask(length, key_length, x.device).tril(key_length - length - 1)  # strictly earlier
                 hist = hist.repeat_interleave(n_cand, dim=0)
                 if decoder_attention_mask is not None:
                     hist = hist & decoder_attention_mask[:, None, None, -key_length:].bool()
-                qc, kc, vc = attn._split(attn.qkv_proj(_sublayer_input(sub, y)), 3)
+                qc, kc, vc = attn.split_heads(attn.qkv_proj(sub.input(y)), 3)
                 out, self_weights = candidate_self_attention(qc, kc, vc, k, v, hist, attn.head_dim**-0.5, attn.dropout,
                                                              self.training)
-                y = _residual(sub, y, attn.merge(out))
+                y = sub.residual(y, attn.merge(out))
                 if index < n_layers - 1:
-                    x = _residual(sub, x, attn.merge(attn.attend(q, k, v, self_mask, causal)))
+                    x = sub.residual(x, attn.merge(attn.attend(q, k, v, self_mask, causal)))
             if layer.cross_attn is not None:
                 if index < n_layers - 1:
                     x = layer.cross_attn(x, memory=memory, mask=cross_mask, cache=cache)

@@ -16,29 +16,13 @@ import warnings
 from transformers import PreTrainedConfig
 from transformers.activations import ACT2FN
 
-# Attention kinds the skeleton can build, with the roles each one may fill.  "none" removes the sub-layer
-# entirely (no parameters, no computation).  Variants add their kind here and in
-# ``modeling_hardattn.attention_classes``.
-ATTENTION_KINDS = {
-    "soft": ("encoder", "decoder", "cross"),
-    "hard_retrieval": ("encoder", "decoder", "cross"),
-    "none": ("encoder", "decoder", "cross"),
-    "gaussian": ("encoder", "decoder", "cross"),
-    "recurrent": ("cross",),
-}
-# The settings a kind reads from any config that uses it (a plain HardAttnConfig too, where the kind's defaults apply):
-# such keys are no unknown keys there. Kept equal to the variants' own config fields by a test.
-KIND_SETTINGS = {
-    "gaussian": ("gaussian_implementation", "gaussian_sigma", "gaussian_window", "length_ratio", "cross_attention_heads",
-                 "encoder_offsets", "decoder_offsets", "cross_offsets"),
-    "recurrent": ("recurrent_variant", "continuity_window", "continuity_lambda", "coverage_lambda",
-                  "recurrent_context_norm"),
-}
-ROLES = {  # role -> (config field, field holding the number of layers of that role)
-    "encoder": ("encoder_attention", "encoder_layers"),
-    "decoder": ("decoder_attention", "decoder_layers"),
-    "cross": ("cross_attention", "decoder_layers"),
-}
+from .registry import KINDS, ROLES, kinds_allowed, used_kinds
+
+# Attention kind -> the roles it may fill, and -> the settings it reads from any config that uses it (a plain
+# HardAttnConfig too, where the kind's defaults apply: such keys are no unknown keys there); both from the one
+# registry of kinds (registry.KINDS).
+ATTENTION_KINDS = {name: kind.roles for name, kind in KINDS.items()}
+KIND_SETTINGS = {name: tuple(kind.settings) for name, kind in KINDS.items() if kind.settings}
 POSITION_EMBEDDINGS = ("sinusoidal", "learned")
 # Feature layouts of the sinusoidal table (see modeling_hardattn.sinusoidal_table): ours (Vaswani et al.), Marian's
 # (transformers' MarianMTModel) and fairseq's / tensor2tensor's (M2M100, NLLB).
@@ -158,11 +142,7 @@ class HardAttnConfig(PreTrainedConfig):
         settings of a kind the config uses (``KIND_SETTINGS``, e.g. ``length_ratio`` with Gaussian cross-attention)
         are read by that kind and pass."""
         fields = set(self.__dataclass_fields__)
-        used = set()
-        for role in ROLES.values():
-            value = getattr(self, role[0], None)
-            used.update([value] if isinstance(value, str) else list(value or []))
-        read = {key for kind in used for key in KIND_SETTINGS.get(kind, ())}
+        read = {key for kind in used_kinds(self) for key in KIND_SETTINGS.get(kind, ())}
         for key in kwargs:
             if key in fields or key in self.KNOWN_EXTRA_KEYS or key in read:
                 continue
@@ -268,7 +248,7 @@ class HardAttnConfig(PreTrainedConfig):
         """The attention kind of every layer of ``role`` ("encoder", "decoder" or "cross")."""
         if role not in ROLES:
             raise ValueError(f"`role` must be one of {tuple(ROLES)}, got {role!r}.")
-        field, layers_field = ROLES[role]
+        field, layers_field = ROLES[role].field, ROLES[role].layers_field
         value, n_layers = getattr(self, field), getattr(self, layers_field)
         kinds = [value] * n_layers if isinstance(value, str) else list(value)
         if len(kinds) != n_layers:
@@ -276,7 +256,7 @@ class HardAttnConfig(PreTrainedConfig):
                 f"`{field}` has {len(kinds)} entries but `{layers_field}`={n_layers}: give one kind for every "
                 f"layer, or a single string for all of them."
             )
-        allowed = sorted(k for k, roles in ATTENTION_KINDS.items() if role in roles)
+        allowed = kinds_allowed(role)
         for kind in kinds:
             if kind not in allowed:
                 raise ValueError(f"`{field}` entry {kind!r} is not a known attention kind; allowed: {allowed}.")

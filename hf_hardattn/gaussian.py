@@ -45,13 +45,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from .configuration_hardattn import HardAttnConfig
-from .modeling_hardattn import HardAttnForConditionalGeneration, is_tracing
+from .inputs import is_tracing
+from .modeling_hardattn import HardAttnForConditionalGeneration
+from .registry import KINDS, ROLES
 
 GAUSSIAN_IMPLEMENTATIONS = ("full", "conv", "index")
 PRESETS = ("hc-sa", "hc-all", "sh-x")
-# Sec. 3.1 / Appendix A: encoder (l, r), decoder (l, c); Sec. 3.2: cross floor(gamma*i + {-1, 0, 1})
-DEFAULT_OFFSETS = {"encoder": (-1, 1), "decoder": (-1, 0), "cross": (-1, 0, 1)}
-OFFSET_FIELDS = {"encoder": "encoder_offsets", "decoder": "decoder_offsets", "cross": "cross_offsets"}
+# The kind's settings and their defaults, in the registry of kinds (sigma 1, window 3, Sec. 6.3; offsets: Sec. 3.1 /
+# Appendix A: encoder (l, r), decoder (l, c); Sec. 3.2: cross floor(gamma*i + {-1, 0, 1}))
+DEFAULTS = KINDS["gaussian"].settings
+OFFSET_FIELDS = {role: f"{role}_offsets" for role in ROLES}  # encoder_offsets, decoder_offsets, cross_offsets
+DEFAULT_OFFSETS = {role: DEFAULTS[field] for role, field in OFFSET_FIELDS.items()}
 # ``full`` during cached decoding skips keys whose weight is below this fraction of the head's peak weight
 FULL_CUTOFF = 1e-6
 
@@ -61,9 +65,7 @@ FULL_CUTOFF = 1e-6
 # HardAttnConfig, where the defaults below apply)
 # ----------------------------------------------------------------------------------------------------------------
 def _setting(config, name):
-    defaults = dict(gaussian_implementation="full", gaussian_sigma=1.0, gaussian_window=3, length_ratio=None,
-                    cross_attention_heads=None, **{OFFSET_FIELDS[r]: DEFAULT_OFFSETS[r] for r in OFFSET_FIELDS})
-    return getattr(config, name, defaults[name])
+    return getattr(config, name, DEFAULTS[name])
 
 
 def _is_int(x):
@@ -439,14 +441,14 @@ class GaussianConfig(HardAttnConfig):
     encoder_attention: str | list[str] = "gaussian"
     decoder_attention: str | list[str] = "gaussian"
     cross_attention: str | list[str] = "soft"
-    gaussian_implementation: str = "full"
-    gaussian_sigma: float | int = 1.0
-    gaussian_window: int = 3
-    encoder_offsets: list[int] | list[list[int]] | tuple = DEFAULT_OFFSETS["encoder"]
-    decoder_offsets: list[int] | list[list[int]] | tuple = DEFAULT_OFFSETS["decoder"]
-    cross_offsets: list[int] | list[list[int]] | tuple = DEFAULT_OFFSETS["cross"]
-    length_ratio: float | int | None = None
-    cross_attention_heads: int | None = None
+    gaussian_implementation: str = DEFAULTS["gaussian_implementation"]
+    gaussian_sigma: float | int = DEFAULTS["gaussian_sigma"]
+    gaussian_window: int = DEFAULTS["gaussian_window"]
+    encoder_offsets: list[int] | list[list[int]] | tuple = DEFAULTS["encoder_offsets"]
+    decoder_offsets: list[int] | list[list[int]] | tuple = DEFAULTS["decoder_offsets"]
+    cross_offsets: list[int] | list[list[int]] | tuple = DEFAULTS["cross_offsets"]
+    length_ratio: float | int | None = DEFAULTS["length_ratio"]
+    cross_attention_heads: int | None = DEFAULTS["cross_attention_heads"]
 
     def check(self):
         super().check()
@@ -512,6 +514,20 @@ def fit_length_ratio(config_or_model, dataset, tokenizer, **kwargs) -> float:
     return gamma
 
 
+def length_ratio_unless_given(config, dataset, tokenizer, given=None):
+    """hc-all's rule, for any config with hard-coded (Gaussian) cross-attention: its gamma is ``given`` when not None,
+    else the config's own when set, else fitted on ``dataset`` with :func:`fit_length_ratio`. Other configs are left as
+    they are. Returns the config's gamma (None where it reads none)."""
+    if "gaussian" not in config.attention_kinds("cross"):
+        return _setting(config, "length_ratio")
+    if given is not None:
+        config.length_ratio = given
+        check_gaussian_settings(config)
+    elif _setting(config, "length_ratio") is None:
+        fit_length_ratio(config, dataset, tokenizer)
+    return config.length_ratio
+
+
 class GaussianForConditionalGeneration(HardAttnForConditionalGeneration):
     config_class = GaussianConfig
     card_title = "Transformer with hard-coded Gaussian attention"
@@ -542,4 +558,5 @@ __all__ = [
     "gaussian_density",
     "head_offsets",
     "length_ratio",
+    "length_ratio_unless_given",
 ]

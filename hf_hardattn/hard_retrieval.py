@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from .configuration_hardattn import HardAttnConfig
-from .modeling_hardattn import HardAttnForConditionalGeneration, SoftAttention, full_mask
+from .layers import SoftAttention, full_mask
+from .modeling_hardattn import HardAttnForConditionalGeneration
 
 
 def gather_rows(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

@@ -95,8 +95,10 @@ from transformers import initialization as init
 from transformers.utils import ModelOutput
 
 from .configuration_hardattn import HardAttnConfig
-from .modeling_hardattn import (DecoderResult, HardAttnCache, HardAttnForConditionalGeneration, HardAttnModel,
-                                HardAttnPreTrainedModel, check_memory_rows, is_tracing)
+from .caches import HardAttnCache
+from .inputs import is_tracing
+from .layers import DecoderResult, check_memory_rows
+from .modeling_hardattn import HardAttnForConditionalGeneration, HardAttnModel, HardAttnPreTrainedModel
 
 RNN_ATTENTIONS = ("additive", "dot", "multihead")
 RNN_DECODER_STYLES = ("bahdanau", "luong")

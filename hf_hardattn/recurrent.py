@@ -40,15 +40,17 @@ from torch import nn
 from transformers import initialization as init
 
 from .configuration_hardattn import HardAttnConfig
-from .modeling_hardattn import HardAttnForConditionalGeneration, SoftAttention, is_tracing
+from .inputs import is_tracing
+from .layers import SoftAttention
+from .modeling_hardattn import HardAttnForConditionalGeneration
+from .registry import KINDS
 
 RECURRENT_VARIANTS = (
     "concat_context", "concat_weight", "concat_accumulated",  # Sec. 3.2, Eq. 2-4
     "expand_1", "expand_2", "expand_3", "expand_4",  # Sec. 3.3, Eq. 5-8
     "continuity", "coverage",  # Sec. 3.4, Eq. 9-11
 )
-DEFAULTS = dict(recurrent_variant="expand_1", continuity_window=5, continuity_lambda=0.5, coverage_lambda=0.5,
-                recurrent_context_norm=False)
+DEFAULTS = KINDS["recurrent"].settings  # its settings and their defaults, in the registry of kinds
 CONTEXT_VARIANTS = ("expand_1", "expand_2", "expand_3")  # those that carry the context itself (Eq. 5-7)
 
 
@@ -322,11 +324,11 @@ class RecurrentConfig(HardAttnConfig):
 
     model_type = "recurrent_transformer"
     cross_attention: str | list[str] = "recurrent"
-    recurrent_variant: str = "expand_1"
-    continuity_window: int = 5
-    continuity_lambda: float | int = 0.5
-    coverage_lambda: float | int = 0.5
-    recurrent_context_norm: bool = False
+    recurrent_variant: str = DEFAULTS["recurrent_variant"]
+    continuity_window: int = DEFAULTS["continuity_window"]
+    continuity_lambda: float | int = DEFAULTS["continuity_lambda"]
+    coverage_lambda: float | int = DEFAULTS["coverage_lambda"]
+    recurrent_context_norm: bool = DEFAULTS["recurrent_context_norm"]
 
     def check(self):
         super().check()

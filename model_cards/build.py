@@ -301,7 +301,7 @@ def reproduction_tables(model_type):
 
 
 PICTURE = ("## How it attends\n\n![{alt}](images/{name}.png)\n\n{caption} Drawn with `hf-hardattn plot MODEL "
-           "--source \"{source}\"` (`hf_hardattn/plot.py`) from a model of this type trained on German noun "
+           "--source \"{source}\"` (`hf_hardattn/tools/plot.py`) from a model of this type trained on German noun "
            "inflection ({origin}; character level: the source is a lemma and its tags, the target the inflected "
            "form); a row per layer, a column per head and their mean; row t is the attention while predicting target "
            "character t.\n")

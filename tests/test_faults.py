@@ -21,7 +21,7 @@ from safetensors.torch import save as safetensors_bytes
 from transformers import AutoModelForSeq2SeqLM, TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint
 
-import hf_hardattn.modeling_hardattn as skeleton
+import hf_hardattn.saving as saving
 from common import (BOS, CONTRACT_MODELS, EOS, PAD, VOCAB, contract_model, fitted, generate_kwargs, randomize,
                     source_batch, tiny_kwargs, toy_tokenizer)
 from hf_hardattn import (RecurrentConfig, RecurrentForConditionalGeneration, SoftTransformerConfig,
@@ -294,7 +294,7 @@ def _save_and_die(point, folder, model, tokenizer):
 
         transformers.modeling_utils.safe_save_file = save_file
     elif point == "before_card":
-        skeleton.write_model_card = lambda *args, **kwargs: kill_self()
+        saving.write_model_card = lambda *args, **kwargs: kill_self()
     elif point == "before_tokenizer":
         tokenizer.save_pretrained = lambda *args, **kwargs: kill_self()
     elif point == "before_swap":

@@ -20,7 +20,7 @@ import os
 
 import torch
 
-ROLES = {"cross": "cross_attentions", "decoder": "decoder_attentions", "encoder": "encoder_attentions"}
+from ..registry import ROLES
 
 
 def joint_layer(model) -> int | None:
@@ -60,14 +60,14 @@ def attention_maps(model, tokenizer, source: str, target: str | None = None, rol
     decoder_input_ids = torch.tensor([[start] + outputs[:-1]], device=model.device)
     out = model(**batch, decoder_input_ids=decoder_input_ids, output_attentions=True, return_dict=True)
     model.train(was_training)
-    layers = [None if a is None else a[0].float().cpu().numpy() for a in getattr(out, ROLES[role])]
+    layers = [None if a is None else a[0].float().cpu().numpy() for a in getattr(out, ROLES[role].outputs)]
     if all(layer is None for layer in layers):
         raise ValueError(f"this {type(model).__name__} has no {role} attention weights to plot (every layer of that "
                          f"role is of kind 'none' or a GRU layer); try another `role`.")
     joint = joint_layer(model) if role == "cross" else None
     topk = None
     if joint is not None:
-        probs = getattr(out, ROLES[role])[joint][0].mean(0)  # P_t(a) = mean over heads
+        probs = getattr(out, ROLES[role].outputs)[joint][0].mean(0)  # P_t(a) = mean over heads
         topk = probs.topk(min(_joint_k(model), probs.shape[-1]), dim=-1).indices.cpu().numpy()
     source_tokens = tokenizer.convert_ids_to_tokens(batch["input_ids"][0].tolist())
     target_tokens = tokenizer.convert_ids_to_tokens(outputs)

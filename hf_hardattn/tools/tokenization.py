@@ -22,6 +22,7 @@ import gzip
 import os
 from collections.abc import Iterable, Iterator
 
+import datasets
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
@@ -56,15 +57,11 @@ def iter_texts(texts_or_files, columns=("source", "target")) -> Iterator[str]:
     """The training text of ``train_tokenizer``: strings from an iterable of strings, from files (one sentence a
     line, ``.gz`` allowed: a path or a list of paths that all exist), or from the ``columns`` of a
     ``datasets.Dataset`` / ``DatasetDict`` (every split)."""
-    try:
-        import datasets
-    except ImportError:  # pragma: no cover - datasets is a dependency
-        datasets = None
-    if datasets is not None and isinstance(texts_or_files, datasets.DatasetDict):
+    if isinstance(texts_or_files, datasets.DatasetDict):
         for split in texts_or_files.values():
             yield from iter_texts(split, columns)
         return
-    if datasets is not None and isinstance(texts_or_files, datasets.Dataset):
+    if isinstance(texts_or_files, datasets.Dataset):
         missing = [c for c in columns if c not in texts_or_files.column_names]
         if missing:
             raise ValueError(f"`columns` {missing} are not columns of the dataset; allowed: {texts_or_files.column_names}.")

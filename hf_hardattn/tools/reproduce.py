@@ -51,7 +51,23 @@ import shlex
 import sys
 import time
 
-from .safe_io import atomic_folder, write_json_atomic, write_text_atomic
+import datasets
+import sacrebleu
+import torch
+from transformers import AutoConfig, AutoModelForSeq2SeqLM, AutoTokenizer, MarianConfig, MarianMTModel
+
+from ..beam_joint import (BeamJointRNNConfig, BeamJointRNNForConditionalGeneration, BeamJointTransformerConfig,
+                          BeamJointTransformerForConditionalGeneration)
+from ..gaussian import GaussianConfig, GaussianForConditionalGeneration, length_ratio_unless_given
+from ..hard_retrieval import HardRetrievalConfig, HardRetrievalForConditionalGeneration
+from ..hybrid import HybridConfig, HybridForConditionalGeneration
+from ..model_card import RESULTS_FILE, write_model_card
+from ..recurrent import RecurrentConfig, RecurrentForConditionalGeneration
+from ..safe_io import atomic_folder, write_json_atomic, write_text_atomic
+from ..soft import SoftTransformerConfig, SoftTransformerForConditionalGeneration
+from . import distill, training
+from .data import german_nouns, load_parallel, multi30k
+from .tokenization import train_tokenizer
 
 TASKS = ("multi30k", "nouns")
 PRESET_NAMES = ("cpu", "small", "base", "tiny")
@@ -163,30 +179,21 @@ def _common(ctx, **extra):
 
 def _soft(**kinds):
     def build(ctx):
-        from .soft import SoftTransformerConfig, SoftTransformerForConditionalGeneration
-
         return SoftTransformerForConditionalGeneration(SoftTransformerConfig(**_common(ctx, **kinds)))
     return build
 
 
 def _hard(**kinds):
     def build(ctx):
-        from .hard_retrieval import HardRetrievalConfig, HardRetrievalForConditionalGeneration
-
         return HardRetrievalForConditionalGeneration(HardRetrievalConfig(**_common(ctx, **kinds)))
     return build
 
 
 def _gaussian(preset):
     def build(ctx):
-        from .gaussian import GaussianConfig, GaussianForConditionalGeneration, fit_length_ratio
-
         config = GaussianConfig.preset(preset, **_common(ctx))
-        if preset == "hc-all":  # gamma of the training corpus (or a given one, e.g. for speed benchmarks)
-            if ctx.get("length_ratio") is not None:
-                config.length_ratio = ctx["length_ratio"]
-            else:
-                fit_length_ratio(config, ctx["train"], ctx["tokenizer"])
+        # hc-all: gamma of the training corpus, or a given one (e.g. for speed benchmarks)
+        length_ratio_unless_given(config, ctx["train"], ctx["tokenizer"], given=ctx.get("length_ratio"))
         return GaussianForConditionalGeneration(config)
     return build
 
@@ -199,8 +206,6 @@ def _rnn_common(ctx, **extra):
 
 def _hybrid(attention, **extra):
     def build(ctx):
-        from .hybrid import HybridConfig, HybridForConditionalGeneration
-
         return HybridForConditionalGeneration(HybridConfig(**_rnn_common(ctx, rnn_attention=attention, **extra)))
     return build
 
@@ -214,8 +219,6 @@ EARLIER_RNN = dict(rnn_decoder_style="bahdanau", rnn_cell="gru", rnn_attention="
 
 def _recurrent(variant):
     def build(ctx):
-        from .recurrent import RecurrentConfig, RecurrentForConditionalGeneration
-
         return RecurrentForConditionalGeneration(RecurrentConfig(**_common(ctx, recurrent_variant=variant)))
     return build
 
@@ -224,9 +227,6 @@ def _beam_joint(setting, **joint):
     """A beam-joint row: label smoothing 0 (the paper's plain likelihood; the other rows take the recipe's) unless
     ``label_smoothing=None`` asks for the recipe's."""
     def build(ctx):
-        from .beam_joint import (BeamJointRNNConfig, BeamJointRNNForConditionalGeneration,
-                                 BeamJointTransformerConfig, BeamJointTransformerForConditionalGeneration)
-
         fields = dict(joint)
         if fields.setdefault("label_smoothing", 0.0) is None:
             del fields["label_smoothing"]
@@ -237,8 +237,6 @@ def _beam_joint(setting, **joint):
 
 
 def _marian(ctx):
-    from transformers import MarianConfig, MarianMTModel
-
     recipe = ctx["recipe"]
     dims = {k: v for k, v in recipe.dims.items() if k != "dropout"}
     config = MarianConfig(**dims, **_special(ctx["tokenizer"]), dropout=recipe.dims["dropout"],
@@ -324,15 +322,11 @@ def rows_for(task: str) -> list[Row]:
 def load_task(task: str, recipe: Recipe, data: str | None, seed: int):
     """(train, test) Datasets with "source"/"target" columns."""
     if task == "multi30k":
-        from .data import load_parallel, multi30k
-
         if data is None:
             train, test = multi30k("train"), multi30k("test_2016_flickr")
         elif os.path.isdir(data):
             train, test = load_parallel(data, "train"), load_parallel(data, "test_2016_flickr")
         else:  # a datasets hub name / local dataset with "translation" {"en", "de"} rows
-            import datasets
-
             loaded = datasets.load_dataset(data)
 
             def flat(split):
@@ -340,8 +334,6 @@ def load_task(task: str, recipe: Recipe, data: str | None, seed: int):
                                  remove_columns=split.column_names)
             train, test = flat(loaded["train"]), flat(loaded["test"])
     else:
-        from .data import german_nouns
-
         splits = german_nouns(seed=seed, max_examples=recipe.max_examples)
         train, test = splits["train"], splits["test"].shuffle(seed=seed)
     if recipe.eval_size is not None:
@@ -355,12 +347,8 @@ def load_task(task: str, recipe: Recipe, data: str | None, seed: int):
 def evaluate(task, model, tokenizer, test, recipe: Recipe, return_hypotheses: bool = False) -> dict:
     """The row's score (BLEU or exact match of beam ``recipe.num_beams``), test-set sentences/s (one timing) and three
     samples; with ``return_hypotheses`` every output too (key ``hypotheses``)."""
-    import sacrebleu
-
-    from .training import translate
-
     start = time.perf_counter()
-    hypotheses = translate(model, tokenizer, test["source"], num_beams=recipe.num_beams,
+    hypotheses = training.translate(model, tokenizer, test["source"], num_beams=recipe.num_beams,
                            batch_size=recipe.eval_batch_size, max_length=recipe.max_length)
     seconds = time.perf_counter() - start
     out = dict(decode_seconds=round(seconds, 1), sentences_per_s=round(len(hypotheses) / seconds, 2),
@@ -381,9 +369,7 @@ def evaluate(task, model, tokenizer, test, recipe: Recipe, return_hypotheses: bo
 def batch_size_for(recipe: Recipe, train_tok) -> tuple[float, int]:
     """(mean max(source, target) tokens per training example, sentences per batch): the recipe's ``max_tokens``
     per batch as a number of sentences, as every row trains."""
-    from .training import example_lengths
-
-    lengths = example_lengths(train_tok)  # max(source, target) tokens: what a max-tokens batch counts
+    lengths = training.example_lengths(train_tok)  # max(source, target) tokens: what a max-tokens batch counts
     per_sentence = sum(lengths) / len(lengths)
     return per_sentence, max(1, round(recipe.max_tokens / per_sentence))
 
@@ -393,8 +379,6 @@ def _losses(trainer):
 
 
 def train_row(row: Row, ctx, model, train_tok) -> dict:
-    from .training import train_seq2seq
-
     recipe, args = ctx["recipe"], ctx["args"]
 
     def budget(minutes, max_steps, warmup_steps=recipe.warmup_steps):
@@ -405,8 +389,6 @@ def train_row(row: Row, ctx, model, train_tok) -> dict:
 
     start = time.perf_counter()
     if row.kd_scheme is not None:
-        from .distill import train_two_stage
-
         if row.two_stage:  # the row's budget, split in half: stage 1 MLE, stage 2 the KD scheme
             first_steps = None if recipe.max_steps is None else max(1, recipe.max_steps // 2)
             second_steps = None if recipe.max_steps is None else max(1, recipe.max_steps - first_steps)
@@ -418,7 +400,7 @@ def train_row(row: Row, ctx, model, train_tok) -> dict:
             mle, kd = budget(half, first_steps, warmup), budget(half, second_steps, warmup)
         else:
             mle, kd = None, budget(recipe.minutes, recipe.max_steps)
-        first, second = train_two_stage(model, ctx["tokenizer"], kd_data(ctx), kd_scheme=row.kd_scheme, mle=mle,
+        first, second = distill.train_two_stage(model, ctx["tokenizer"], kd_data(ctx), kd_scheme=row.kd_scheme, mle=mle,
                                         kd=kd, max_length=recipe.max_length,
                                         output_dir=os.path.join(ctx["out"], "trainer", row.name))
         stages = {"mle": first.state.global_step if first is not None else 0, "kd": second.state.global_step}
@@ -430,7 +412,7 @@ def train_row(row: Row, ctx, model, train_tok) -> dict:
     extra = {}
     if row.name == "marian":  # MarianMTModel's own loss has no label smoothing: the Trainer's LabelSmoother does it
         extra["label_smoothing_factor"] = recipe.label_smoothing
-    trainer = train_seq2seq(model, ctx["tokenizer"], train_tok, output_dir=os.path.join(ctx["out"], "trainer", row.name),
+    trainer = training.train_seq2seq(model, ctx["tokenizer"], train_tok, output_dir=os.path.join(ctx["out"], "trainer", row.name),
                             **budget(recipe.minutes, recipe.max_steps), **extra)
     losses = _losses(trainer)
     return dict(train_minutes=round((time.perf_counter() - start) / 60, 2), steps=trainer.state.global_step,
@@ -440,11 +422,9 @@ def train_row(row: Row, ctx, model, train_tok) -> dict:
 def kd_data(ctx):
     """The soft teacher's beam-4 translations of the training sources ("target") beside the references
     ("reference"), as strings (resumable, cached in the output folder)."""
-    from .distill import translate_dataset
-
     if "kd_data" not in ctx:
         teacher = load_model(ctx, "soft")
-        ctx["kd_data"] = translate_dataset(teacher, ctx["tokenizer"], ctx["train"], os.path.join(ctx["out"], "kd_data"),
+        ctx["kd_data"] = distill.translate_dataset(teacher, ctx["tokenizer"], ctx["train"], os.path.join(ctx["out"], "kd_data"),
                                            num_beams=4, batch_size=ctx["recipe"].eval_batch_size,
                                            max_length=ctx["recipe"].max_length, progress=not ctx["args"].quiet)
     return ctx["kd_data"]
@@ -455,22 +435,14 @@ def model_dir(ctx, name):
 
 
 def load_model(ctx, name):
-    from transformers import AutoModelForSeq2SeqLM
-
-    from . import MODEL_CLASSES  # noqa: F401  (registers the model types)
-
     return AutoModelForSeq2SeqLM.from_pretrained(model_dir(ctx, name)).eval()
 
 
 def run_row(row: Row, ctx) -> dict:
-    import torch
-
-    from .training import machine
-
     args, recipe = ctx["args"], ctx["recipe"]
     result = dict(row=row.name, paper=row.paper, expect=row.expect, seed=args.seed, command=row_command(ctx, row.name),
                   recipe=dataclasses.asdict(recipe),  # per row too: rows of one table may come from different runs
-                  machine=machine())  # and machines: minutes of training only compare on the same one
+                  machine=training.machine())  # and machines: minutes of training only compare on the same one
     if row.source is not None:
         model = row.derive(load_model(ctx, row.source)).eval()
         result.update(decoded_from=row.source, train_minutes=ctx["results"][row.source]["train_minutes"],
@@ -517,8 +489,6 @@ def row_table(task, preset, results: dict) -> str:
 
 
 def write_card_results(folder, name, table):
-    from .model_card import RESULTS_FILE
-
     text = (f"This model is row `{name}` of the reproduction table (`benchmarks/reproduce.py`, one recipe for every "
             f"variant):\n\n{table}")
     write_json_atomic(os.path.join(folder, RESULTS_FILE), {"table": text})
@@ -526,12 +496,6 @@ def write_card_results(folder, name, table):
 
 def refresh_cards(ctx, table):
     """Rewrite the model card of every finished hf_hardattn row with the current table."""
-    import torch
-    from transformers import AutoConfig, AutoModelForSeq2SeqLM
-
-    from . import MODEL_CLASSES  # noqa: F401  (registers the model types)
-    from .model_card import RESULTS_FILE, write_model_card
-
     for name in ctx["results"]:
         folder = model_dir(ctx, name)
         if not os.path.exists(os.path.join(folder, RESULTS_FILE)):  # marian: not an hf_hardattn model
@@ -607,12 +571,6 @@ def add_arguments(parser: argparse.ArgumentParser):
 
 
 def run(args) -> dict:
-    import datasets
-    import torch
-
-    from .tokenization import train_tokenizer
-    from .training import check_bf16, tokenize_dataset
-
     task_rows = {row.name: row for row in rows_for(args.task)}
     wanted = args.rows or list(task_rows)
     unknown = [name for name in wanted if name not in task_rows]
@@ -631,7 +589,7 @@ def run(args) -> dict:
             setattr(recipe, name, getattr(args, name))
     if args.precision is not None:
         recipe.bf16 = args.precision == "bf16"
-    check_bf16(recipe.bf16, name=f"--preset {args.preset}", fix="Pass --precision fp32 (its rows are then not "
+    training.check_bf16(recipe.bf16, name=f"--preset {args.preset}", fix="Pass --precision fp32 (its rows are then not "
                "comparable with a table trained in bf16 for the same minutes)")
     out = args.output_dir or os.path.join("outputs", "reproduce", f"{args.task}-{args.preset}")
     os.makedirs(out, exist_ok=True)
@@ -649,14 +607,12 @@ def run(args) -> dict:
     train, test = load_task(args.task, recipe, args.data, args.seed)
     tokenizer_dir = os.path.join(out, "tokenizer")
     if os.path.isdir(tokenizer_dir):
-        from transformers import AutoTokenizer
-
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     else:
         tokenizer = train_tokenizer(train, **recipe.tokenizer)
         with atomic_folder(tokenizer_dir) as staging:  # a killed save leaves no half tokenizer for the next run to load
             tokenizer.save_pretrained(staging)
-    train_tok = tokenize_dataset(train, tokenizer, max_length=recipe.max_length)
+    train_tok = training.tokenize_dataset(train, tokenizer, max_length=recipe.max_length)
     per_sentence, batch_size = batch_size_for(recipe, train_tok)
     ctx = dict(args=args, task=args.task, preset=args.preset, recipe=recipe, out=out, train=train, test=test,
                tokenizer=tokenizer, train_tok=train_tok, results=results, tokens_per_sentence=round(per_sentence, 2),

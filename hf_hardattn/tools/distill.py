@@ -46,11 +46,15 @@ import json
 import os
 import sys
 
+import datasets
 import torch
+from tqdm.auto import tqdm
+from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
+from ..safe_io import write_json_atomic
+from . import training
+from .data import load_parallel
 from .training import Seq2SeqLengthTrainer, tokenize_dataset, train_seq2seq
-
-from .safe_io import write_json_atomic
 
 MANIFEST = "kd_manifest.json"
 
@@ -354,11 +358,6 @@ def translate_dataset(teacher, tokenizer, dataset, output_dir, source_column: st
     with the same sources, settings and teacher (by its weights, wherever it was loaded from) skips finished shards.
     Rerunning with other sources, settings or teacher in the same ``output_dir`` raises a ValueError (the shards
     would mix)."""
-    import datasets
-    from tqdm.auto import tqdm
-
-    from .training import translate
-
     if source_column not in dataset.column_names:
         raise ValueError(f"`source_column`={source_column!r} is not a column of the dataset; allowed: "
                          f"{dataset.column_names}.")
@@ -401,7 +400,7 @@ def translate_dataset(teacher, tokenizer, dataset, output_dir, source_column: st
         if os.path.exists(path):
             continue
         chunk = sources[start : start + shard_size]
-        outputs = translate(teacher, tokenizer, chunk, num_beams=num_beams, batch_size=batch_size,
+        outputs = training.translate(teacher, tokenizer, chunk, num_beams=num_beams, batch_size=batch_size,
                             max_new_tokens=max_new_tokens, max_length=max_length, **generate_kwargs)
         tmp = path + ".tmp"
         with open(tmp, "w", encoding="utf-8") as handle:
@@ -451,12 +450,6 @@ def add_distill_arguments(parser: argparse.ArgumentParser):
 
 
 def run_distill(args):
-    import datasets
-    from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
-
-    from . import MODEL_CLASSES  # noqa: F401  (registers the hf_hardattn model types)
-    from .data import load_parallel
-
     try:
         teacher = AutoModelForSeq2SeqLM.from_pretrained(args.teacher, trust_remote_code=args.trust_remote_code).eval()
     except (OSError, ValueError) as error:

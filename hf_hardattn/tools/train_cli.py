@@ -28,7 +28,21 @@ import os
 import shlex
 import sys
 
-from .safe_io import atomic_folder, write_json_atomic
+import numpy as np
+import sacrebleu
+import torch
+from transformers import AutoConfig, AutoModelForSeq2SeqLM, AutoTokenizer, EarlyStoppingCallback, set_seed
+
+from ..gaussian import PRESETS, length_ratio_unless_given
+from ..model_card import RESULTS_FILE, write_model_card
+from ..registry import MODEL_TYPES
+from ..registry import model_classes as registered_classes
+from ..safe_io import atomic_folder, write_json_atomic
+from . import training
+from .arguments import CommandError, assignment, positive_float, positive_int
+from .convert import convert
+from .data import load_split
+from .tokenization import train_tokenizer
 
 SIZE_FLAGS = {  # flag -> config fields it sets
     "d_model": ("d_model",), "encoder_layers": ("encoder_layers",), "decoder_layers": ("decoder_layers",),
@@ -39,8 +53,6 @@ SIZE_FLAGS = {  # flag -> config fields it sets
 
 
 def _error(message):
-    from .cli import CommandError
-
     return CommandError(" ".join(str(message).split()))
 
 
@@ -52,7 +64,7 @@ def read_config_file(path: str) -> dict:
         text = handle.read()
     try:
         if path.endswith((".yaml", ".yml")):
-            import yaml
+            import yaml  # (optional: PyYAML, for YAML configs only)
 
             fields = yaml.safe_load(text)
         else:
@@ -66,21 +78,17 @@ def read_config_file(path: str) -> dict:
 
 def config_fields(args) -> dict:
     """--config, then the size flags, then --set (later wins)."""
-    from .cli import _assignment
-
     fields = read_config_file(args.config) if args.config else {}
     for flag, names in SIZE_FLAGS.items():
         value = getattr(args, flag)
         if value is not None:
             fields.update({name: value for name in names})
-    pairs = [_assignment(text) for text in args.set or []]
+    pairs = [assignment(text) for text in args.set or []]
     fields.update(dict(pairs))
     return fields
 
 
 def load_data(args) -> dict:
-    from .data import load_split
-
     splits = {}
     for name in ("train", "validation", "test"):
         spec = getattr(args, name)
@@ -94,10 +102,6 @@ def load_data(args) -> dict:
 
 
 def build_tokenizer(args, splits):
-    from transformers import AutoTokenizer
-
-    from .tokenization import train_tokenizer
-
     source = args.tokenizer or (args.init_from if args.init_from and os.path.isfile(
         os.path.join(args.init_from, "tokenizer_config.json")) else None)
     if source:
@@ -113,21 +117,14 @@ def build_tokenizer(args, splits):
 
 
 def model_classes(model_type: str):
-    from . import MODEL_CLASSES
-
-    for config_class, model_class in MODEL_CLASSES.items():
-        if config_class.model_type == model_type:
-            return config_class, model_class
-    allowed = sorted(config_class.model_type for config_class in MODEL_CLASSES)
-    raise _error(f"--model-type={model_type!r} is not an hf_hardattn model type; allowed: {', '.join(allowed)}.")
+    if model_type not in MODEL_TYPES:
+        raise _error(f"--model-type={model_type!r} is not an hf_hardattn model type; allowed: "
+                     f"{', '.join(sorted(MODEL_TYPES))}.")
+    return registered_classes(model_type)
 
 
 def build_model(args, tokenizer, splits, fields):
     """(model, how it was made)."""
-    from transformers import AutoConfig, AutoModelForSeq2SeqLM
-
-    from .convert import convert
-
     config_class, model_class = model_classes(args.model_type)
     special = dict(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
                    bos_token_id=tokenizer.bos_token_id,
@@ -150,11 +147,7 @@ def build_model(args, tokenizer, splits, fields):
             if args.model_type != "gaussian_transformer":
                 raise ValueError("--gaussian-preset applies to --model-type gaussian_transformer only.")
             config = config_class.preset(args.gaussian_preset, **kwargs)
-            if args.gaussian_preset == "hc-all" and getattr(config, "length_ratio", None) in (None, 1.0) and \
-                    "length_ratio" not in fields:
-                from .gaussian import fit_length_ratio
-
-                fit_length_ratio(config, splits["train"], tokenizer)
+            length_ratio_unless_given(config, splits["train"], tokenizer)  # hc-all: fitted on --train unless given
         else:
             config = config_class(**kwargs)
     except (ValueError, TypeError) as error:
@@ -178,9 +171,6 @@ def check_lengths(tokenized, name, max_length, skip):
 
 def bleu_metric(tokenizer):
     """compute_metrics for the Trainer's generate-based evaluation: sacrebleu corpus BLEU (13a)."""
-    import numpy as np
-    import sacrebleu
-
     def compute(prediction):
         predictions, labels = prediction.predictions, prediction.label_ids
         pad = tokenizer.pad_token_id
@@ -194,11 +184,6 @@ def bleu_metric(tokenizer):
 
 
 def run_train(args) -> dict:
-    import torch
-
-    from .model_card import RESULTS_FILE, write_model_card
-    from .training import tokenize_dataset, train_seq2seq, translate
-
     torch.set_num_threads(args.threads)
     if args.eval_steps and not args.validation:
         raise _error("--eval-steps needs --validation (the split it scores).")
@@ -213,8 +198,6 @@ def run_train(args) -> dict:
     splits = load_data(args)
     fields = config_fields(args)
     tokenizer, tokenizer_source = build_tokenizer(args, splits)
-    from transformers import set_seed
-
     set_seed(args.seed)  # the initial weights too (every process of a multi-process run builds the same model)
     model, origin = build_model(args, tokenizer, splits, fields)
     max_length = args.max_length
@@ -223,7 +206,7 @@ def run_train(args) -> dict:
         raise _error(f"--max-length={max_length} exceeds the model's max_position_embeddings={positions}.")
     tokenized, skipped = {}, {}
     for name, split in splits.items():
-        data = tokenize_dataset(split, tokenizer, max_length=max_length + 1)  # + 1: see what is too long
+        data = training.tokenize_dataset(split, tokenizer, max_length=max_length + 1)  # + 1: see what is too long
         tokenized[name], skipped[name] = check_lengths(data, name, max_length, args.skip_long)
     batch_size = args.batch_size
     if args.max_tokens:
@@ -236,14 +219,12 @@ def run_train(args) -> dict:
                      greater_is_better=True, predict_with_generate=True, generation_num_beams=args.num_beams,
                      generation_max_length=max_length, save_total_limit=args.save_total_limit)
         if args.early_stopping:
-            from transformers import EarlyStoppingCallback
-
             callbacks.append(EarlyStoppingCallback(early_stopping_patience=args.early_stopping))
     elif args.save_steps:
         extra.update(save_steps=args.save_steps, save_total_limit=args.save_total_limit)
     kwargs = dict(resume_from_checkpoint=True) if args.resume else {}
     try:
-        trainer = train_seq2seq(
+        trainer = training.train_seq2seq(
             model, tokenizer, tokenized["train"], tokenized.get("validation") if args.eval_steps else None,
             output_dir=os.path.join(args.output_dir, "trainer"), max_steps=args.max_steps, minutes=args.minutes,
             epochs=args.epochs or 1.0, batch_size=batch_size, learning_rate=args.learning_rate,
@@ -260,9 +241,7 @@ def run_train(args) -> dict:
         results["best_checkpoint"] = trainer.state.best_model_checkpoint
     for name in ("validation", "test"):
         if name in splits and trainer.is_world_process_zero():  # sacrebleu on the final model, beam --num-beams
-            import sacrebleu
-
-            hypotheses = translate(model, tokenizer, splits[name]["source"], num_beams=args.num_beams)
+            hypotheses = training.translate(model, tokenizer, splits[name]["source"], num_beams=args.num_beams)
             metric = sacrebleu.BLEU()
             results[f"{name}_bleu"] = round(metric.corpus_score(hypotheses, [splits[name]["target"]]).score, 2)
             results["bleu_signature"] = f"{metric.get_signature()} (beam {args.num_beams})"
@@ -281,8 +260,6 @@ def run_train(args) -> dict:
 
 
 def add_arguments(parser: argparse.ArgumentParser):
-    from .cli import _positive_float, _positive_int
-
     data = parser.add_argument_group("data (one spec per split: PREFIX with PREFIX.SRC / PREFIX.TGT files, FILE.tsv, "
                                      "FILE.jsonl, hf:NAME[:CONFIG]:SPLIT, or a save_to_disk folder)")
     data.add_argument("--train", required=True, help="training split spec")
@@ -293,7 +270,7 @@ def add_arguments(parser: argparse.ArgumentParser):
     data.add_argument("--source-column", default=None, help="TSV/JSONL/datasets column of the source (default: "
                                                            "--source-lang, or translation.SRC)")
     data.add_argument("--target-column", default=None, help="column of the target (default: --target-lang)")
-    data.add_argument("--max-length", type=_positive_int, default=128, help="longest source/target in tokens (128)")
+    data.add_argument("--max-length", type=positive_int, default=128, help="longest source/target in tokens (128)")
     data.add_argument("--skip-long", action="store_true",
                       help="leave out pairs longer than --max-length (counted) instead of stopping with an error")
 
@@ -302,46 +279,46 @@ def add_arguments(parser: argparse.ArgumentParser):
     model.add_argument("--init-from", default=None, help="start from a saved hf_hardattn folder of that type, or a "
                                                          "MarianMTModel / BART / mBART / M2M100 folder (converted)")
     model.add_argument("--config", default=None, help="JSON or YAML file of config fields")
-    model.add_argument("--gaussian-preset", choices=("hc-sa", "hc-all", "sh-x"), default=None,
+    model.add_argument("--gaussian-preset", choices=PRESETS, default=None,
                        help="gaussian_transformer: the paper's configurations (hc-all fits its length ratio on --train)")
-    model.add_argument("--d-model", dest="d_model", type=_positive_int, default=None, help="model width")
-    model.add_argument("--encoder-layers", type=_positive_int, default=None, help="encoder layers")
-    model.add_argument("--decoder-layers", type=_positive_int, default=None, help="decoder layers (RNN layers for "
+    model.add_argument("--d-model", dest="d_model", type=positive_int, default=None, help="model width")
+    model.add_argument("--encoder-layers", type=positive_int, default=None, help="encoder layers")
+    model.add_argument("--decoder-layers", type=positive_int, default=None, help="decoder layers (RNN layers for "
                                                                                  "the hybrid types)")
-    model.add_argument("--heads", type=_positive_int, default=None, help="attention heads (encoder and decoder)")
-    model.add_argument("--ffn-dim", type=_positive_int, default=None, help="feed-forward size (encoder and decoder)")
+    model.add_argument("--heads", type=positive_int, default=None, help="attention heads (encoder and decoder)")
+    model.add_argument("--ffn-dim", type=positive_int, default=None, help="feed-forward size (encoder and decoder)")
     model.add_argument("--dropout", type=float, default=None, help="dropout probability")
     model.add_argument("--label-smoothing", type=float, default=None, help="label smoothing of the loss")
-    model.add_argument("--max-positions", type=_positive_int, default=None, help="max_position_embeddings")
+    model.add_argument("--max-positions", type=positive_int, default=None, help="max_position_embeddings")
     model.add_argument("--set", action="append", metavar="KEY=VALUE", help="any config field (repeatable; JSON value)")
 
     tok = parser.add_argument_group("tokenizer (default: a joint one trained on --train)")
     tok.add_argument("--tokenizer", default=None, help="an existing tokenizer folder")
-    tok.add_argument("--vocab-size", type=_positive_int, default=8000, help="size of a trained tokenizer (8000)")
+    tok.add_argument("--vocab-size", type=positive_int, default=8000, help="size of a trained tokenizer (8000)")
     tok.add_argument("--tokenizer-kind", choices=("bpe", "char"), default="bpe", help="byte-level BPE or characters")
 
     run = parser.add_argument_group("training")
     run.add_argument("--output-dir", required=True, help="checkpoints (trainer/), the final model (model/), results.json")
-    run.add_argument("--max-steps", type=_positive_int, default=None, help="optimizer steps")
-    run.add_argument("--minutes", type=_positive_float, default=None, help="wall-clock training budget")
-    run.add_argument("--epochs", type=_positive_float, default=None, help="passes over --train")
-    run.add_argument("--batch-size", type=_positive_int, default=64, help="sentences per batch (per process)")
-    run.add_argument("--max-tokens", type=_positive_int, default=None,
+    run.add_argument("--max-steps", type=positive_int, default=None, help="optimizer steps")
+    run.add_argument("--minutes", type=positive_float, default=None, help="wall-clock training budget")
+    run.add_argument("--epochs", type=positive_float, default=None, help="passes over --train")
+    run.add_argument("--batch-size", type=positive_int, default=64, help="sentences per batch (per process)")
+    run.add_argument("--max-tokens", type=positive_int, default=None,
                      help="tokens per batch instead (converted with the mean training length)")
-    run.add_argument("--learning-rate", type=_positive_float, default=5e-4, help="peak learning rate (5e-4)")
+    run.add_argument("--learning-rate", type=positive_float, default=5e-4, help="peak learning rate (5e-4)")
     run.add_argument("--warmup-steps", type=int, default=1000, help="linear warm-up steps (1000)")
     run.add_argument("--lr-scheduler", choices=("inverse_sqrt", "linear", "cosine", "constant_with_warmup"),
                      default="inverse_sqrt", help="learning-rate schedule after the warm-up (inverse_sqrt)")
     run.add_argument("--bf16", action="store_true", help="bf16 autocast (GPUs; CPUs with AVX512-BF16 or AMX)")
     run.add_argument("--seed", type=int, default=0, help="seed of the initial weights, data order, dropout")
-    run.add_argument("--eval-steps", type=_positive_int, default=None,
+    run.add_argument("--eval-steps", type=positive_int, default=None,
                      help="validation BLEU and a checkpoint every N steps; the best is kept as the final model")
-    run.add_argument("--early-stopping", type=_positive_int, default=None, metavar="PATIENCE",
+    run.add_argument("--early-stopping", type=positive_int, default=None, metavar="PATIENCE",
                      help="stop after PATIENCE evaluations without a better validation BLEU")
-    run.add_argument("--save-steps", type=_positive_int, default=None, help="checkpoints for --resume (no validation)")
-    run.add_argument("--save-total-limit", type=_positive_int, default=None, help="keep at most this many checkpoints")
+    run.add_argument("--save-steps", type=positive_int, default=None, help="checkpoints for --resume (no validation)")
+    run.add_argument("--save-total-limit", type=positive_int, default=None, help="keep at most this many checkpoints")
     run.add_argument("--resume", action="store_true", help="continue from the last complete checkpoint")
-    run.add_argument("--num-beams", type=_positive_int, default=4, help="beam size of the BLEU evaluations (4)")
-    run.add_argument("--threads", type=_positive_int, default=max(1, min(os.cpu_count() or 1, 8)),
+    run.add_argument("--num-beams", type=positive_int, default=4, help="beam size of the BLEU evaluations (4)")
+    run.add_argument("--threads", type=positive_int, default=max(1, min(os.cpu_count() or 1, 8)),
                      help="torch CPU threads per process")
     run.add_argument("--quiet", action="store_true", help="no progress bar")

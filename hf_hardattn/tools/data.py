@@ -18,11 +18,13 @@ from __future__ import annotations
 import csv
 import functools
 import gzip
+import json
 import os
 import random
 import re
 
 import datasets
+from german_nouns.config import CSV_FILE_PATH  # the CSV behind german_nouns.lookup.Nouns
 
 MULTI30K_ENV = "HF_HARDATTN_MULTI30K"
 MULTI30K_SPLITS = ("train", "val", "test_2016_flickr")
@@ -34,7 +36,8 @@ GENDERS = ("m", "f", "n")
 _WORD = re.compile(r"[^\W\d_]+(?:-[^\W\d_]+)*")  # letters, with inner hyphens ("Mund-zu-Mund-Beatmung")
 
 
-def _read_lines(path: str) -> list[str]:
+def read_lines(path: str) -> list[str]:
+    """The lines of a text file (``.gz`` read through gzip), without their line ends."""
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt", encoding="utf-8") as handle:
         return [line.rstrip("\n") for line in handle]
@@ -57,7 +60,7 @@ def load_parallel(folder, split: str, src: str = "en", tgt: str = "de") -> datas
     if missing:
         present = sorted(os.listdir(folder)) if os.path.isdir(folder) else "the folder does not exist"
         raise FileNotFoundError(f"load_parallel: missing {', '.join(missing)} in {folder!r} (found: {present}).")
-    source, target = _read_lines(paths[src]), _read_lines(paths[tgt])
+    source, target = read_lines(paths[src]), read_lines(paths[tgt])
     if len(source) != len(target):
         raise ValueError(f"load_parallel: {paths[src]} has {len(source)} lines but {paths[tgt]} has {len(target)}; "
                          "the files must be sentence-aligned.")
@@ -107,16 +110,14 @@ def load_split(spec: str, src: str, tgt: str, source_column: str | None = None, 
     if lower.endswith((".tsv", ".tsv.gz")):
         if not os.path.isfile(spec):
             raise FileNotFoundError(f"{spec!r}: no such TSV file.")
-        lines = _read_lines(spec)
+        lines = read_lines(spec)
         reader = csv.DictReader(lines, delimiter="\t", quoting=csv.QUOTE_NONE)
         sources, targets = _pairs_from_rows(reader, spec, source_column, target_column, src, tgt)
     elif lower.endswith((".jsonl", ".jsonl.gz")):
-        import json
-
         if not os.path.isfile(spec):
             raise FileNotFoundError(f"{spec!r}: no such JSON Lines file.")
         rows = []
-        for number, line in enumerate(_read_lines(spec), 1):
+        for number, line in enumerate(read_lines(spec), 1):
             if line.strip():
                 try:
                     rows.append(json.loads(line))
@@ -146,7 +147,7 @@ def load_split(spec: str, src: str, tgt: str, source_column: str | None = None, 
                 f"{spec!r} is not a data spec: no {', '.join(missing)}; allowed: PREFIX (PREFIX.{src} and "
                 f"PREFIX.{tgt}, one sentence a line, .gz allowed), FILE.tsv, FILE.jsonl, hf:NAME[:CONFIG]:SPLIT, or a "
                 f"save_to_disk folder.")
-        sources, targets = _read_lines(paths[src]), _read_lines(paths[tgt])
+        sources, targets = read_lines(paths[src]), read_lines(paths[tgt])
         if len(sources) != len(targets):
             raise ValueError(f"{paths[src]} has {len(sources)} lines but {paths[tgt]} has {len(targets)}; the files "
                              f"must be sentence-aligned.")
@@ -189,8 +190,6 @@ def _noun_paradigms(gender: bool) -> tuple:
 
 
 def _read_noun_paradigms(gender: bool):
-    from german_nouns.config import CSV_FILE_PATH  # the CSV behind german_nouns.lookup.Nouns
-
     with open(CSV_FILE_PATH, encoding="utf-8") as handle:
         rows = csv.reader(handle)
         header = next(rows)
@@ -284,4 +283,4 @@ def german_nouns(
     return datasets.DatasetDict({name: build(parts[name]) for name in ("train", "validation", "test")})
 
 
-__all__ = ["load_parallel", "multi30k", "german_nouns", "default_multi30k_root", "CASES", "NUMBERS"]
+__all__ = ["load_parallel", "load_split", "multi30k", "german_nouns", "default_multi30k_root", "read_lines", "CASES", "NUMBERS"]

@@ -26,10 +26,31 @@ import argparse
 import json
 import os
 import random
+import shutil
+import subprocess
 import sys
+import tempfile
 import time
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the demo never needs the network
+import datasets
+import huggingface_hub
+import sacrebleu
+import torch
+import transformers
+from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
+
+from .. import packed_linear
+from ..hard_retrieval import HardRetrievalConfig, HardRetrievalForConditionalGeneration
+from ..model_card import RESULTS_FILE, metrics_table, write_model_card
+from ..registry import MODEL_TYPES, ROLES
+from ..safe_io import atomic_folder, write_json_atomic
+from ..soft import SoftTransformerConfig, SoftTransformerForConditionalGeneration
+from . import data, reproduce, train_cli, training
+from .arguments import CommandError, assignment, offline_by_default, positive_float, positive_int
+from .convert import convert
+from .distill import add_distill_arguments, run_distill
+from .plot import attention_maps, plot_comparison, plot_layers
+from .tokenization import train_tokenizer
 
 # Demo model sizes: "small" learns visibly in ~3 minutes on 2 CPU cores; "tiny" is for tests (seconds).
 DEMO_SIZES = {
@@ -44,38 +65,10 @@ def _print(*args):
     print(*args, flush=True)
 
 
-def _positive_float(text):
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
-
-
-def _positive_int(text):
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # demo
 # ----------------------------------------------------------------------------------------------------------------
 def run_demo(args) -> dict:
-    import torch
-    from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
-
-    from . import (HardRetrievalConfig, HardRetrievalForConditionalGeneration, SoftTransformerConfig,
-                   SoftTransformerForConditionalGeneration)
-    from .data import german_nouns
-    from .safe_io import write_json_atomic
-    from .tokenization import train_tokenizer
-    from .training import accuracy, decode_speed, tokenize_dataset, train_seq2seq
-
-    import datasets
-
-    import transformers
-
     datasets.disable_progress_bars()
     transformers.utils.logging.disable_progress_bar()  # keep the training bars, not the save / load bars
     torch.set_num_threads(args.threads)
@@ -87,15 +80,15 @@ def run_demo(args) -> dict:
 
     # -- data + tokenizer -----------------------------------------------------------------------------------------
     start = time.perf_counter()
-    data = german_nouns(seed=args.seed, max_examples=args.max_examples)
-    tokenizer = train_tokenizer(data["train"], kind="char", min_frequency=2)
-    train = tokenize_dataset(data["train"], tokenizer, max_length=args.max_length)
-    test = data["test"].shuffle(seed=args.seed)
+    nouns = data.german_nouns(seed=args.seed, max_examples=args.max_examples)
+    tokenizer = train_tokenizer(nouns["train"], kind="char", min_frequency=2)
+    train = training.tokenize_dataset(nouns["train"], tokenizer, max_length=args.max_length)
+    test = nouns["test"].shuffle(seed=args.seed)
     test = test.select(range(min(args.eval_examples, len(test))))
     copy_baseline = sum(lemma == target for lemma, target in zip(test["lemma"], test["target"])) / len(test)
-    _print(f"data: {len(data['train'])} train / {len(data['validation'])} validation / {len(data['test'])} test "
-           f"examples, split by lemma (no test lemma is seen in training); e.g. {data['train'][0]['source']!r} -> "
-           f"{data['train'][0]['target']!r}\n"
+    _print(f"data: {len(nouns['train'])} train / {len(nouns['validation'])} validation / {len(nouns['test'])} test "
+           f"examples, split by lemma (no test lemma is seen in training); e.g. {nouns['train'][0]['source']!r} -> "
+           f"{nouns['train'][0]['target']!r}\n"
            f"  character vocabulary {len(tokenizer)} (tags such as <gen> are single tokens); evaluating on "
            f"{len(test)} test examples; copy-the-lemma baseline {100 * copy_baseline:.1f}% "
            f"[{time.perf_counter() - start:.1f}s]")
@@ -116,7 +109,7 @@ def run_demo(args) -> dict:
         _print(f"\n[{name}] {model_class.__name__}: encoder {config.encoder_attention}, decoder self "
                f"{config.decoder_attention}, cross {config.cross_attention}; {params:,} parameters")
         start = time.perf_counter()
-        trainer = train_seq2seq(
+        trainer = training.train_seq2seq(
             model, tokenizer, train, output_dir=os.path.join(args.output_dir, "trainer", name),
             minutes=per_model, max_steps=args.max_steps, batch_size=args.batch_size,
             learning_rate=args.learning_rate, warmup_steps=args.warmup_steps, seed=args.seed, logging_steps=25,
@@ -125,7 +118,7 @@ def run_demo(args) -> dict:
         losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
         steps = trainer.state.global_step
         start = time.perf_counter()
-        acc, predictions = accuracy(model, tokenizer, test["source"], test["target"], num_beams=1,
+        acc, predictions = training.accuracy(model, tokenizer, test["source"], test["target"], num_beams=1,
                                     batch_size=args.eval_batch_size, max_new_tokens=args.max_length,
                                     return_predictions=True)
         _print(f"[{name}] {steps} steps in {train_seconds / 60:.1f} min"
@@ -145,7 +138,7 @@ def run_demo(args) -> dict:
     speeds = {name: [] for name in models}
     for _ in range(args.speed_rounds):
         for name, model in models.items():
-            speeds[name].append(decode_speed(model, batch["input_ids"], batch["attention_mask"], num_beams=1,
+            speeds[name].append(training.decode_speed(model, batch["input_ids"], batch["attention_mask"], num_beams=1,
                                              new_tokens=args.speed_tokens, repeats=3))
     for name in models:
         results[name]["sentences_per_second"] = sorted(speeds[name])[len(speeds[name]) // 2]
@@ -174,7 +167,7 @@ def run_demo(args) -> dict:
     reloaded = AutoModelForSeq2SeqLM.from_pretrained(folder).eval()
     reloaded_tokenizer = AutoTokenizer.from_pretrained(folder)
     picks = random.Random(args.seed).sample(range(len(test)), min(args.show, len(test)))
-    _, shown = accuracy(reloaded, reloaded_tokenizer, [test["source"][i] for i in picks],
+    _, shown = training.accuracy(reloaded, reloaded_tokenizer, [test["source"][i] for i in picks],
                         [test["target"][i] for i in picks], num_beams=1, max_new_tokens=args.max_length,
                         return_predictions=True)
     same = shown == [results["hard"]["predictions"][i] for i in picks]
@@ -209,9 +202,6 @@ def run_demo(args) -> dict:
 # tokenizer
 # ----------------------------------------------------------------------------------------------------------------
 def run_tokenizer(args):
-    from .safe_io import atomic_folder
-    from .tokenization import train_tokenizer
-
     missing = [path for path in args.files if not os.path.isfile(path)]
     if missing:
         raise FileNotFoundError(f"--files: not found: {missing}")
@@ -225,18 +215,6 @@ def run_tokenizer(args):
 # ----------------------------------------------------------------------------------------------------------------
 # convert
 # ----------------------------------------------------------------------------------------------------------------
-def _assignment(text):
-    """``key=value`` -> (key, value): the value parsed as JSON (numbers, true/false, null, lists, quoted strings), or
-    else taken as the string it is (``recurrent_variant=coverage``)."""
-    key, sep, value = text.partition("=")
-    if not sep or not key:
-        raise ValueError(f"--set takes KEY=VALUE, got {text!r}")
-    try:
-        return key, json.loads(value)
-    except json.JSONDecodeError:
-        return key, value
-
-
 def _tokenizer_files(folder) -> bool:
     return any(os.path.isfile(os.path.join(folder, name)) for name in ("tokenizer_config.json", "tokenizer.json"))
 
@@ -244,27 +222,20 @@ def _tokenizer_files(folder) -> bool:
 def run_convert(args):
     """Convert, then write OUT through a temporary folder beside it, renamed into place once complete: on bad input
     (or any failure) nothing is written and the command exits with a one-line error."""
-    import shutil
-    import tempfile
-
     def fail(error):
         raise CommandError(" ".join(str(error).split()))
 
     out = os.path.abspath(args.out)
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
         fail(f"OUT={args.out!r} exists and is not an empty folder; allowed: a new or empty folder.")
-    from .convert import convert
-
     try:
-        pairs = [_assignment(text) for text in args.set or []]
+        pairs = [assignment(text) for text in args.set or []]
         overrides = dict(pairs)
         if len(overrides) != len(pairs):
             raise ValueError(f"--set gives a key more than once: {[key for key, _ in pairs]}")
         model, report = convert(args.source, args.model_type, return_report=True, **overrides)
         tokenizer = None
         if os.path.isdir(args.source) and _tokenizer_files(args.source):
-            from transformers import AutoTokenizer
-
             tokenizer = AutoTokenizer.from_pretrained(args.source)
     except (ValueError, TypeError, OSError, ImportError) as error:
         fail(error)
@@ -288,20 +259,14 @@ def run_convert(args):
 # ----------------------------------------------------------------------------------------------------------------
 # translate / score
 # ----------------------------------------------------------------------------------------------------------------
-class CommandError(Exception):
-    """Bad input to a command: main() prints ``hf-hardattn COMMAND: error: MESSAGE`` and exits with status 2."""
-
-
 def read_lines(path: str, name: str) -> list[str]:
     """The lines of a text file (``.gz`` read through gzip; ``-`` = stdin), without their line ends."""
-    from .data import _read_lines
-
     if path == "-":
         return [line.rstrip("\n") for line in sys.stdin]
     if not os.path.isfile(path):
         raise CommandError(f"{name}={path!r} is not a file.")
     try:
-        return _read_lines(path)
+        return data.read_lines(path)
     except (UnicodeDecodeError, OSError) as error:
         raise CommandError(f"{name}={path!r} cannot be read as UTF-8 text ({error}).") from error
 
@@ -322,10 +287,6 @@ def write_lines(path: str, lines: list[str]):
 def load_for_translation(model_path: str, tokenizer_path: str | None):
     """(model, tokenizer) of a saved seq2seq folder: any hf_hardattn type, or a transformers model (MarianMTModel,
     BART, ...). Errors name the folder."""
-    from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
-
-    from . import MODEL_CLASSES  # noqa: F401  (registers the model types)
-
     try:
         model = AutoModelForSeq2SeqLM.from_pretrained(model_path)
     except (OSError, ValueError, KeyError) as error:
@@ -346,16 +307,11 @@ def source_limit(model) -> int | None:
 
 
 def run_translate(args):
-    import torch
-
-    from .packed_linear import packing_available
-    from .training import translate
-
     if args.int8 and (args.pack_linears or args.dtype != "float32"):
         other = "--pack-linears" if args.pack_linears else f"--dtype {args.dtype}"
         raise CommandError(f"--int8 and {other} exclude each other: int8 layers replace the packed fp32 ones and run "
                            f"on float32 inputs; choose one.")
-    if args.pack_linears and not packing_available():
+    if args.pack_linears and not packed_linear.packing_available():
         raise CommandError("--pack-linears needs oneDNN's prepacked linear layers, which this torch build lacks; "
                            "translate without it (or with --int8).")
     torch.set_num_threads(args.threads)
@@ -388,7 +344,7 @@ def run_translate(args):
         torch.manual_seed(args.seed)
     start = time.perf_counter()
     try:
-        outputs = translate(model, tokenizer, [lines[i] for i in todo], num_beams=args.num_beams,
+        outputs = training.translate(model, tokenizer, [lines[i] for i in todo], num_beams=args.num_beams,
                             batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, max_length=limit,
                             progress=not args.quiet, do_sample=args.do_sample, **sampling)
     except ValueError as error:
@@ -410,8 +366,6 @@ SCORE_METRICS = ("bleu", "chrf")
 
 def run_score(args) -> list[dict]:
     """sacrebleu's corpus BLEU / chrF of HYP against one or more reference files (same number of lines)."""
-    import sacrebleu
-
     hypotheses = read_lines(args.hypotheses, "HYP")
     references = [read_lines(path, "REF") for path in args.references]
     for path, lines in zip(args.references, references):
@@ -436,8 +390,6 @@ def run_score(args) -> list[dict]:
 
 
 def run_plot(args) -> list[str]:
-    from .plot import attention_maps, plot_comparison, plot_layers
-
     names = args.names or [os.path.basename(os.path.normpath(path)) for path in args.models]
     if len(names) != len(args.models):
         raise CommandError(f"--names gives {len(names)} names for {len(args.models)} models; give one per MODEL.")
@@ -478,10 +430,6 @@ print("RESULT" + json.dumps(dict(cls=type(model).__module__, ids=ids.tolist())))
 def validate_folder(folder: str, model, tokenizer, sentence: str):
     """Load ``folder`` in a fresh offline Python process without hf_hardattn (trust_remote_code) and check that it
     decodes ``sentence`` as ``model`` does here; CommandError naming what failed otherwise."""
-    import subprocess
-
-    import torch
-
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     env.pop("PYTHONPATH", None)
     proc = subprocess.run([sys.executable, "-c", VALIDATE_SCRIPT, folder, sentence], capture_output=True, text=True,
@@ -501,8 +449,6 @@ def validate_folder(folder: str, model, tokenizer, sentence: str):
 def publish_results(model_dir: str, metrics: dict, command: str | None) -> dict | None:
     """The card's results: the table the model folder already has (``hardattn_results.json``), then the given
     metrics and the command that produced the run."""
-    from .model_card import RESULTS_FILE, metrics_table
-
     parts = []
     path = os.path.join(model_dir, RESULTS_FILE)
     if os.path.isfile(path):
@@ -518,13 +464,6 @@ def publish_results(model_dir: str, metrics: dict, command: str | None) -> dict 
 
 def run_publish(args) -> dict:
     """Build, validate, push (or, with --dry-run OUT, build and validate into OUT)."""
-    import shutil
-    import tempfile
-
-    import huggingface_hub
-
-    from .model_card import RESULTS_FILE, write_model_card
-
     if args.dry_run is None and huggingface_hub.constants.HF_HUB_OFFLINE:
         raise CommandError("offline: HF_HUB_OFFLINE is set (the command's default), so nothing can be pushed; run "
                            "with HF_HUB_OFFLINE=0 to push, or with --dry-run OUT to build and validate the folder only.")
@@ -566,7 +505,7 @@ def run_publish(args) -> dict:
             _print(f"dry run: the upload folder is {args.dry_run}; nothing pushed")
             return dict(folder=args.dry_run, files=sorted(os.listdir(args.dry_run)))
         try:
-            info = model._upload_to_hub(staging, args.repo_id, {}, private=args.private or None,
+            info = model.upload_folder_to_hub(staging, args.repo_id, {}, private=args.private or None,
                                         commit_message=args.commit_message or "Upload with hf-hardattn publish")
         except Exception as error:  # network, authentication, permissions: one line, nothing half-done locally
             raise CommandError(f"pushing to {args.repo_id!r} failed: {' '.join(str(error).split())[:300]}") from error
@@ -582,24 +521,24 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="train soft + hard-retrieval models on German noun inflection (CPU, minutes)")
-    demo.add_argument("--minutes", type=_positive_float, default=6.0,
+    demo.add_argument("--minutes", type=positive_float, default=6.0,
                       help="total training time, split equally between the two models (default 6)")
     demo.add_argument("--output-dir", default=os.path.join("outputs", "demo"),
                       help="where the two models (with tokenizer and card) and results.json go (default outputs/demo)")
-    demo.add_argument("--max-examples", type=_positive_int, default=60_000,
+    demo.add_argument("--max-examples", type=positive_int, default=60_000,
                       help="examples taken from the task before splitting by lemma (default 60000)")
-    demo.add_argument("--eval-examples", type=_positive_int, default=1000, help="test examples scored (default 1000)")
-    demo.add_argument("--max-steps", type=_positive_int, default=None, help="also stop each model after this many steps")
-    demo.add_argument("--batch-size", type=_positive_int, default=64, help="training sentences per batch (default 64)")
-    demo.add_argument("--eval-batch-size", type=_positive_int, default=250, help="sentences per decoding batch (default 250)")
-    demo.add_argument("--learning-rate", type=_positive_float, default=2e-3, help="peak learning rate (default 2e-3)")
+    demo.add_argument("--eval-examples", type=positive_int, default=1000, help="test examples scored (default 1000)")
+    demo.add_argument("--max-steps", type=positive_int, default=None, help="also stop each model after this many steps")
+    demo.add_argument("--batch-size", type=positive_int, default=64, help="training sentences per batch (default 64)")
+    demo.add_argument("--eval-batch-size", type=positive_int, default=250, help="sentences per decoding batch (default 250)")
+    demo.add_argument("--learning-rate", type=positive_float, default=2e-3, help="peak learning rate (default 2e-3)")
     demo.add_argument("--warmup-steps", type=int, default=200, help="linear warm-up steps (default 200)")
-    demo.add_argument("--max-length", type=_positive_int, default=64, help="token limit of sources and targets")
-    demo.add_argument("--speed-batch", type=_positive_int, default=32, help="test inputs decoded for the speed ratio")
-    demo.add_argument("--speed-tokens", type=_positive_int, default=16, help="new tokens per sentence when timing")
-    demo.add_argument("--speed-rounds", type=_positive_int, default=3, help="timing rounds of the speed ratio (default 3)")
-    demo.add_argument("--show", type=_positive_int, default=8, help="example inflections printed")
-    demo.add_argument("--threads", type=_positive_int, default=1,
+    demo.add_argument("--max-length", type=positive_int, default=64, help="token limit of sources and targets")
+    demo.add_argument("--speed-batch", type=positive_int, default=32, help="test inputs decoded for the speed ratio")
+    demo.add_argument("--speed-tokens", type=positive_int, default=16, help="new tokens per sentence when timing")
+    demo.add_argument("--speed-rounds", type=positive_int, default=3, help="timing rounds of the speed ratio (default 3)")
+    demo.add_argument("--show", type=positive_int, default=8, help="example inflections printed")
+    demo.add_argument("--threads", type=positive_int, default=1,
                       help="torch CPU threads (default 1: these small models gain little from more, and one thread "
                            "keeps its speed when other programs share the cores)")
     demo.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
@@ -608,21 +547,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     tok = sub.add_parser("tokenizer", help="train a joint tokenizer on text files and save it")
     tok.add_argument("--files", nargs="+", required=True, help="text files, one sentence a line (.gz allowed)")
-    tok.add_argument("--vocab-size", type=_positive_int, default=8000, help="vocabulary size, special tokens included (bpe; "
+    tok.add_argument("--vocab-size", type=positive_int, default=8000, help="vocabulary size, special tokens included (bpe; "
                                                                             "an upper bound for char; default 8000)")
     tok.add_argument("--kind", choices=("bpe", "char"), default="bpe", help="byte-level BPE or characters (default bpe)")
-    tok.add_argument("--min-frequency", type=_positive_int, default=2, help="rarer symbols/merges are left out (default 2)")
+    tok.add_argument("--min-frequency", type=positive_int, default=2, help="rarer symbols/merges are left out (default 2)")
     tok.add_argument("--out", required=True, help="output folder (loads with AutoTokenizer.from_pretrained)")
     tok.set_defaults(func=run_tokenizer)
-
-    from .distill import add_distill_arguments, run_distill
 
     distill = sub.add_parser("distill", help="sequence-level KD: translate a dataset with a teacher (beam search, "
                                              "resumable shards) into a distilled dataset")
     add_distill_arguments(distill)
     distill.set_defaults(func=run_distill)
-
-    from . import MODEL_CLASSES
 
     convert = sub.add_parser(
         "convert", help="map a pretrained MarianMTModel / BART / mBART / M2M100 checkpoint into an hf_hardattn model",
@@ -638,11 +573,10 @@ def build_parser() -> argparse.ArgumentParser:
                               "HF_HUB_OFFLINE=0: the command runs offline by default)")
     convert.add_argument("out", metavar="OUT", help="output folder, new or empty: weights (safetensors), config, "
                                                     "modeling code (trust_remote_code), model card, tokenizer")
-    types = sorted(config_class.model_type for config_class in MODEL_CLASSES)
+    rnn = " and ".join(sorted(name for name, entry in MODEL_TYPES.items() if entry.rnn_decoder))
     convert.add_argument("--model-type", required=True, metavar="T",
-                         help=f"the hf_hardattn model type to convert to: one of {', '.join(types)} "
-                              f"(beam_joint_rnn and hybrid_transformer, with an RNN decoder, are refused with the "
-                              f"distillation route)")
+                         help=f"the hf_hardattn model type to convert to: one of {', '.join(sorted(MODEL_TYPES))} "
+                              f"({rnn}, with an RNN decoder, are refused with the distillation route)")
     convert.add_argument("--set", action="append", metavar="KEY=VALUE",
                          help="override a field of the target config that the source does not fix (repeatable), "
                               "e.g. --set dropout=0.1 --set recurrent_variant=coverage --set "
@@ -650,23 +584,17 @@ def build_parser() -> argparse.ArgumentParser:
                               "true/false, null, lists), anything else is taken as a string")
     convert.set_defaults(func=run_convert)
 
-    from .train_cli import add_arguments as add_train_arguments
-    from .train_cli import run_train
-
     train = sub.add_parser(
         "train", help="train any model type (or a pretrained / converted checkpoint) on your own parallel data",
-        description=__import__("hf_hardattn.train_cli", fromlist=["x"]).__doc__.split("\n\n")[0] + " Bad input "
-                    "ends with a one-line error; see hf_hardattn/train_cli.py for the details.")
-    add_train_arguments(train)
-    train.set_defaults(func=run_train)
+        description=train_cli.__doc__.split("\n\n")[0] + " Bad input ends with a one-line error; see "
+                    "hf_hardattn/tools/train_cli.py for the details.")
+    train_cli.add_arguments(train)
+    train.set_defaults(func=train_cli.run_train)
 
-    from .reproduce import add_arguments as add_reproduce_arguments
-    from .reproduce import run as run_reproduce
-
-    reproduce = sub.add_parser("reproduce", help="train and evaluate every variant with one recipe (the papers' "
-                                                 "tables; resumable) -> JSON + markdown table")
-    add_reproduce_arguments(reproduce)
-    reproduce.set_defaults(func=run_reproduce)
+    rerun = sub.add_parser("reproduce", help="train and evaluate every variant with one recipe (the papers' "
+                                             "tables; resumable) -> JSON + markdown table")
+    reproduce.add_arguments(rerun)
+    rerun.set_defaults(func=reproduce.run)
 
     tr = sub.add_parser(
         "translate", help="translate a text file (or stdin) with a saved model, one sentence a line",
@@ -677,18 +605,18 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("-i", "--input", default="-", help="text file, one source a line (.gz allowed; default - = stdin)")
     tr.add_argument("-o", "--output", default="-", help="output file (default - = stdout); written once complete")
     tr.add_argument("--tokenizer", default=None, help="tokenizer folder, if not MODEL's")
-    tr.add_argument("--num-beams", type=_positive_int, default=4, help="beam size (default 4; 1 = greedy)")
-    tr.add_argument("--batch-size", type=_positive_int, default=64, help="sentences per generate() call (default 64)")
-    tr.add_argument("--max-new-tokens", type=_positive_int, default=None,
+    tr.add_argument("--num-beams", type=positive_int, default=4, help="beam size (default 4; 1 = greedy)")
+    tr.add_argument("--batch-size", type=positive_int, default=64, help="sentences per generate() call (default 64)")
+    tr.add_argument("--max-new-tokens", type=positive_int, default=None,
                     help="output limit (default: 1.5 x the batch's source tokens + 10)")
-    tr.add_argument("--max-source-tokens", type=_positive_int, default=None,
+    tr.add_argument("--max-source-tokens", type=positive_int, default=None,
                     help="longest source accepted, in tokens (default: the model's max_position_embeddings); a "
                          "longer line is an error, never truncated")
     tr.add_argument("--do-sample", action="store_true", help="sample instead of searching (with --num-beams > 1: "
                                                              "beam sampling)")
-    tr.add_argument("--top-k", type=_positive_int, default=None, help="with --do-sample: keep the k likeliest tokens")
-    tr.add_argument("--top-p", type=_positive_float, default=None, help="with --do-sample: nucleus mass, in (0, 1]")
-    tr.add_argument("--temperature", type=_positive_float, default=None, help="with --do-sample: softmax temperature")
+    tr.add_argument("--top-k", type=positive_int, default=None, help="with --do-sample: keep the k likeliest tokens")
+    tr.add_argument("--top-p", type=positive_float, default=None, help="with --do-sample: nucleus mass, in (0, 1]")
+    tr.add_argument("--temperature", type=positive_float, default=None, help="with --do-sample: softmax temperature")
     tr.add_argument("--seed", type=int, default=0, help="random seed of --do-sample (default 0)")
     tr.add_argument("--pack-linears", action="store_true",
                     help="prepack the linear layers for faster CPU decoding (hf_hardattn models)")
@@ -697,7 +625,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "not with --pack-linears or --dtype bfloat16)")
     tr.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                     help="weights' dtype while decoding (bfloat16: CPUs with native bf16)")
-    tr.add_argument("--threads", type=_positive_int, default=max(1, min(os.cpu_count() or 1, 8)),
+    tr.add_argument("--threads", type=positive_int, default=max(1, min(os.cpu_count() or 1, 8)),
                     help="torch CPU threads (default: the cores, at most 8)")
     tr.add_argument("--quiet", action="store_true", help="no progress bar, no speed line")
     tr.set_defaults(func=run_translate)
@@ -747,11 +675,11 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("models", metavar="MODEL", nargs="+", help="saved model folder(s) (tokenizer beside each)")
     plot.add_argument("--source", required=True, help="the source sentence")
     plot.add_argument("--target", default=None, help="the target sentence (default: each model's greedy output)")
-    plot.add_argument("--role", choices=("cross", "decoder", "encoder"), default="cross",
+    plot.add_argument("--role", choices=tuple(ROLES), default="cross",
                       help="which attention (default cross)")
     plot.add_argument("--names", nargs="+", default=None, help="one name per MODEL (default: the folder names)")
     plot.add_argument("--tokenizer", default=None, help="tokenizer folder, if not each MODEL's")
-    plot.add_argument("--max-new-tokens", type=_positive_int, default=64, help="limit of the greedy translation")
+    plot.add_argument("--max-new-tokens", type=positive_int, default=64, help="limit of the greedy translation")
     plot.add_argument("--out", default="attention_plots", help="output folder (default attention_plots)")
     plot.set_defaults(func=run_plot)
     return parser
@@ -761,7 +689,8 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # the exact command, for results and cards
     try:
-        args.func(args)
+        with offline_by_default():
+            args.func(args)
     except (CommandError, ValueError, OSError) as error:
         # the package's input checks raise ValueError / FileNotFoundError naming the parameter, transformers an
         # OSError for a folder that holds no model: one line, status 2

@@ -38,7 +38,7 @@ from transformers.trainer_pt_utils import LengthGroupedSampler
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 
-from .safe_io import CorruptFileError, verify_folder
+from ..safe_io import CorruptFileError, verify_folder
 
 logger = logging.get_logger(__name__)
 

@@ -48,7 +48,12 @@ import os
 from dataclasses import dataclass, field
 
 import torch
+from transformers import AutoConfig, AutoModelForSeq2SeqLM, PreTrainedModel
 from transformers.utils import logging
+
+from ..gaussian import GaussianAttention
+from ..layers import SoftAttention
+from ..registry import MODEL_TYPES, ROLES, model_classes
 
 logger = logging.get_logger(__name__)
 
@@ -65,7 +70,7 @@ FAMILY_LAYOUT = {  # family -> (position kind, sinusoidal layout, layernorm_embe
     "m2m_100": ("sinusoidal", "fairseq", False, True),
 }
 # Model types with an RNN (GRU or LSTM) decoder: no Transformer decoder weight maps to it.
-GRU_DECODER_TYPES = ("hybrid_transformer", "beam_joint_rnn")
+RNN_DECODER_TYPES = tuple(name for name, entry in MODEL_TYPES.items() if entry.rnn_decoder)
 # Config fields the source's weights and computation fix: an override may only repeat the source's value.
 SOURCE_FIXED_FIELDS = (
     "vocab_size", "d_model", "encoder_layers", "decoder_layers", "encoder_attention_heads", "decoder_attention_heads",
@@ -149,11 +154,8 @@ def convert(source, model_type: str, *, return_report: bool = False, **config_ov
 # Input checks
 # ----------------------------------------------------------------------------------------------------------------
 def _target_classes(model_type):
-    from . import MODEL_CLASSES
-
-    types = {config_class.model_type: (model_class, config_class)
-             for config_class, model_class in MODEL_CLASSES.items()}
-    if model_type in GRU_DECODER_TYPES:
+    allowed = sorted(set(MODEL_TYPES) - set(RNN_DECODER_TYPES))
+    if model_type in RNN_DECODER_TYPES:
         raise ValueError(
             f"`model_type`={model_type!r} cannot be converted to: its decoder is an RNN (GRU or LSTM), which no "
             f"weight of a Transformer decoder maps to (only the encoder would be kept). Distil it instead, with the "
@@ -162,11 +164,11 @@ def _target_classes(model_type):
             f"--teacher TEACHER --data DATA --out KD` and train the {model_type} model with the references and KD's "
             f"targets (the hybrid paper's two stages and Eq. 1: hf_hardattn.distill.train_two_stage; "
             f"examples/distill_hybrid.py). Allowed "
-            f"`model_type`: {sorted(set(types) - set(GRU_DECODER_TYPES))}.")
-    if model_type not in types:
-        raise ValueError(f"`model_type` must be one of {sorted(set(types) - set(GRU_DECODER_TYPES))}, got "
-                         f"{model_type!r}.")
-    return types[model_type]
+            f"`model_type`: {allowed}.")
+    if model_type not in MODEL_TYPES:
+        raise ValueError(f"`model_type` must be one of {allowed}, got {model_type!r}.")
+    config_class, model_class = model_classes(model_type)
+    return model_class, config_class
 
 
 def _check_override_names(config_class, overrides):
@@ -179,15 +181,11 @@ def _check_override_names(config_class, overrides):
 
 def _load_source(source):
     """(the source model, a description for the report) from a loaded model or a folder / Hub id."""
-    from transformers import PreTrainedModel
-
     if isinstance(source, PreTrainedModel):
         return source, type(source).__name__
     if not isinstance(source, (str, os.PathLike)):
         raise TypeError(f"`source` must be a loaded {'/'.join(SUPPORTED_SOURCES.values())} or a path / Hub id of "
                         f"one, got {type(source).__name__}.")
-    from transformers import AutoConfig, AutoModelForSeq2SeqLM
-
     path = os.fspath(source)
     if os.path.exists(path) and not os.path.isfile(os.path.join(path, "config.json")):
         what = "a file" if os.path.isfile(path) else "a folder without config.json"
@@ -322,9 +320,6 @@ class _Writer:
 
 
 def _map_weights(model, source, family, report):
-    from .gaussian import GaussianAttention
-    from .modeling_hardattn import SoftAttention
-
     write = _Writer(model, report)
     ours, theirs = model.model, source.model
     write.copy(ours.shared.weight, "model.shared.weight", theirs.shared.weight, "model.shared.weight")
@@ -399,9 +394,9 @@ def _map_positions(write, target, target_name, source, source_name, family):
 def _describe_target(model, source, report):
     """Notes on how the target's computation differs from the source's (beyond the initialised/dropped tensors)."""
     config = model.config
-    kinds = {role: config.attention_kinds(role) for role in ("encoder", "decoder", "cross")}
-    heads = {"encoder": source.config.encoder_attention_heads, "decoder": source.config.decoder_attention_heads,
-             "cross": source.config.decoder_attention_heads}
+    kinds = {role: config.attention_kinds(role) for role in ROLES}
+    heads = {role: source.config.encoder_attention_heads if role == "encoder" else source.config.decoder_attention_heads
+             for role in ROLES}
     for role, per_layer in kinds.items():
         other = sorted(set(per_layer) - {"soft"})
         if other:

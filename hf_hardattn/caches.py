@@ -1,0 +1,254 @@
+"""The decoding caches of the skeleton: :class:`HardAttnCache` (transformers' ``EncoderDecoderCache`` plus the state a
+decoder carries from step to step, reordered for beam search) and the buffered self-attention cache it starts with.
+
+Runtime code shipped with saved models (``trust_remote_code``): keep it flat, same-folder relative imports only.
+"""
+
+import inspect
+
+import torch
+from transformers.cache_utils import DynamicCache, DynamicLayer, EncoderDecoderCache
+from transformers.modeling_outputs import Seq2SeqLMOutput
+
+# transformers 5.24 renamed the decoding cache from `past_key_values` to `cache`: generate() passes `cache=` and model
+# outputs carry `.cache`; earlier 5.x releases use `past_key_values` for both. forward() accepts either name, and
+# outputs use the installed release's field (read a cache from an output as `getattr(output, CACHE_FIELD)`).
+CACHE_FIELD = "cache" if "cache" in Seq2SeqLMOutput.__dataclass_fields__ else "past_key_values"
+
+# transformers changed the meaning of a cache's `crop(n)` within 5.x: it was the length to keep (n >= 0) or minus the
+# positions to remove (n < 0), and is now only the latter (n <= 0; 5.24 passes `crop(0)` as "remove nothing"). The
+# caches here follow the installed release, whose assisted decoding calls it (`assistant_model`, prompt lookup).
+CROP_KEEPS_LENGTH = "tokens_to_remove" not in inspect.signature(DynamicLayer.crop).parameters
+
+
+def cropped_length(length: int, n: int) -> int:
+    """The length of a cache of ``length`` positions after ``crop(n)`` in the installed transformers' convention."""
+    if n < 0:
+        return max(0, length + n)
+    if CROP_KEEPS_LENGTH:
+        return min(length, n)
+    if n > 0:
+        raise ValueError(f"`crop` takes minus the number of positions to remove (<= 0), got {n}.")
+    return length
+
+
+class BufferedLayer(DynamicLayer):
+    """A self-attention cache layer whose keys/values live in a preallocated, time-major buffer [T_max, B, H, D]
+    that doubles when full. ``keys``/``values`` are [B, H, T, D] views of its filled part.
+
+    ``DynamicLayer`` copies the whole cache at every step (``torch.cat``) and again at every beam reorder
+    (``index_select``); here a step writes one time slot, and a reorder gathers the filled part into a second
+    buffer in one pass (``index_select(out=...)``) and swaps the two. Other batch edits (repeat, select, crop) are
+    rare and rebuild the buffer from the current keys/values. While autograd tracks the cache (a loss over
+    step-by-step decoding), steps and reorders go out of place instead, as in ``DynamicLayer``: an in-place write
+    would change keys that earlier steps saved for backward, and ``out=`` records no gradient."""
+
+    def lazy_initialization(self, key_states, value_states):
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.length, self._k, self._v, self._spare = 0, None, None, None
+        self.is_initialized = True
+
+    def _tracked(self, *tensors) -> bool:
+        """Whether autograd tracks the cache's buffers or the given new keys/values (then: no in-place writes)."""
+        return any(t is not None and t.requires_grad for t in (self._k, self._v, *tensors))
+
+    def _views(self):
+        self.keys = self._k[: self.length].permute(1, 2, 0, 3)
+        self.values = self._v[: self.length].permute(1, 2, 0, 3)
+
+    def _reserve(self, key_states, value_states, needed):
+        if self._k is not None and needed <= self._k.shape[0] and key_states.shape[0] == self._k.shape[1]:
+            return
+        capacity = max(needed, 32, 2 * (self._k.shape[0] if self._k is not None else 0))
+        k = key_states.new_empty((capacity, *key_states.permute(2, 0, 1, 3).shape[1:]))
+        v = value_states.new_empty((capacity, *value_states.permute(2, 0, 1, 3).shape[1:]))
+        if self.length:
+            k[: self.length] = self._k[: self.length]
+            v[: self.length] = self._v[: self.length]
+        self._k, self._v, self._spare = k, v, None
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        steps = key_states.shape[-2]
+        new_k, new_v = key_states.permute(2, 0, 1, 3), value_states.permute(2, 0, 1, 3)
+        if self._tracked(key_states, value_states):
+            if self.length:
+                new_k, new_v = torch.cat([self._k[: self.length], new_k]), torch.cat([self._v[: self.length], new_v])
+            self._k, self._v, self._spare = new_k, new_v, None
+        else:
+            self._reserve(key_states, value_states, self.length + steps)
+            self._k[self.length : self.length + steps] = new_k
+            self._v[self.length : self.length + steps] = new_v
+        self.length += steps
+        self._views()
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.length if self.is_initialized else 0
+
+    def reorder_cache(self, beam_idx):
+        if not self.get_seq_length():
+            return
+        beam_idx = beam_idx.to(self.device)
+        keys, values = self._k[: self.length], self._v[: self.length]
+        if self._tracked():
+            self._k, self._v, self._spare = keys.index_select(1, beam_idx), values.index_select(1, beam_idx), None
+        else:
+            if self._spare is None:
+                self._spare = (torch.empty_like(self._k), torch.empty_like(self._v))
+            spare_k, spare_v = self._spare
+            torch.index_select(keys, 1, beam_idx, out=spare_k[: self.length])
+            torch.index_select(values, 1, beam_idx, out=spare_v[: self.length])
+            self._spare, self._k, self._v = (self._k, self._v), spare_k, spare_v
+        self._views()
+
+    def _rebuild(self, keys, values):
+        self.length, self._k, self._v, self._spare = 0, None, None, None
+        if keys.shape[-2]:
+            self.update(keys, values)
+        else:
+            self.keys, self.values = keys, values
+
+    def batch_repeat_interleave(self, repeats: int):
+        if self.get_seq_length():
+            self._rebuild(self.keys.repeat_interleave(repeats, dim=0), self.values.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices):
+        if self.get_seq_length():
+            self._rebuild(self.keys[indices], self.values[indices])
+
+    def crop(self, n: int):
+        """Keep the first positions: see :func:`cropped_length` for ``n``."""
+        length = cropped_length(self.get_seq_length(), n)
+        if length < self.get_seq_length():
+            self.length = length
+            self._views()
+
+    def reset(self):
+        self.keys = self.values = None
+        self.length, self._k, self._v, self._spare = 0, None, None, None
+        self.is_initialized = False
+
+
+class BufferedCache(DynamicCache):
+    """A ``DynamicCache`` made of :class:`BufferedLayer` s (the decoder self-attention cache of hf_hardattn)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer_class_to_replicate = BufferedLayer
+
+
+class HardAttnCache(EncoderDecoderCache):
+    """``EncoderDecoderCache`` plus the state that a decoder carries from one step to the next.
+
+    * self-attention keys/values are appended per step (``self_attention_cache``), cross-attention keys/values are
+      computed once per sentence (``cross_attention_cache`` + ``is_updated``), exactly as in transformers;
+    * ``states`` maps a name (e.g. ``"gru.0"`` or ``"prev_context.3"``) to a tensor whose first dimension is the
+      batch; :meth:`reorder_cache` reorders them together with the keys/values, so beam search never mixes beams;
+    * ``sentence_states``: the same for tensors that are constant over a sentence's decoding (computed from the
+      encoder output once); like the cross-attention keys/values, beam reordering leaves them alone;
+    * ``seen_tokens`` counts the target positions processed, so that decoders without a self-attention cache
+      (an RNN decoder) still report the right ``get_seq_length()`` to ``generate()``.
+
+    Beam search only ever reorders beams *within* a sentence, and every beam of a sentence has the same
+    cross-attention keys/values, so :meth:`reorder_cache` leaves the cross-attention cache alone (it is the same
+    tensor after reordering). Use :meth:`batch_select_indices` for an arbitrary selection. Under ``generate()`` with
+    beams or several returned sequences the cross-attention cache may hold one row per sentence, not per beam
+    (grouped memory, see :class:`SoftAttention`).
+    """
+
+    def __init__(self, self_attention_cache=None, cross_attention_cache=None):
+        super().__init__(
+            self_attention_cache if self_attention_cache is not None else BufferedCache(),
+            cross_attention_cache if cross_attention_cache is not None else DynamicCache(),
+        )
+        self.states: dict[str, torch.Tensor] = {}
+        self.sentence_states: dict[str, torch.Tensor] = {}
+        self.seen_tokens = 0
+
+    @classmethod
+    def from_cache(cls, cache):
+        """Our cache for ``cache`` (None, a plain ``EncoderDecoderCache`` made by ``generate()``, or ours)."""
+        if cache is None:
+            return cls()
+        if isinstance(cache, cls):
+            return cache
+        if isinstance(cache, EncoderDecoderCache):
+            for part in (cache.self_attention_cache, cache.cross_attention_cache):
+                if not isinstance(part, DynamicCache):  # a StaticCache has fixed-length slots that need a mask
+                    raise ValueError(
+                        f"hf_hardattn models decode with growing (DynamicCache) caches; got a {type(part).__name__} "
+                        f"(generate's `cache_implementation`); allowed `cache_implementation`: None or 'dynamic'.")
+            self_cache = cache.self_attention_cache
+            if type(self_cache) is DynamicCache and self_cache.get_seq_length() == 0:  # generate()'s fresh cache
+                self_cache = BufferedCache()
+            new = cls(self_cache, cache.cross_attention_cache)
+            new.is_updated = dict(cache.is_updated)
+            new.seen_tokens = cache.get_seq_length()
+            return new
+        raise TypeError(
+            f"`cache` (`past_key_values`) must be None or an EncoderDecoderCache (e.g. HardAttnCache), got "
+            f"{type(cache).__name__}."
+        )
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.seen_tokens
+
+    @property
+    def is_linear(self) -> list[bool]:
+        """No layer is a linear-attention (state-space) layer. generate() (transformers >= 5.24) cuts an already cached
+        decoder prefix only when some layer is not linear, and a decoder that keeps no key/value layers (Gaussian
+        self-attention, the hybrid's GRU) would otherwise report an empty list, i.e. "all linear"."""
+        return [False] * max(1, len(self.self_attention_cache.layers))
+
+    def reorder_cache(self, beam_idx: torch.LongTensor):
+        self.self_attention_cache.reorder_cache(beam_idx)
+        for name, state in self.states.items():
+            self.states[name] = state.index_select(0, beam_idx.to(state.device))
+
+    def batch_repeat_interleave(self, repeats: int):
+        super().batch_repeat_interleave(repeats)
+        for states in (self.states, self.sentence_states):
+            for name, state in states.items():
+                states[name] = state.repeat_interleave(repeats, dim=0)
+
+    def batch_select_indices(self, indices: torch.Tensor):
+        # A grouped memory's keys/values (one row per sentence, see SoftAttention) are first repeated to one row per
+        # decoder row, so that `indices` select decoder rows.
+        rows = next((layer.keys.shape[0] for layer in self.self_attention_cache.layers if layer.get_seq_length()),
+                    next((state.shape[0] for state in self.states.values()), 0))  # decoder rows
+        for layer in self.cross_attention_cache.layers:
+            if layer.is_initialized and rows and layer.keys.shape[0] != rows:
+                groups = rows // layer.keys.shape[0]
+                layer.keys, layer.values = (t.repeat_interleave(groups, dim=0) for t in (layer.keys, layer.values))
+        super().batch_select_indices(indices)
+        for states in (self.states, self.sentence_states):
+            for name, state in states.items():
+                states[name] = state[indices]
+
+    def reset(self):
+        super().reset()
+        self.states.clear()
+        self.sentence_states.clear()
+        self.seen_tokens = 0
+
+    @property
+    def is_croppable(self) -> bool:
+        """Read by transformers' assisted decoding (5.24: refused when False, after the first forward)."""
+        return not self.states and getattr(self.self_attention_cache, "is_croppable", True)
+
+    def crop(self, n: int) -> None:
+        """Remove the last positions (assisted decoding: rejected draft tokens); ``n`` as in :func:`cropped_length`."""
+        if self.states and (n < 0 or (CROP_KEEPS_LENGTH and n < self.seen_tokens)):
+            raise NotImplementedError(
+                f"`crop` (assisted decoding: `assistant_model`, `prompt_lookup_num_tokens`) is not possible for a "
+                f"decoder that carries state from step to step ({', '.join(sorted(self.states))}): it cannot be rolled "
+                f"back. Allowed: models whose decoder keeps only keys/values (e.g. soft, hard_retrieval, "
+                f"beam_joint_transformer)."
+            )
+        super().crop(n)
+        self.seen_tokens = cropped_length(self.seen_tokens, n)
+
+
+__all__ = ["CACHE_FIELD", "CROP_KEEPS_LENGTH", "BufferedCache", "BufferedLayer", "HardAttnCache", "cropped_length"]

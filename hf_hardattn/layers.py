@@ -1,0 +1,543 @@
+"""The layers of the skeleton (Vaswani et al., 2017): positions, feed-forward, soft attention (the interface every
+attention kind implements), the residual sub-layer, encoder and decoder layers, the encoder and the decoder.
+
+An attention kind's module is built from its entry in ``registry.KINDS`` (:func:`build_attention`): the skeleton
+imports no kind's file; the kinds plug into it.
+
+Runtime code shipped with saved models (``trust_remote_code``): keep it flat, same-folder relative imports only.
+"""
+
+import contextlib
+import math
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.activations import ACT2FN
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import BaseModelOutput, BaseModelOutputWithPastAndCrossAttentions
+
+from .caches import CACHE_FIELD
+from .configuration_hardattn import HardAttnConfig
+from .inputs import check_ids, check_mask, check_one_of, is_tracing
+from .registry import KINDS, ROLES, attention_class, kinds_allowed
+
+
+def sinusoidal_table(num_positions: int, dim: int, offset: int = 0, layout: str = "interleaved") -> torch.Tensor:
+    """Rows ``offset`` ... ``offset + num_positions - 1`` of a sinusoidal position table [num_positions, dim], fp32.
+
+    * ``"interleaved"``, Vaswani et al. (2017), Sec. 3.5: PE(pos, 2i) = sin(pos / 10000^(2i/d)),
+      PE(pos, 2i+1) = cos(...);
+    * ``"marian"``: the same frequencies, the sines in the first half of the features and the cosines in the second
+      (transformers' ``MarianSinusoidalPositionalEmbedding``, computed as it does: float64 numpy, rounded to fp32);
+    * ``"fairseq"``: sines then cosines with frequencies exp(-i log(10000) / (d/2 - 1)) (fairseq / tensor2tensor,
+      transformers' ``M2M100SinusoidalPositionalEmbedding``, computed as it does in fp32), a zero feature for odd d.
+    Each row depends only on its position, so any range equals the same rows of a table started at 0."""
+    if layout == "marian":
+        return _marian_table(num_positions, dim, offset)
+    if layout == "fairseq":
+        half = dim // 2
+        freq = torch.exp(torch.arange(half, dtype=torch.int64).float() * -(math.log(10000) / (half - 1)))
+        angle = torch.arange(offset, offset + num_positions, dtype=torch.int64).float()[:, None] * freq[None]
+        table = torch.cat([torch.sin(angle), torch.cos(angle)], dim=1)
+        return torch.cat([table, torch.zeros(num_positions, 1)], dim=1) if dim % 2 else table
+    position = torch.arange(offset, offset + num_positions, dtype=torch.float32)[:, None]
+    inv_freq = torch.exp(torch.arange(0, dim, 2, dtype=torch.float32) * (-math.log(10000.0) / dim))
+    table = torch.zeros(num_positions, dim)
+    table[:, 0::2] = torch.sin(position * inv_freq)
+    table[:, 1::2] = torch.cos(position * inv_freq[: dim // 2])
+    return table
+
+
+def _marian_table(num_positions: int, dim: int, offset: int) -> torch.Tensor:
+    """The "marian" layout, by the operations of transformers' ``MarianSinusoidalPositionalEmbedding.create_weight``
+    (float64 numpy; the frequencies by the same scalar ``np.power`` calls) so that its fp32 table is bit-identical."""
+    inv = np.array([np.power(10000, 2 * (j // 2) / dim) for j in range(dim)])
+    angle = np.arange(offset, offset + num_positions, dtype=np.float64)[:, None] / inv[None, :]
+    table = torch.empty(num_positions, dim, dtype=torch.float32)
+    sentinel = dim // 2 if dim % 2 == 0 else dim // 2 + 1
+    table[:, :sentinel] = torch.from_numpy(np.sin(angle[:, 0::2])).float()
+    table[:, sentinel:] = torch.from_numpy(np.cos(angle[:, 1::2])).float()
+    return table
+
+
+class PositionEmbedding(nn.Module):
+    """Sinusoidal (default) or learned absolute positions: of consecutive positions (``forward``), or of one position
+    per token (``at``: a left-padded source, whose positions count from each row's first real token)."""
+
+    def __init__(self, config: HardAttnConfig):
+        super().__init__()
+        self.kind, self.limit, self.dim = config.position_embedding, config.max_position_embeddings, config.d_model
+        self.layout, self.offset = config.sinusoidal_layout, config.position_offset  # (sinusoidal only)
+        if self.kind == "learned":
+            self.embed = nn.Embedding(self.limit, self.dim)
+        else:
+            self.register_buffer("table", self.sinusoids(self.limit), persistent=False)
+
+    def sinusoids(self, length: int, start: int = 0) -> torch.Tensor:
+        """[length, d] fp32: the sinusoidal embeddings of positions start, ..., start + length - 1."""
+        return sinusoidal_table(length, self.dim, offset=start + self.offset, layout=self.layout)
+
+    def check_length(self, end: int):
+        if self.kind == "learned" and end > self.limit:
+            raise ValueError(
+                f"Sequence of {end} positions exceeds `max_position_embeddings`={self.limit} with "
+                f"`position_embedding`='learned'; allowed: at most {self.limit} positions (truncate the input, "
+                f"or use position_embedding='sinusoidal', which extends beyond the table)."
+            )
+
+    def forward(self, start: int, length: int) -> torch.Tensor:
+        """[length, d]: positions start, ..., start + length - 1."""
+        end = start + length
+        self.check_length(end)
+        if self.kind == "learned":
+            return self.embed.weight[start:end]
+        if end > self.limit:  # sinusoidal positions extend beyond the table
+            return self.sinusoids(length, start).to(self.table)
+        return self.table[start:end]
+
+    def at(self, positions: torch.Tensor) -> torch.Tensor:
+        """[B, S, d]: the embedding of every position in ``positions`` [B, S] (each < S)."""
+        length = positions.shape[-1]
+        self.check_length(length)
+        if self.kind == "learned":
+            return self.embed(positions)
+        return (self.table if length <= self.limit else self.sinusoids(length).to(self.table))[positions]
+
+
+def token_positions(attention_mask):
+    """Per-token positions [B, S] counted from each row's first real token (0 on the padding before it), or None when
+    every row starts with a real token (right padding or none): positions 0, 1, ..., which the computed ones equal
+    then (a data-dependent check, so while tracing, torch.compile / export, they are always computed)."""
+    if attention_mask is None or (not is_tracing() and bool(attention_mask[:, 0].all())):
+        return None
+    leading = (attention_mask.cumsum(-1) == 0).sum(-1, keepdim=True)  # padding before the first real token
+    return (torch.arange(attention_mask.shape[-1], device=attention_mask.device) - leading).clamp(min=0)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, d_model: int, ffn_dim: int, activation: str, activation_dropout: float):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(d_model, ffn_dim), nn.Linear(ffn_dim, d_model)
+        self.act, self.activation_dropout = ACT2FN[activation], activation_dropout
+
+    def forward(self, x):
+        return self.fc2(F.dropout(self.act(self.fc1(x)), self.activation_dropout, self.training))
+
+
+def causal_mask(query_length: int, key_length: int, device) -> torch.Tensor:
+    """Boolean [Tq, Tk] mask, True where query i (the last Tq of Tk positions) may attend to key j."""
+    return torch.ones(query_length, key_length, dtype=torch.bool, device=device).tril(key_length - query_length)
+
+
+def full_mask(mask, causal, query_length, key_length, device):
+    """The bool mask (True = may attend) implied by ``mask`` / ``causal``, or None when everything is visible."""
+    if causal:
+        tri = causal_mask(query_length, key_length, device)
+        return tri if mask is None else mask & tri
+    return mask
+
+
+def ungroup_weights(weights: torch.Tensor, rows: int) -> torch.Tensor:
+    """Attention weights of a grouped memory, [sources, H, g * Tq, Tk] (the g decoder rows of a sentence as one query
+    sequence, see SoftAttention), as one row per decoder row: [rows = sources * g, H, Tq, Tk]."""
+    sources, heads, queries, keys = weights.shape
+    if sources == rows:
+        return weights
+    groups = rows // sources
+    return weights.view(sources, heads, groups, queries // groups, keys).transpose(1, 2).reshape(rows, heads, -1, keys)
+
+
+# a CPU decoding step with up to WRITTEN_OUT_QUERIES queries per row and at least WRITTEN_OUT_MIN_QUERIES in all
+# computes attention written out rather than by the fused kernel (faster there; see SoftAttention.attend)
+WRITTEN_OUT_QUERIES, WRITTEN_OUT_MIN_QUERIES = 8, 16
+
+
+class SoftAttention(nn.Module):
+    """Multi-head scaled dot-product attention, softmax(QK^T / sqrt(d_k)) V (Vaswani et al., 2017, Eq. 1).
+
+    The interface every attention kind implements:
+
+    ``forward(hidden, memory=None, mask=None, causal=False, cache=None) -> [B, Tq, d_model]``
+
+    * ``hidden``: the queries' layer input [B, Tq, d]; ``memory``: the encoder output [B, S, d] (cross-attention);
+    * ``mask``: bool, broadcastable to [B, heads, Tq, Tk], True = may attend, or None;
+    * ``causal``: the decoder's causal mask when ``mask`` is None and Tq == Tk (training, no cache);
+    * ``cache``: a :class:`HardAttnCache` during cached decoding;
+    * ``output_attentions``: also return the attention weights the kind used, ``(output, weights)`` with weights
+      [B, heads, Tq, Tk] (transformers' layout; computed only when asked, the fused kernel stays the default).
+
+    Kinds that keep the projections and change only how the weights are formed override :meth:`attend` and
+    :meth:`attend_with_weights`.
+
+    As cross-attention it also reads a *grouped* memory: ``memory`` with B rows for ``hidden`` with B x g rows, row r
+    of ``hidden`` attending to row r // g of ``memory`` (g beams or returned sequences per sentence; see
+    :meth:`HardAttnForConditionalGeneration._expand_inputs_for_generation`). Kinds whose ``forward`` or ``attend``
+    treats a query by its position rather than on its own set ``reads_memory_grouped = False``.
+    """
+
+    reads_memory_grouped = True
+
+    def __init__(self, config: HardAttnConfig, role: str, layer_idx: int):
+        super().__init__()
+        # "eager" (attn_implementation) writes Eq. 1 out; kept in step by HardAttnPreTrainedModel.set_attn_implementation
+        self.eager = config._attn_implementation == "eager"
+        self.role, self.layer_idx, self.is_cross = role, layer_idx, role == "cross"
+        d_model = config.d_model
+        self.num_heads = config.encoder_attention_heads if role == "encoder" else config.decoder_attention_heads
+        if self.is_cross and getattr(config, "cross_attention_heads", None):  # per-role head count (Gaussian sh-x)
+            self.num_heads = config.cross_attention_heads
+        self.head_dim = d_model // self.num_heads
+        self.dropout = config.attention_dropout
+        if self.is_cross:  # queries from the decoder; keys and values (fused) from the encoder output, once
+            self.q_proj, self.kv_proj = nn.Linear(d_model, d_model), nn.Linear(d_model, 2 * d_model)
+        else:  # fused query/key/value projection
+            self.qkv_proj = nn.Linear(d_model, 3 * d_model)
+        self.out_proj = nn.Linear(d_model, d_model)
+
+    def split_heads(self, x: torch.Tensor, parts: int):
+        """[B, T, parts * d] -> `parts` tensors [B, H, T, head_dim]."""
+        batch, length, _ = x.shape
+        return x.view(batch, length, parts, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+
+    def project(self, hidden, memory, cache):
+        """Queries, keys and values [B, H, T, head_dim], with the keys/values of earlier steps from the cache."""
+        if not self.is_cross:
+            q, k, v = self.split_heads(self.qkv_proj(hidden), 3)
+            if cache is not None:
+                k, v = cache.self_attention_cache.update(k, v, self.layer_idx)
+            return q, k, v
+        (q,) = self.split_heads(self.q_proj(hidden), 1)
+        if cache is not None and cache.is_updated.get(self.layer_idx):
+            layer = cache.cross_attention_cache.layers[self.layer_idx]
+            return q, layer.keys, layer.values
+        k, v = self.split_heads(self.kv_proj(memory), 2)
+        if cache is not None:
+            k, v = cache.cross_attention_cache.update(k, v, self.layer_idx)
+            cache.is_updated[self.layer_idx] = True
+        return q, k, v
+
+    def attend(self, q, k, v, mask, causal):
+        """Eq. 1 of Vaswani et al.: [B, H, Tq, head_dim], by torch's fused kernel (``attn_implementation="sdpa"``, the
+        default) or written out (``"eager"``). Under CPU autocast (bf16 training on CPU) the fused kernel runs in fp32:
+        the CPU flash kernel's bf16 backward is several times slower than its fp32 one (measured: 21 ms vs 4 ms per
+        call at d 256, 128 x 30 tokens), and attention is a small share of the GEMM work bf16 speeds up. A batched
+        decoding step on CPU (no gradient, at most ``WRITTEN_OUT_QUERIES`` queries per row: one, or one per beam of a
+        grouped memory; at least ``WRITTEN_OUT_MIN_QUERIES`` in all) takes the written-out path too, where the fused
+        kernel costs more (AVX512 EPYC, 2 threads: 254 vs 200 us for [128, 8, 1, 15] keys, 413 vs 100 us for a grouped
+        memory's [32, 8, 4, 24]; but 9 vs 18 us for [1, 8, 1, 15])."""
+        queries, rows = q.shape[-2], q.shape[0]
+        concrete = type(queries) is int and type(rows) is int  # (traced with symbolic shapes: one path for every shape)
+        if self.eager or (concrete and queries <= WRITTEN_OUT_QUERIES and rows * queries >= WRITTEN_OUT_MIN_QUERIES
+                          and not self.training and not torch.is_grad_enabled() and q.device.type == "cpu"):
+            return self.attend_with_weights(q, k, v, mask, causal)[0]
+        fp32 = q.requires_grad and q.device.type == "cpu" and torch.is_autocast_enabled("cpu")  # (never when decoding)
+        with torch.autocast("cpu", enabled=False) if fp32 else contextlib.nullcontext():
+            out = F.scaled_dot_product_attention(
+                *((t.float() for t in (q, k, v)) if fp32 else (q, k, v)), attn_mask=mask,
+                dropout_p=self.dropout if self.training else 0.0, is_causal=causal)
+        return out.to(q.dtype) if fp32 else out
+
+    def attend_with_weights(self, q, k, v, mask, causal):
+        """Eq. 1 written out: (output [B, H, Tq, head_dim], weights [B, H, Tq, Tk] = softmax(QK^T / sqrt(d_k)) over
+        the visible keys, after attention dropout, as transformers' eager attention returns them)."""
+        scores = (q @ k.transpose(-1, -2)) * self.head_dim**-0.5
+        mask = full_mask(mask, causal, q.shape[-2], k.shape[-2], q.device)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        weights = F.dropout(torch.softmax(scores, dim=-1), self.dropout, self.training)
+        return weights @ v, weights
+
+    def merge(self, out: torch.Tensor) -> torch.Tensor:
+        """[B, H, Tq, head_dim] heads -> output projection [B, Tq, d_model]."""
+        batch, _, length, _ = out.shape
+        return self.out_proj(out.transpose(1, 2).reshape(batch, length, self.num_heads * self.head_dim))
+
+    def memory_rows(self, memory, cache) -> int:
+        """Rows of the encoder output this cross-attention reads: the cached keys' once computed, else ``memory``'s."""
+        if cache is not None and cache.is_updated.get(self.layer_idx):
+            return cache.cross_attention_cache.layers[self.layer_idx].keys.shape[0]
+        return memory.shape[0]
+
+    def forward(self, hidden, memory=None, mask=None, causal=False, cache=None, output_attentions=False):
+        batch, length, width = hidden.shape
+        sources = self.memory_rows(memory, cache) if self.is_cross else batch
+        # Grouped memory: the `batch // sources` consecutive rows of a sentence share its keys/values; queries attend
+        # independently, so they go as one sequence of (batch // sources) * length queries.
+        if sources != batch:
+            hidden = hidden.reshape(sources, -1, width)
+        q, k, v = self.project(hidden, memory, cache)
+        if not output_attentions:
+            return self.merge(self.attend(q, k, v, mask, causal)).reshape(batch, length, -1)
+        out, weights = self.attend_with_weights(q, k, v, mask, causal)
+        return self.merge(out).reshape(batch, length, -1), ungroup_weights(weights, batch)
+
+
+def attention_classes() -> dict:
+    """Attention kind name -> module class, for every kind of ``registry.KINDS`` with a module."""
+    return {name: attention_class(name) for name, kind in KINDS.items() if kind.module is not None}
+
+
+def build_attention(kind: str, config: HardAttnConfig, role: str, layer_idx: int):
+    """The attention module of ``kind`` (its entry in ``registry.KINDS``) for ``role`` in layer ``layer_idx``; None for
+    kind "none" (no sub-layer)."""
+    if kind not in kinds_allowed(role):
+        raise ValueError(f"`{ROLES[role].field}` entry {kind!r} is not a known attention kind; allowed: "
+                         f"{kinds_allowed(role)}.")
+    attention = attention_class(kind, config)
+    return None if attention is None else attention(config, role, layer_idx)
+
+
+class SubLayer(nn.Module):
+    """Residual connection + layer norm around one sub-layer: post-norm LN(x + f(x)) or pre-norm x + f(LN(x))."""
+
+    def __init__(self, config: HardAttnConfig, module: nn.Module):
+        super().__init__()
+        self.module, self.norm = module, nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+        self.pre_norm, self.dropout = config.normalize_before, config.dropout
+
+    def input(self, x):
+        """What the sub-layer's module reads from the residual stream ``x``: LN(x) pre-norm, x post-norm."""
+        return self.norm(x) if self.pre_norm else x
+
+    def residual(self, x, out):
+        """The new residual stream from ``x`` and the module's output ``out`` (dropout, residual, post-norm)."""
+        out = F.dropout(out, self.dropout, self.training)
+        return x + out if self.pre_norm else self.norm(x + out)
+
+    def forward(self, x, *args, output_attentions=False, **kwargs):
+        """The new residual stream; with ``output_attentions`` (attention sub-layers), ``(stream, weights)``."""
+        out = self.module(self.input(x), *args, **(dict(kwargs, output_attentions=True) if output_attentions else kwargs))
+        out, weights = out if output_attentions else (out, None)
+        x = self.residual(x, out)
+        return (x, weights) if output_attentions else x
+
+
+class EncoderLayer(GradientCheckpointingLayer):  # recomputed in backward under gradient_checkpointing_enable()
+    def __init__(self, config: HardAttnConfig, layer_idx: int, kind: str):
+        super().__init__()
+        attention = build_attention(kind, config, "encoder", layer_idx)
+        self.self_attn = SubLayer(config, attention) if attention is not None else None
+        ffn = FeedForward(config.d_model, config.encoder_ffn_dim, config.activation_function, config.activation_dropout)
+        self.ffn = SubLayer(config, ffn)
+
+    def forward(self, x, mask, output_attentions=False):
+        """The layer output; with ``output_attentions``, ``(output, self-attention weights or None for kind "none")``."""
+        weights = None
+        if self.self_attn is not None:
+            x = self.self_attn(x, mask=mask, output_attentions=output_attentions)
+            x, weights = x if output_attentions else (x, None)
+        x = self.ffn(x)
+        return (x, weights) if output_attentions else x
+
+
+class DecoderLayer(GradientCheckpointingLayer):
+    def __init__(self, config: HardAttnConfig, layer_idx: int, self_kind: str, cross_kind: str):
+        super().__init__()
+        attention = build_attention(self_kind, config, "decoder", layer_idx)
+        self.self_attn = SubLayer(config, attention) if attention is not None else None
+        attention = build_attention(cross_kind, config, "cross", layer_idx)
+        self.cross_attn = SubLayer(config, attention) if attention is not None else None
+        ffn = FeedForward(config.d_model, config.decoder_ffn_dim, config.activation_function, config.activation_dropout)
+        self.ffn = SubLayer(config, ffn)
+
+    def forward(self, x, memory, self_mask, causal, cross_mask, cache, output_attentions=False):
+        """The layer output; with ``output_attentions``, ``(output, self-attention weights, cross-attention weights)``,
+        None for a sub-layer of kind "none"."""
+        self_weights = cross_weights = None
+        if self.self_attn is not None:
+            x = self.self_attn(x, mask=self_mask, causal=causal, cache=cache, output_attentions=output_attentions)
+            x, self_weights = x if output_attentions else (x, None)
+        if self.cross_attn is not None:
+            x = self.cross_attn(x, memory=memory, mask=cross_mask, cache=cache, output_attentions=output_attentions)
+            x, cross_weights = x if output_attentions else (x, None)
+        x = self.ffn(x)
+        return (x, self_weights, cross_weights) if output_attentions else x
+
+
+def padding_mask(attention_mask):
+    """[B, S] 0/1 mask -> bool [B, 1, 1, S] key mask, or None when nothing is padded (enables fast kernels)."""
+    if attention_mask is None or (not is_tracing() and bool(attention_mask.all())):
+        return None
+    return attention_mask[:, None, None, :].bool()
+
+
+def check_memory_rows(rows, encoder_hidden_states, encoder_attention_mask, grouped: bool):
+    """The encoder output has one row per decoder row (of ``rows``) or, where the decoder reads a ``grouped`` memory,
+    one per group of ``rows // sources`` consecutive decoder rows; its mask has the encoder output's rows."""
+    sources = encoder_hidden_states.shape[0]
+    if sources != rows and (rows % sources or not grouped):
+        allowed = f"{rows} or a divisor of it" if grouped else \
+            f"{rows} (this model reads one encoder row per decoder row)"
+        raise ValueError(f"`encoder_hidden_states` (`encoder_outputs`) has {sources} rows for {rows} decoder rows; "
+                         f"allowed: {allowed}.")
+    if encoder_attention_mask is not None and encoder_attention_mask.shape[0] != sources:
+        raise ValueError(f"`attention_mask` has {encoder_attention_mask.shape[0]} rows for an encoder output of "
+                         f"{sources} rows; allowed: {sources}.")
+
+
+def embedding_norm(config: HardAttnConfig):
+    """The LayerNorm over token + position embeddings of ``config.layernorm_embedding`` (BART, mBART), or None."""
+    return nn.LayerNorm(config.d_model, eps=config.layer_norm_eps) if config.layernorm_embedding else None
+
+
+class HardAttnEncoder(nn.Module):
+    def __init__(self, config: HardAttnConfig, embed_tokens: nn.Embedding):
+        super().__init__()
+        self.config = config
+        self.embed_tokens, self.embed_positions = embed_tokens, PositionEmbedding(config)
+        self.embed_scale = math.sqrt(config.d_model) if config.scale_embedding else 1.0
+        self.layernorm_embedding = embedding_norm(config)
+        kinds = config.attention_kinds("encoder")
+        self.layers = nn.ModuleList(EncoderLayer(config, i, kind) for i, kind in enumerate(kinds))
+        self.final_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps) if config.normalize_before else None
+
+    def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, return_dict=None,
+                output_attentions=None, output_hidden_states=None, **kwargs):
+        """``BaseModelOutput``: ``last_hidden_state`` [B, S, d]; with ``output_hidden_states``, ``hidden_states`` = the
+        embeddings (layer 0's input) and every layer's output, the last one after the final norm of a pre-norm model
+        (as transformers' encoders); with ``output_attentions``, ``attentions`` = one [B, heads, S, S] tensor per layer
+        (None for a layer of kind "none"). Flags default to the config's. A left-padded source (padding before the
+        tokens) gets the same positions as the sentence alone."""
+        config = self.config
+        output_attentions = config.output_attentions if output_attentions is None else output_attentions
+        output_hidden_states = config.output_hidden_states if output_hidden_states is None else output_hidden_states
+        check_one_of("input_ids", input_ids, "inputs_embeds", inputs_embeds)
+        if inputs_embeds is None:
+            check_ids("input_ids", input_ids, config.vocab_size)
+            inputs_embeds = self.embed_tokens(input_ids) * self.embed_scale
+        elif inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != config.d_model or 0 in inputs_embeds.shape:
+            raise ValueError(f"`inputs_embeds` must be [batch, length, d_model={config.d_model}] (not empty), got "
+                             f"{tuple(inputs_embeds.shape)}.")
+        if attention_mask is not None:
+            check_mask("attention_mask", attention_mask, [inputs_embeds.shape[:2]])
+        positions = token_positions(attention_mask)
+        x = inputs_embeds + (self.embed_positions(0, inputs_embeds.shape[1]) if positions is None
+                             else self.embed_positions.at(positions))
+        if self.layernorm_embedding is not None:
+            x = self.layernorm_embedding(x)
+        x = F.dropout(x, config.dropout, self.training)
+        mask = padding_mask(attention_mask)
+        hidden_states, attentions = [x] if output_hidden_states else None, [] if output_attentions else None
+        for layer in self.layers:
+            if output_attentions:
+                x, weights = layer(x, mask, output_attentions=True)
+                attentions.append(weights)
+            else:
+                x = layer(x, mask)
+            if output_hidden_states:
+                hidden_states.append(x)
+        if self.final_norm is not None:
+            x = self.final_norm(x)
+        if output_hidden_states:
+            hidden_states[-1] = x
+        output = BaseModelOutput(last_hidden_state=x, hidden_states=hidden_states and tuple(hidden_states),
+                                 attentions=attentions if attentions is None else tuple(attentions))
+        return output if (config.return_dict if return_dict is None else return_dict) else output.to_tuple()
+
+
+class HardAttnDecoder(nn.Module):
+    def __init__(self, config: HardAttnConfig, embed_tokens: nn.Embedding):
+        super().__init__()
+        self.config = config
+        self.embed_tokens, self.embed_positions = embed_tokens, PositionEmbedding(config)
+        self.embed_scale = math.sqrt(config.d_model) if config.scale_embedding else 1.0
+        self.layernorm_embedding = embedding_norm(config)
+        self_kinds, cross_kinds = config.attention_kinds("decoder"), config.attention_kinds("cross")
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, s, c) for i, (s, c) in enumerate(zip(self_kinds, cross_kinds))
+        )
+        # Whether every cross-attention reads a grouped memory (see SoftAttention); the kinds are fixed at construction
+        # (with_attention builds a new model), so it is derived once here, not at every decoding step.
+        self.reads_memory_grouped = all(layer.cross_attn is None or
+                                        getattr(layer.cross_attn.module, "reads_memory_grouped", False)
+                                        for layer in self.layers)
+        self.final_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps) if config.normalize_before else None
+
+    def embed(self, input_ids, inputs_embeds, past_length):
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids) * self.embed_scale
+        x = inputs_embeds + self.embed_positions(past_length, inputs_embeds.shape[1])
+        if self.layernorm_embedding is not None:
+            x = self.layernorm_embedding(x)
+        return F.dropout(x, self.config.dropout, self.training)
+
+    @staticmethod
+    def self_attention_mask(decoder_attention_mask, query_length, past_length, device):
+        """(mask, causal) for decoder self-attention: no mask at all for one cached step, SDPA's causal flag for a
+        whole unpadded sequence, an explicit bool mask otherwise."""
+        key_length = past_length + query_length
+        if decoder_attention_mask is not None and (is_tracing() or not bool(decoder_attention_mask.all())):
+            pad = decoder_attention_mask[:, None, None, -key_length:].bool()
+            return causal_mask(query_length, key_length, device) & pad, False
+        if query_length == 1:
+            return None, False
+        if past_length == 0:
+            return None, True
+        return causal_mask(query_length, key_length, device), False
+
+    def forward(self, input_ids=None, encoder_hidden_states=None, encoder_attention_mask=None, attention_mask=None,
+                inputs_embeds=None, cache=None, output_attentions=None, output_hidden_states=None, return_dict=None,
+                **kwargs):
+        """``BaseModelOutputWithPastAndCrossAttentions``: ``last_hidden_state`` [B, T, d] (the input of the output
+        layer); with ``output_hidden_states``, ``hidden_states`` = the embeddings and every layer's output (the last
+        after the final norm of a pre-norm model); with ``output_attentions``, ``attentions`` (self-attention
+        [B, heads, T, past + T]) and ``cross_attentions`` ([B, heads, T, S]), one tensor per layer, None for a
+        sub-layer of kind "none". Flags default to the config's."""
+        config = self.config
+        output_attentions = config.output_attentions if output_attentions is None else output_attentions
+        output_hidden_states = config.output_hidden_states if output_hidden_states is None else output_hidden_states
+        out = self.run(input_ids, encoder_hidden_states, encoder_attention_mask, attention_mask, inputs_embeds, cache,
+                       output_attentions, output_hidden_states)
+        output = BaseModelOutputWithPastAndCrossAttentions(
+            last_hidden_state=out.last_hidden_state, hidden_states=out.hidden_states, attentions=out.attentions,
+            cross_attentions=out.cross_attentions, **{CACHE_FIELD: cache})
+        return output if (config.return_dict if return_dict is None else return_dict) else output.to_tuple()
+
+    def run(self, input_ids, encoder_hidden_states, encoder_attention_mask, attention_mask, inputs_embeds, cache,
+            output_attentions=False, output_hidden_states=False) -> "DecoderResult":
+        """``forward`` as a :class:`DecoderResult` (a plain tuple: what the model's ``decode`` reads at every step,
+        without building a ModelOutput)."""
+        past_length = cache.get_seq_length() if cache is not None else 0
+        x = self.embed(input_ids, inputs_embeds, past_length)
+        self_mask, causal = self.self_attention_mask(attention_mask, x.shape[1], past_length, x.device)
+        check_memory_rows(x.shape[0], encoder_hidden_states, encoder_attention_mask, self.reads_memory_grouped)
+        cross_mask = padding_mask(encoder_attention_mask)
+        hidden_states = [x] if output_hidden_states else None
+        attentions, cross_attentions = ([], []) if output_attentions else (None, None)
+        for layer in self.layers:
+            if output_attentions:
+                x, self_weights, cross_weights = layer(x, encoder_hidden_states, self_mask, causal, cross_mask, cache,
+                                                       output_attentions=True)
+                attentions.append(self_weights)
+                cross_attentions.append(cross_weights)
+            else:
+                x = layer(x, encoder_hidden_states, self_mask, causal, cross_mask, cache)
+            if output_hidden_states:
+                hidden_states.append(x)
+        if cache is not None:
+            cache.seen_tokens += x.shape[1]
+        if self.final_norm is not None:
+            x = self.final_norm(x)
+        if output_hidden_states:
+            hidden_states[-1] = x
+        return DecoderResult(x, hidden_states and tuple(hidden_states), attentions and tuple(attentions),
+                             cross_attentions and tuple(cross_attentions))
+
+
+class DecoderResult(NamedTuple):
+    """What ``decode`` hands to ``forward``: the output layer's input (``last_hidden_state``: [B, T, d], or the
+    beam-joint candidates) and, when asked, the per-layer outputs in transformers' layout."""
+
+    last_hidden_state: Any
+    hidden_states: tuple | None = None
+    attentions: tuple | None = None
+    cross_attentions: tuple | None = None
+
+
+__all__ = ["DecoderLayer", "DecoderResult", "EncoderLayer", "FeedForward", "HardAttnDecoder", "HardAttnEncoder",
+           "PositionEmbedding", "SoftAttention", "SubLayer", "WRITTEN_OUT_MIN_QUERIES", "WRITTEN_OUT_QUERIES",
+           "attention_classes", "build_attention", "causal_mask", "check_memory_rows", "embedding_norm", "full_mask", "padding_mask",
+           "sinusoidal_table", "token_positions", "ungroup_weights"]

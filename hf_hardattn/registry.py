@@ -1,0 +1,126 @@
+"""The registries of hf_hardattn: attention roles, attention kinds and model types, each listed here once.
+
+Every reader takes its names from here: the config's validation, the skeleton (which builds a kind's module from its
+entry), the attention interface for stock models, the plots, the conversion and the command line's choices. Adding an
+attention kind is one entry of ``KINDS`` and its file; adding a model type, one entry of ``MODEL_TYPES`` and its file.
+
+Runtime code shipped with saved models (``trust_remote_code``): keep it flat, same-folder relative imports only.
+"""
+
+import importlib
+import os
+import shutil
+from typing import NamedTuple
+
+from transformers.utils import cached_file
+
+
+class Role(NamedTuple):
+    field: str  # the config field holding the role's kind(s)
+    layers_field: str  # the config field holding the number of layers of that role
+
+    @property
+    def outputs(self) -> str:
+        """The model output field holding the role's attention weights (``output_attentions=True``)."""
+        return f"{self.field}s"
+
+
+ROLES = {
+    "encoder": Role("encoder_attention", "encoder_layers"),
+    "decoder": Role("decoder_attention", "decoder_layers"),
+    "cross": Role("cross_attention", "decoder_layers"),
+}
+
+
+class AttentionKind(NamedTuple):
+    module: str | None  # the runtime file (module of this package) defining its class; None: no sub-layer
+    class_name: str | None
+    roles: tuple  # the roles it may fill
+    settings: dict = {}  # config keys it reads from any config that uses it -> its default where a config lacks them
+
+
+KINDS = {
+    "soft": AttentionKind("layers", "SoftAttention", tuple(ROLES)),
+    "hard_retrieval": AttentionKind("hard_retrieval", "HardRetrievalAttention", tuple(ROLES)),
+    "none": AttentionKind(None, None, tuple(ROLES)),  # the sub-layer removed (no parameters, no computation)
+    "gaussian": AttentionKind("gaussian", "GaussianAttention", tuple(ROLES), dict(
+        gaussian_implementation="full", gaussian_sigma=1.0, gaussian_window=3, length_ratio=None,
+        cross_attention_heads=None, encoder_offsets=(-1, 1), decoder_offsets=(-1, 0), cross_offsets=(-1, 0, 1))),
+    "recurrent": AttentionKind("recurrent", "RecurrentCrossAttention", ("cross",), dict(
+        recurrent_variant="expand_1", continuity_window=5, continuity_lambda=0.5, coverage_lambda=0.5,
+        recurrent_context_norm=False)),
+}
+
+
+class ModelType(NamedTuple):
+    module: str  # the runtime file defining its classes
+    config_class: str
+    model_class: str
+    rnn_decoder: bool = False  # an RNN decoder (no Transformer decoder layers to convert into)
+
+
+MODEL_TYPES = {
+    "soft_transformer": ModelType("soft", "SoftTransformerConfig", "SoftTransformerForConditionalGeneration"),
+    "hard_retrieval_transformer": ModelType("hard_retrieval", "HardRetrievalConfig",
+                                            "HardRetrievalForConditionalGeneration"),
+    "gaussian_transformer": ModelType("gaussian", "GaussianConfig", "GaussianForConditionalGeneration"),
+    "hybrid_transformer": ModelType("hybrid", "HybridConfig", "HybridForConditionalGeneration", rnn_decoder=True),
+    "recurrent_transformer": ModelType("recurrent", "RecurrentConfig", "RecurrentForConditionalGeneration"),
+    "beam_joint_transformer": ModelType("beam_joint", "BeamJointTransformerConfig",
+                                        "BeamJointTransformerForConditionalGeneration"),
+    "beam_joint_rnn": ModelType("beam_joint", "BeamJointRNNConfig", "BeamJointRNNForConditionalGeneration",
+                                rnn_decoder=True),
+}
+
+
+def kinds_allowed(role: str) -> list:
+    """The kinds that may fill ``role``, sorted."""
+    return sorted(name for name, kind in KINDS.items() if role in kind.roles)
+
+
+def used_kinds(config) -> set:
+    """The attention kinds named anywhere in ``config``'s role fields (a plain object or a config)."""
+    used = set()
+    for role in ROLES.values():
+        value = getattr(config, role.field, None)
+        used.update([value] if isinstance(value, str) else list(value or []))
+    return used
+
+
+def kind_files(config) -> set:
+    """The runtime files (module names) of the attention kinds ``config`` uses."""
+    return {KINDS[kind].module for kind in used_kinds(config) if kind in KINDS and KINDS[kind].module}
+
+
+def attention_class(kind: str, config=None):
+    """The module class of attention ``kind`` (its entry's file and class), or None for ``"none"``."""
+    entry = KINDS[kind]
+    return None if entry.module is None else getattr(runtime_module(entry.module, config), entry.class_name)
+
+
+def model_classes(model_type: str) -> tuple:
+    """(config class, model class) of ``model_type``."""
+    entry = MODEL_TYPES[model_type]
+    module = runtime_module(entry.module)
+    return getattr(module, entry.config_class), getattr(module, entry.model_class)
+
+
+def runtime_module(name: str, config=None):
+    """The runtime module ``name`` of this package. Loaded as remote code, a model's package holds the files that
+    transformers copied for it (its model type's file and that file's relative imports): the file of another kind that
+    its config names (a soft model decoding with hard retrieval) is then fetched, as transformers fetches those, from
+    the folder or Hub repo the model was loaded from (``config._name_or_path``), where ``save_pretrained`` wrote it."""
+    try:
+        return importlib.import_module(f".{name}", __package__)
+    except ModuleNotFoundError as error:
+        source = getattr(config, "_name_or_path", None)
+        if error.name != f"{__package__}.{name}" or not __package__.startswith("transformers_modules") or not source:
+            raise
+    path = cached_file(source, f"{name}.py", revision=getattr(config, "_commit_hash", None))
+    shutil.copyfile(path, os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py"))
+    importlib.invalidate_caches()
+    return importlib.import_module(f".{name}", __package__)
+
+
+__all__ = ["KINDS", "MODEL_TYPES", "ROLES", "AttentionKind", "ModelType", "Role", "attention_class", "kind_files",
+           "kinds_allowed", "model_classes", "runtime_module", "used_kinds"]

@@ -1,0 +1,109 @@
+"""Saving and sharing a model: ``save_pretrained`` into a folder replaced in one step, with a model card, weight checksums
+(checked by ``from_pretrained``), the tokenizer, and the files of the attention kinds its config uses; the Hub upload.
+
+Runtime code shipped with saved models (``trust_remote_code``): keep it flat, same-folder relative imports only.
+"""
+
+import os
+import shutil
+import tempfile
+
+from huggingface_hub import ModelCard
+from transformers.dynamic_module_utils import get_relative_import_files
+from transformers.utils.hub import hf_api
+
+from .model_card import RESULTS_FILE, write_model_card
+from .registry import kind_files, runtime_module
+from .safe_io import atomic_folder, stale_weights, target_folder, verify_folder, write_checksums
+
+
+class SavingMixin:
+    """Saving and loading of ``HardAttnPreTrainedModel`` (mixed in before transformers' ``PreTrainedModel``)."""
+
+    # arguments of save_pretrained(push_to_hub=True) that go to the upload (``token`` also goes to transformers)
+    PUSH_ARGUMENTS = ("repo_id", "commit_message", "commit_description", "private", "revision", "create_pr", "tags")
+
+    def save_pretrained(self, save_directory, *args, push_to_hub: bool = False, tokenizer=None, **kwargs):
+        """``PreTrainedModel.save_pretrained`` (safetensors, config, remote code) plus a model card (README.md), the
+        sha256 of the weights (``hardattn_checksums.json``, checked by ``from_pretrained``) and the ``tokenizer`` when
+        given. The files are written into a new sibling folder that then replaces ``save_directory`` in one step
+        (``safe_io.atomic_folder``): a process killed at any point of the save leaves the old or the new complete
+        model, and the folder's other files are kept. With ``push_to_hub=True`` the files it writes go to the Hub in
+        one commit, as in transformers, but with this card: ``repo_id`` (default: the folder's name) and
+        ``push_to_hub``'s arguments (``commit_message``, ``commit_description``, ``private``, ``token``,
+        ``revision``, ``create_pr``, ``tags``)."""
+        if self.is_int8:
+            raise ValueError("save_pretrained: an int8 model (quantize_int8) is not saved; save the fp32 model and call "
+                             "quantize_int8() after loading it.")
+        if tokenizer is not None and not hasattr(tokenizer, "save_pretrained"):
+            raise TypeError(f"`tokenizer` must be a tokenizer with save_pretrained(), got {type(tokenizer).__name__}")
+        hub = {key: kwargs.pop(key) for key in self.PUSH_ARGUMENTS if key in kwargs} if push_to_hub else {}
+        if not kwargs.get("is_main_process", True):  # another rank's call: transformers' own (it writes nothing)
+            return super().save_pretrained(save_directory, *args, **kwargs)
+        final = target_folder(save_directory)
+        # transformers' rule: push the files this call (re)writes, not older ones in the folder
+        before = self._get_files_timestamps(final) if os.path.isdir(final) else {}
+        with atomic_folder(final, drop=stale_weights(kwargs.get("variant"))) as staging:
+            super().save_pretrained(staging, *args, **kwargs)
+            if self._auto_class is not None:  # (as transformers: it has copied the model type's file and its imports)
+                self.save_kind_files(staging)
+            results = os.path.join(final, RESULTS_FILE)
+            if os.path.isfile(results):  # the card shows the folder's results
+                shutil.copy2(results, os.path.join(staging, RESULTS_FILE))
+            write_model_card(self, staging)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(staging)
+            write_checksums(staging)
+        if push_to_hub:
+            repo_id = hub.pop("repo_id", os.path.basename(os.path.normpath(str(save_directory))))
+            self.upload_folder_to_hub(final, repo_id, before, token=kwargs.get("token"), **hub)
+
+    def save_kind_files(self, folder):
+        """Copy into ``folder`` the runtime file of every attention kind the config uses (with that file's relative
+        imports) that the model type's own files lack: so a saved folder carries the files its config uses and no
+        other (a soft model decoding with hard retrieval carries hard_retrieval.py; a plain soft model does not)."""
+        for name in sorted(kind_files(self.config)):
+            source = runtime_module(name, self.config).__file__
+            for path in [source, *get_relative_import_files(source)]:
+                target = os.path.join(folder, os.path.basename(path))
+                if not os.path.exists(target):
+                    shutil.copyfile(path, target)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, verify_checksums: bool = True, **kwargs):
+        """``PreTrainedModel.from_pretrained``; a local folder is checked first: a truncated or malformed safetensors
+        file, or one whose sha256 differs from the one ``save_pretrained`` recorded (``hardattn_checksums.json``),
+        raises ``safe_io.CorruptFileError`` naming the file (``verify_checksums=False`` skips the sha256, not the
+        header check). Hub downloads are not re-hashed here."""
+        if pretrained_model_name_or_path is not None:
+            folder = os.path.join(os.fspath(pretrained_model_name_or_path), kwargs.get("subfolder") or "")
+            if os.path.isdir(folder):
+                verify_folder(folder, checksums=verify_checksums)
+        return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+
+    def push_to_hub(self, repo_id: str, *, commit_message=None, commit_description=None, private=None, token=None,
+                    revision=None, create_pr: bool = False, max_shard_size="50GB", tags=None, tokenizer=None):
+        """``PreTrainedModel.push_to_hub`` (same arguments) plus ``tokenizer``: weights, config, modeling code, this
+        package's model card (not transformers' generic template) and the tokenizer when given, in one commit.
+        Returns the commit's ``CommitInfo``."""
+        with tempfile.TemporaryDirectory() as folder:
+            self.save_pretrained(folder, max_shard_size=max_shard_size, tokenizer=tokenizer)
+            return self.upload_folder_to_hub(folder, repo_id, {}, private=private, token=token, tags=tags,
+                                       commit_message=commit_message, commit_description=commit_description,
+                                       revision=revision, create_pr=create_pr)
+
+    def upload_folder_to_hub(self, folder, repo_id, files_timestamps, *, private=None, token=None, tags=None,
+                             **commit):
+        """Create the repo if needed, add the model's and the given ``tags`` to the card (as transformers does), and
+        upload the files of ``folder`` written after ``files_timestamps`` in one commit (``_upload_modified_files``)."""
+        repo_id = hf_api().create_repo(repo_id, private=private, token=token, exist_ok=True).repo_id
+        tags = list(self.model_tags or []) + ([tags] if isinstance(tags, str) else list(tags or []))
+        if tags:
+            path = os.path.join(folder, "README.md")
+            card = ModelCard.load(path)
+            card.data.tags = list(dict.fromkeys((card.data.tags or []) + tags))
+            card.save(path)
+        return self._upload_modified_files(folder, repo_id, files_timestamps, token=token, **commit)
+
+
+__all__ = ["SavingMixin"]
