@@ -19,8 +19,10 @@ Stages:
     python examples/distill_hybrid.py --max-steps 5 --train-examples 200 --test-examples 20   # smoke test
     python examples/distill_hybrid.py --paper         # paper sizes: 6-6 teacher d512; hybrid 6-1, GRU 1024 (GPU)
     python examples/distill_hybrid.py --kd-scheme sequence_word eq1_sequence --kd-steps 200   # side by side
+    python examples/distill_hybrid.py --data my_data --test-split test --size tiny --max-steps 5   # other data
 
-Needs the Multi30k files (``hf_hardattn.data.multi30k``: $HF_HARDATTN_MULTI30K or ../shared/data/multi30k).
+Reads Multi30k (``hf_hardattn.data.multi30k``: $HF_HARDATTN_MULTI30K or ../shared/data/multi30k), or ``--data
+FOLDER`` holding ``train.en`` / ``train.de`` and the ``--test-split`` files alike (``hf_hardattn.data.load_parallel``).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import torch
 
 from hf_hardattn import (HybridConfig, HybridForConditionalGeneration, SoftTransformerConfig,
                          SoftTransformerForConditionalGeneration)
-from hf_hardattn.data import multi30k
+from hf_hardattn.data import default_multi30k_root, load_parallel
 from hf_hardattn.distill import KD_SCHEME_LABELS, KD_SCHEMES, train_kd_stage, translate_dataset
 from hf_hardattn.tokenization import train_tokenizer
 from hf_hardattn.training import bleu, decode_speed, machine, tokenize_dataset, train_seq2seq
@@ -50,6 +52,12 @@ SIZES = {
     "paper": dict(teacher=dict(d_model=512, encoder_layers=6, decoder_layers=6),
                   student=dict(d_model=512, encoder_layers=6, decoder_layers=1, rnn_hidden_size=1024),
                   vocab=8000),
+    # tiny: proves the path end to end in seconds (tests/test_examples.py)
+    "tiny": dict(teacher=dict(d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+                              decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64),
+                 student=dict(d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+                              decoder_attention_heads=2, encoder_ffn_dim=64, rnn_hidden_size=32),
+                 vocab=300),
 }
 
 
@@ -77,10 +85,13 @@ def kd_finetune(student, teacher, tokenizer, distilled, scheme, args, output_dir
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--paper", action="store_true", help="paper sizes (slow on CPU; use a GPU)")
+    parser.add_argument("--paper", action="store_true", help="paper sizes (slow on CPU; use a GPU); = --size paper")
+    parser.add_argument("--size", choices=list(SIZES), default=None, help="model sizes (default: small)")
+    parser.add_argument("--data", default=None, help="folder of {split}.en / {split}.de files (default: Multi30k)")
+    parser.add_argument("--test-split", default="test_2016_flickr", help="the split of --data that is scored")
     parser.add_argument("--output-dir", default=os.path.join("outputs", "distill_hybrid"))
     parser.add_argument("--train-examples", type=int, default=None, help="default: all (29k) / 12000 small")
-    parser.add_argument("--test-examples", type=int, default=300, help="test_2016_flickr sentences scored")
+    parser.add_argument("--test-examples", type=int, default=300, help="test sentences scored")
     parser.add_argument("--teacher-minutes", type=float, default=None, help="default 10 small / 120 paper")
     parser.add_argument("--student-minutes", type=float, default=None, help="default 6 small / 60 paper")
     parser.add_argument("--kd-minutes", type=float, default=None, help="default 4 small / 30 paper")
@@ -94,10 +105,15 @@ def main(argv=None):
     parser.add_argument("--kd-steps", type=int, default=None, help="stage-2 steps (default: --max-steps)")
     parser.add_argument("--rnn-attention", default="additive", choices=["additive", "dot", "multihead"])
     parser.add_argument("--kd-beams", type=int, default=4, help="teacher beam for sequence-level KD")
+    parser.add_argument("--speed-repeats", type=int, default=3, help="timed rounds of decoding per model")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    size = SIZES["paper" if args.paper else "small"]
+    if args.paper and args.size not in (None, "paper"):
+        parser.error(f"--paper and --size {args.size} contradict each other")
+    args.size = "paper" if args.paper else (args.size or "small")
+    args.paper = args.size == "paper"
+    size = SIZES[args.size]
     defaults = dict(teacher_minutes=(120, 10), student_minutes=(60, 6), kd_minutes=(30, 4))
     for name, (paper, small) in defaults.items():
         if getattr(args, name) is None:
@@ -110,10 +126,11 @@ def main(argv=None):
     start_all = time.perf_counter()
 
     # -- data + tokenizer ---------------------------------------------------------------------------------------------
-    train_raw = multi30k("train")
+    data = args.data or default_multi30k_root()
+    train_raw = load_parallel(data, "train")
     if args.train_examples:
         train_raw = train_raw.shuffle(seed=args.seed).select(range(min(args.train_examples, len(train_raw))))
-    test = multi30k("test_2016_flickr")
+    test = load_parallel(data, args.test_split)
     test = test.select(range(min(args.test_examples, len(test))))
     tokenizer = train_tokenizer(train_raw, vocab_size=size["vocab"])
     tokenizer.save_pretrained(os.path.join(args.output_dir, "tokenizer"))
@@ -165,20 +182,22 @@ def main(argv=None):
         model.eval()
         score = bleu(model, tokenizer, test["source"], test["target"], num_beams=4, batch_size=64)
         speed = decode_speed(model, batch["input_ids"], batch["attention_mask"], num_beams=4, new_tokens=30,
-                             repeats=3)
+                             repeats=args.speed_repeats)
         n_layers = f"{model.config.encoder_layers}-{model.config.decoder_layers}"
         results[name] = dict(layers=n_layers, bleu=round(score.score, 2), sentences_per_s=round(speed, 2),
                              params=sum(p.numel() for p in model.parameters()))
     base = results["teacher (soft Transformer)"]["sentences_per_s"]
-    log(f"\n| model | N | params | BLEU (test_2016_flickr[:{len(test)}], beam 4) | sentences/s (beam 4, batch 32, "
+    log(f"\n| model | N | params | BLEU ({args.test_split}[:{len(test)}], beam 4) | sentences/s (beam 4, batch 32, "
         "30 tokens) | speed-up |\n|---|---|---|---|---|---|")
     for name, r in results.items():
         log(f"| {name} | {r['layers']} | {r['params'] / 1e6:.1f}M | {r['bleu']} | {r['sentences_per_s']} | "
             f"{r['sentences_per_s'] / base:.2f}x |")
-    summary = dict(settings=vars(args), machine=machine(), results=results, stage2=stage2, minutes=round((time.perf_counter() - start_all) / 60, 1))
+    summary = dict(settings=vars(args), machine=machine(), results=results, stage2=stage2,
+                   minutes=round((time.perf_counter() - start_all) / 60, 1))
     with open(os.path.join(args.output_dir, "results.json"), "w") as handle:
         json.dump(summary, handle, indent=2)
     log(f"\ntotal {summary['minutes']} min; saved models, KD data and results.json in {args.output_dir}")
+    return summary
 
 
 if __name__ == "__main__":
