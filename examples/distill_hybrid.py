@@ -56,7 +56,7 @@ SIZES = {
     "tiny": dict(teacher=dict(d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
                               decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64),
                  student=dict(d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
-                              decoder_attention_heads=2, encoder_ffn_dim=64, rnn_hidden_size=32),
+                              decoder_attention_heads=2, encoder_ffn_dim=64, rnn_hidden_size=64),
                  vocab=300),
 }
 
