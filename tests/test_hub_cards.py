@@ -17,11 +17,12 @@ import huggingface_hub
 import pytest
 from huggingface_hub import ModelCard
 from huggingface_hub.repocard_data import model_index_to_eval_results
-from transformers import MarianConfig, MarianMTModel, Seq2SeqTrainer, Seq2SeqTrainingArguments
+from transformers import MarianConfig, MarianMTModel, Seq2SeqTrainer, Seq2SeqTrainingArguments, Trainer
 
 from common import randomize, tiny_kwargs, toy_tokenizer
 from hf_hardattn.cli import main
 from hf_hardattn.model_card import CARD_METADATA, RESULTS_FILE, render_model_card
+from hf_hardattn.saving import keep_card_through_trainer
 from test_pipelines_hub import MODELS, hub  # noqa: F401  (the recording HfApi fixture)
 from test_train_cli import SIZES, data  # noqa: F401  (the en/de reversal task fixture)
 
@@ -192,6 +193,8 @@ def test_trainer_push_to_hub_keeps_our_card_and_its_metadata(name, validated, tm
 
 
 def test_trainer_push_to_hub_of_other_models_keeps_the_trainers_card(validated, tmp_path):
+    keep_card_through_trainer()  # (as saving one of ours installs it: this test may run first)
+    assert getattr(Trainer.create_model_card, "_hardattn_card", False)
     model = MarianMTModel(MarianConfig(**tiny_kwargs()))
     trainer_for(model, tmp_path / "out", toy_tokenizer()).push_to_hub()
     (commit,) = validated.commits
