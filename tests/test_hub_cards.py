@@ -199,3 +199,17 @@ def test_trainer_push_to_hub_of_other_models_keeps_the_trainers_card(validated, 
     trainer_for(model, tmp_path / "out", toy_tokenizer()).push_to_hub()
     (commit,) = validated.commits
     assert "generated_from_trainer" in commit["files"]["README.md"].decode()
+
+
+def test_card_names_hub_datasets_and_cuts_local_paths(tmp_path):
+    from hf_hardattn.tools.train_cli import hub_dataset, public_text
+
+    assert hub_dataset("hf:wmt14:de-en:test") == ("wmt14", "de-en", "test")
+    assert hub_dataset("hf:someone/data:train") == ("someone/data", None, "train")
+    (tmp_path / "saved").mkdir()
+    assert hub_dataset(f"hf:{tmp_path / 'saved'}:train") is None  # a local save_to_disk folder names no Hub dataset
+    assert hub_dataset(str(tmp_path / "train")) is None
+    command = (f"hf-hardattn train --train {tmp_path}/data/train --tokenizer={tmp_path / 'saved'} "
+               f"--validation hf:{tmp_path / 'saved'}:validation --test hf:wmt14:de-en:test --source-lang en")
+    assert public_text(command) == ("hf-hardattn train --train train --tokenizer=saved --validation hf:saved:validation "
+                                    "--test hf:wmt14:de-en:test --source-lang en")
