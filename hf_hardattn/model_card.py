@@ -6,9 +6,16 @@ Runtime code shipped with saved models: flat, standard library and same-folder i
 import json
 import os
 
+from huggingface_hub import EvalResult, ModelCardData
+
 from .safe_io import write_text_atomic
 
 RESULTS_FILE = "hardattn_results.json"  # optional: a variant's measured results, shown in the card
+# key of RESULTS_FILE (and the ``metadata`` argument below) holding the card's Hub metadata: ModelCardData fields
+# (language, license, datasets, base_model, tags, model_name) and ``eval_results``, a list of EvalResult fields (the
+# model-index). Not shown in the results table.
+CARD_METADATA = "card_metadata"
+CARD_FIELDS = ("language", "license", "datasets", "base_model", "tags", "model_name", "eval_results")
 # pyproject.toml's lower bound (a test keeps the two equal). Releases before it copy only the direct relative imports
 # of an auto_map file when remote code loads from a local folder; ours reach most files through modeling_hardattn.py.
 MIN_TRANSFORMERS = "5.10.1"
@@ -23,7 +30,38 @@ def _kinds_table(config) -> str:
     return "\n".join(rows)
 
 
-def render_model_card(model, results: dict | None = None) -> str:
+def merge_metadata(*layers: dict | None) -> dict:
+    """Card metadata of ``layers`` (later wins; tags are joined, in order, once each); unknown fields refused."""
+    merged = {}
+    for layer in layers:
+        for key, value in (layer or {}).items():
+            if key not in CARD_FIELDS:
+                raise ValueError(f"card metadata: unknown field {key!r}; allowed: {', '.join(CARD_FIELDS)}.")
+            if value is None or value == [] or value == "":
+                continue
+            if key == "tags":
+                value = list(dict.fromkeys(merged.get("tags", []) + ([value] if isinstance(value, str) else
+                                                                     list(value))))
+            merged[key] = value
+    return merged
+
+
+def card_data(model, metadata: dict | None = None) -> ModelCardData:
+    """The card's YAML header as huggingface_hub's ``ModelCardData`` (what the Hub validates): library, task and tags,
+    plus ``metadata`` (see ``CARD_METADATA``); ``eval_results`` becomes the ``model-index`` named ``model_name``
+    (default: the model type)."""
+    metadata = merge_metadata(dict(tags=["hf_hardattn", model.config.model_type, "trust_remote_code"]), metadata)
+    evals = [row if isinstance(row, EvalResult) else EvalResult(**row) for row in metadata.pop("eval_results", [])]
+    model_name = metadata.pop("model_name", None) or model.config.model_type
+    return ModelCardData(library_name="transformers", pipeline_tag="translation", eval_results=evals or None,
+                         model_name=model_name if evals else None, **metadata)
+
+
+def render_model_card(model, results: dict | None = None, metadata: dict | None = None) -> str:
+    """README.md of ``model``: the YAML header (``card_data``: ``metadata`` over the results' ``CARD_METADATA``),
+    description, architecture, usage, the ``results`` table (other keys than ``CARD_METADATA``), citation."""
+    results = dict(results or {})
+    data = card_data(model, merge_metadata(results.pop(CARD_METADATA, None), metadata))
     config = model.config
     auto_map = getattr(config, "auto_map", None) or {}
     n_params = sum(p.numel() for p in model.parameters())
@@ -34,12 +72,7 @@ def render_model_card(model, results: dict | None = None) -> str:
     roles = model.card_roles_table() if hasattr(model, "card_roles_table") else _kinds_table(config)
     lines = [
         "---",
-        "library_name: transformers",
-        "pipeline_tag: translation",
-        "tags:",
-        "- hf_hardattn",
-        f"- {config.model_type}",
-        "- trust_remote_code",
+        data.to_yaml(),
         "---",
         "",
         f"# {model.card_title} ({config.model_type})",
@@ -59,7 +92,8 @@ def render_model_card(model, results: dict | None = None) -> str:
         "from transformers import AutoModelForSeq2SeqLM, AutoTokenizer",
         "",
         'model = AutoModelForSeq2SeqLM.from_pretrained("PATH_OR_REPO", trust_remote_code=True)',
-        'tokenizer = AutoTokenizer.from_pretrained("PATH_OR_REPO")',
+        # trust_remote_code: AutoTokenizer reads config.json, whose model type is remote code without hf_hardattn
+        'tokenizer = AutoTokenizer.from_pretrained("PATH_OR_REPO", trust_remote_code=True)',
         'batch = tokenizer(["A man is riding a bike."], return_tensors="pt")',
         "print(tokenizer.batch_decode(model.generate(**batch, num_beams=4, max_new_tokens=64), skip_special_tokens=True))",
         "```",
@@ -97,17 +131,24 @@ def render_model_card(model, results: dict | None = None) -> str:
     return "\n".join(lines)
 
 
+def table_cell(value) -> str:
+    """``value`` as one markdown table cell: ``|`` escaped (sacrebleu's signatures hold some), one line."""
+    return " ".join(str(value).split()).replace("|", "\\|")
+
+
 def metrics_table(metrics: dict) -> str:
     """A markdown table of ``metrics`` (name -> value)."""
-    return "\n".join(["| metric | value |", "| --- | --- |"] + [f"| {k} | {v} |" for k, v in metrics.items()])
+    return "\n".join(["| metric | value |", "| --- | --- |"] +
+                     [f"| {table_cell(k)} | {table_cell(v)} |" for k, v in metrics.items()])
 
 
-def write_model_card(model, save_directory, results: dict | None = None) -> str:
-    """Write README.md into ``save_directory``; results come from the argument or from ``hardattn_results.json``."""
+def write_model_card(model, save_directory, results: dict | None = None, metadata: dict | None = None) -> str:
+    """Write README.md into ``save_directory``; results come from the argument or from ``hardattn_results.json``;
+    ``metadata`` (``CARD_METADATA`` fields) goes over the results' own."""
     path = os.path.join(str(save_directory), RESULTS_FILE)
     if results is None and os.path.exists(path):
         with open(path) as handle:
             results = json.load(handle)
-    card = render_model_card(model, results)
+    card = render_model_card(model, results, metadata)
     write_text_atomic(os.path.join(str(save_directory), "README.md"), card)  # a kill never leaves half a card
     return card

@@ -40,7 +40,7 @@ def test_dry_run_builds_and_validates_the_folder(saved, tmp_path, capsys):
     state = model.state_dict()
     assert all(torch.equal(tensor, state[key]) for key, tensor in weights.items())
     card = (out / "README.md").read_text()
-    assert "| BLEU | 12.34 (nrefs:1|tok:13a) |" in card
+    assert "| BLEU | 12.34 (nrefs:1\\|tok:13a) |" in card  # the signature's | escaped: one table cell
     assert "hf-hardattn train --model-type hard_retrieval_transformer ..." in card
 
 

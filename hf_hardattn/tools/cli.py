@@ -41,7 +41,7 @@ from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
 from .. import packed_linear
 from ..hard_retrieval import HardRetrievalConfig, HardRetrievalForConditionalGeneration
-from ..model_card import RESULTS_FILE, metrics_table, write_model_card
+from ..model_card import CARD_METADATA, RESULTS_FILE, metrics_table, write_model_card
 from ..registry import MODEL_TYPES, ROLES
 from ..safe_io import atomic_folder, write_json_atomic
 from ..soft import SoftTransformerConfig, SoftTransformerForConditionalGeneration
@@ -420,7 +420,7 @@ import torch
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 folder, sentence = sys.argv[1], sys.argv[2]
 model = AutoModelForSeq2SeqLM.from_pretrained(folder, trust_remote_code=True).eval()
-tokenizer = AutoTokenizer.from_pretrained(folder)
+tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)  # (no y/N prompt)
 with torch.no_grad():
     ids = model.generate(**tokenizer([sentence], return_tensors="pt"), num_beams=2, max_new_tokens=8)
 print("RESULT" + json.dumps(dict(cls=type(model).__module__, ids=ids.tolist())))
@@ -449,17 +449,22 @@ def validate_folder(folder: str, model, tokenizer, sentence: str):
 def publish_results(model_dir: str, metrics: dict, command: str | None) -> dict | None:
     """The card's results: the table the model folder already has (``hardattn_results.json``), then the given
     metrics and the command that produced the run."""
-    parts = []
+    parts, metadata = [], None
     path = os.path.join(model_dir, RESULTS_FILE)
     if os.path.isfile(path):
         with open(path) as handle:
             stored = json.load(handle)
-        parts.append(stored["table"] if isinstance(stored.get("table"), str) else metrics_table(stored))
+        metadata = stored.pop(CARD_METADATA, None)  # the run's Hub metadata (languages, model-index) stays
+        if stored:
+            parts.append(stored["table"] if isinstance(stored.get("table"), str) else metrics_table(stored))
     if metrics:
         parts.append(metrics_table(metrics))
     if command:
         parts.append(f"Produced by:\n\n```bash\n{command}\n```")
-    return {"table": "\n\n".join(parts)} if parts else None
+    results = {"table": "\n\n".join(parts)} if parts else {}
+    if metadata:
+        results[CARD_METADATA] = metadata
+    return results or None
 
 
 def run_publish(args) -> dict:
@@ -495,7 +500,7 @@ def run_publish(args) -> dict:
         if results:
             with open(os.path.join(staging, RESULTS_FILE), "w") as handle:
                 json.dump(results, handle, indent=2)
-            write_model_card(model, staging)
+            write_model_card(model, staging, metadata=dict(model_name=args.repo_id.split("/")[-1]))
         validate_folder(staging, model, tokenizer, args.sentence)
         _print(f"validated: {staging} loads as remote code in a fresh offline process and decodes as this model")
         if args.dry_run is not None:

@@ -34,7 +34,7 @@ import torch
 from transformers import AutoConfig, AutoModelForSeq2SeqLM, AutoTokenizer, EarlyStoppingCallback, set_seed
 
 from ..gaussian import PRESETS, length_ratio_unless_given
-from ..model_card import RESULTS_FILE, write_model_card
+from ..model_card import CARD_METADATA, RESULTS_FILE, write_model_card
 from ..registry import MODEL_TYPES
 from ..registry import model_classes as registered_classes
 from ..safe_io import atomic_folder, write_json_atomic
@@ -242,21 +242,81 @@ def run_train(args) -> dict:
     for name in ("validation", "test"):
         if name in splits and trainer.is_world_process_zero():  # sacrebleu on the final model, beam --num-beams
             hypotheses = training.translate(model, tokenizer, splits[name]["source"], num_beams=args.num_beams)
-            metric = sacrebleu.BLEU()
-            results[f"{name}_bleu"] = round(metric.corpus_score(hypotheses, [splits[name]["target"]]).score, 2)
-            results["bleu_signature"] = f"{metric.get_signature()} (beam {args.num_beams})"
+            for key, metric in (("bleu", sacrebleu.BLEU()), ("chrf", sacrebleu.CHRF())):
+                results[f"{name}_{key}"] = round(metric.corpus_score(hypotheses, [splits[name]["target"]]).score, 2)
+                results[f"{key}_signature"] = f"{metric.get_signature()} (beam {args.num_beams})"
             with open(os.path.join(args.output_dir, f"{name}.hyp"), "w", encoding="utf-8") as handle:
                 handle.write("".join(line + "\n" for line in hypotheses))
     results = {k: v for k, v in results.items() if v is not None}
     if trainer.is_world_process_zero():
         folder = os.path.join(args.output_dir, "model")
         model.save_pretrained(folder, tokenizer=tokenizer)
-        table = {k: v for k, v in results.items() if k not in ("skipped_long",)}
-        write_json_atomic(os.path.join(folder, RESULTS_FILE), table)
+        write_json_atomic(os.path.join(folder, RESULTS_FILE), card_results(args, results, tokenizer_source))
         write_model_card(model, folder)
         write_json_atomic(os.path.join(args.output_dir, "results.json"), results)
         print(json.dumps(results, indent=1), flush=True)
     return results
+
+
+def public_text(text: str) -> str:
+    """``text`` (a command, a path) with each local path in it cut to its last component: cards go to the Hub."""
+    words = []
+    for word in shlex.split(str(text)):
+        flag, value = word.split("=", 1) if word.startswith("--") and "=" in word else (None, word)
+        prefix, path = ("hf:", value[3:].split(":")[0]) if value.startswith("hf:") else ("", value)
+        if os.path.isabs(path) or os.path.exists(path) or (os.sep in path and os.path.isdir(os.path.dirname(path))):
+            value = prefix + os.path.basename(os.path.normpath(path)) + value[len(prefix) + len(path):]
+        words.append(shlex.quote(value) if flag is None else f"{flag}={shlex.quote(value)}")
+    return " ".join(words)
+
+
+def hub_dataset(spec: str | None):
+    """(dataset id, config, split) of an ``hf:NAME[:CONFIG]:SPLIT`` spec whose NAME is a Hub id, else None."""
+    if not spec or not spec.startswith("hf:"):
+        return None
+    parts = spec[3:].split(":")
+    if len(parts) not in (2, 3) or os.path.exists(parts[0]):
+        return None
+    return parts[0], (parts[1] if len(parts) == 3 else None), parts[-1]
+
+
+def card_results(args, results: dict, tokenizer_source: str) -> dict:
+    """What the model card shows (``hardattn_results.json``): the run's numbers and command without local paths, and
+    the Hub metadata (``CARD_METADATA``): both languages, the license, the Hub datasets, and a model-index entry per
+    validation / test BLEU and chrF with sacrebleu's signature."""
+    table = {k: v for k, v in results.items() if k not in ("skipped_long", "best_checkpoint", "tokenizer", "origin",
+                                                           "command")}
+    table["origin"] = public_text(results["origin"])
+    trained = os.path.normpath(tokenizer_source) == os.path.normpath(os.path.join(args.output_dir, "tokenizer"))
+    table["tokenizer"] = (f"trained on the training split ({args.tokenizer_kind}, {args.vocab_size} entries at most)"
+                          if trained else public_text(tokenizer_source))
+    if results.get("best_checkpoint"):
+        table["best_step"] = int(results["best_checkpoint"].rstrip("/").rsplit("-", 1)[-1])
+    table["command"] = public_text(results["command"])
+    datasets = list(args.dataset or [])
+    evals = []
+    for name in ("validation", "test"):
+        spec = getattr(args, name)
+        known = hub_dataset(spec)
+        if known:
+            datasets.append(known[0])
+        if f"{name}_bleu" not in results:
+            continue
+        dataset_id, config, split = known or ((args.dataset[0], None, name) if args.dataset else (
+            os.path.basename(os.path.normpath(spec)), None, name))
+        for key, pretty in (("bleu", "BLEU"), ("chrf", "chrF")):
+            evals.append(dict(task_type="translation", task_name=f"Translation {args.source_lang}-{args.target_lang}",
+                              dataset_type=dataset_id, dataset_name=dataset_id,
+                              dataset_config=config or f"{args.source_lang}-{args.target_lang}", dataset_split=split,
+                              metric_type=key, metric_value=results[f"{name}_{key}"],
+                              metric_name=f"{name} {pretty} (beam {args.num_beams})",
+                              metric_config=results[f"{key}_signature"].rsplit(" (beam", 1)[0]))
+    hub_datasets = hub_dataset(args.train)
+    if hub_datasets:
+        datasets.insert(0, hub_datasets[0])
+    table[CARD_METADATA] = dict(language=[args.source_lang, args.target_lang], license=args.license,
+                                datasets=list(dict.fromkeys(datasets)) or None, eval_results=evals or None)
+    return table
 
 
 def add_arguments(parser: argparse.ArgumentParser):
@@ -270,6 +330,9 @@ def add_arguments(parser: argparse.ArgumentParser):
     data.add_argument("--source-column", default=None, help="TSV/JSONL/datasets column of the source (default: "
                                                            "--source-lang, or translation.SRC)")
     data.add_argument("--target-column", default=None, help="column of the target (default: --target-lang)")
+    data.add_argument("--dataset", action="append", default=None, metavar="HUB_ID",
+                      help="Hub dataset id the data comes from, for the model card (repeatable; hf: specs are named "
+                           "without it)")
     data.add_argument("--max-length", type=positive_int, default=128, help="longest source/target in tokens (128)")
     data.add_argument("--skip-long", action="store_true",
                       help="leave out pairs longer than --max-length (counted) instead of stopping with an error")
@@ -322,3 +385,6 @@ def add_arguments(parser: argparse.ArgumentParser):
     run.add_argument("--threads", type=positive_int, default=max(1, min(os.cpu_count() or 1, 8)),
                      help="torch CPU threads per process")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
+    run.add_argument("--license", default="apache-2.0",
+                     help="license of the trained model, for the model card (default apache-2.0, the package's; "
+                          "mind the data's)")
