@@ -9,12 +9,31 @@ import shutil
 import tempfile
 
 from huggingface_hub import ModelCard
+from huggingface_hub.utils import HFValidationError, validate_repo_id
 from transformers.dynamic_module_utils import get_relative_import_files
 from transformers.utils.hub import hf_api
 
 from .model_card import RESULTS_FILE, write_model_card
 from .registry import kind_files, runtime_module
 from .safe_io import atomic_folder, stale_weights, target_folder, verify_folder, write_checksums
+
+
+def check_folder_or_repo_id(path: str):
+    """FileNotFoundError naming ``path`` when it is no folder and cannot be a Hub repo id either (an absolute or
+    relative path, ``~``, ``..``): a missing folder, rather than transformers' "Repo id must be in the form ..."."""
+    if os.path.exists(path):
+        return
+    try:
+        validate_repo_id(path)
+        return  # a repo id: transformers looks it up on the Hub
+    except HFValidationError:
+        pass
+    parent = os.path.dirname(os.path.abspath(os.path.expanduser(path)))
+    while not os.path.isdir(parent):
+        parent = os.path.dirname(parent)
+    raise FileNotFoundError(f"`pretrained_model_name_or_path`={path!r} is no folder (the nearest existing folder on that "
+                            f"path is {parent!r}) and cannot be a Hub repo id; allowed: a folder written by "
+                            f"save_pretrained, or a Hub repo id 'name' or 'namespace/name'.")
 
 
 class SavingMixin:
@@ -79,6 +98,8 @@ class SavingMixin:
             folder = os.path.join(os.fspath(pretrained_model_name_or_path), kwargs.get("subfolder") or "")
             if os.path.isdir(folder):
                 verify_folder(folder, checksums=verify_checksums)
+            else:
+                check_folder_or_repo_id(os.fspath(pretrained_model_name_or_path))
         return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
 
     def push_to_hub(self, repo_id: str, *, commit_message=None, commit_description=None, private=None, token=None,
