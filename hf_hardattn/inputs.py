@@ -83,6 +83,52 @@ def check_labels(labels: torch.Tensor, vocab_size: int):
                          f"tokenizer.padding_side='right').")
 
 
+def check_labels_match(labels: torch.Tensor, decoder_input_ids, decoder_inputs_embeds):
+    """``labels`` given with decoder inputs: one label per decoder position, [batch, target length] of both."""
+    given, name = ((decoder_input_ids, "decoder_input_ids") if decoder_input_ids is not None
+                   else (decoder_inputs_embeds, "decoder_inputs_embeds"))
+    if given is None or given.dim() < 2 or tuple(given.shape[:2]) == tuple(labels.shape):
+        return
+    raise ValueError(f"`labels` has shape {tuple(labels.shape)} but `{name}` {tuple(given.shape[:2])} [batch, target "
+                     f"length]; allowed: labels of the decoder inputs' [batch, target length] (one label per decoder "
+                     f"position), or `labels` alone (the decoder inputs are then made from them).")
+
+
+def check_generation_config(generation_config, model) -> None:
+    """``generate()``'s settings that transformers lets through to a deep failure, refused where generate() is called:
+    ``num_beams`` below 1 (a ZeroDivisionError inside beam search) and the offloaded caches, which move the cache
+    to the CPU between steps on CUDA streams: on a CPU model an AssertionError about CUDA at the first decoding step,
+    on a CUDA one a device mismatch in the attention kinds, which read the cache where it lies. (The static caches
+    are refused naming ``cache_implementation`` by ``HardAttnCache.from_cache``.)"""
+    beams = generation_config.num_beams
+    if beams is not None and (isinstance(beams, bool) or not isinstance(beams, int) or beams < 1):
+        raise ValueError(f"`num_beams`={beams!r} is not a number of beams; allowed: an integer >= 1 (1: greedy decoding "
+                         f"or sampling, more: beam search).")
+    cache = generation_config.cache_implementation
+    if isinstance(cache, str) and cache.startswith("offloaded"):
+        raise ValueError(f"`cache_implementation`={cache!r} is not supported by {type(model).__name__} (on "
+                         f"{model.device}): it moves the cache to the CPU between steps on CUDA streams, which these "
+                         f"models' attention kinds do not read back; allowed `cache_implementation`: None or "
+                         f"'dynamic'.")
+
+
+def check_generated_length(generation_config, limit) -> None:
+    """The decoder positions ``generate()`` will need (``max_length`` - 1: the last token is not fed back), against
+    ``limit``, the decoder's learned position table (``max_position_embeddings``; None: no limit): refused when
+    generate() is called, not at the step that runs past the table."""
+    if limit is None or generation_config.max_length is None:
+        return
+    needed = generation_config.max_length - 1
+    if needed <= limit:
+        return
+    new = generation_config.max_new_tokens
+    asked = f"`max_new_tokens`={new}" if new is not None else f"`max_length`={generation_config.max_length}"
+    longest = limit + 1 - (generation_config.max_length - new) if new is not None else limit + 1
+    raise ValueError(f"{asked} needs {needed} decoder positions, beyond `max_position_embeddings`={limit} with "
+                     f"`position_embedding`='learned'; allowed: {asked.split('=')[0]} at most {longest} here "
+                     f"(or a model with position_embedding='sinusoidal', which extends beyond the table).")
+
+
 def shift_tokens_right(labels: torch.Tensor, pad_token_id: int, decoder_start_token_id: int) -> torch.Tensor:
     """Teacher-forcing decoder inputs: [start, y_1, ..., y_{n-1}], with -100 label padding replaced by pad."""
     shifted = labels.new_empty(labels.shape)
@@ -104,5 +150,5 @@ def check_finite_logits(logits: torch.Tensor, model) -> None:
             f"than fp16) and the inputs (`inputs_embeds`).")
 
 
-__all__ = ["check_finite_logits", "check_ids", "check_labels", "check_mask", "check_one_of", "is_tracing",
-           "shift_tokens_right"]
+__all__ = ["check_finite_logits", "check_generated_length", "check_generation_config", "check_ids", "check_labels",
+           "check_labels_match", "check_mask", "check_one_of", "is_tracing", "shift_tokens_right"]

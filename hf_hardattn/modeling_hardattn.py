@@ -18,6 +18,7 @@ Runtime code shipped with saved models (``trust_remote_code``): keep it flat, sa
 """
 
 import copy
+import difflib
 
 import torch
 from torch import nn
@@ -28,8 +29,8 @@ from transformers.utils import logging
 
 from .caches import CACHE_FIELD, BufferedCache, BufferedLayer, HardAttnCache, cropped_length
 from .configuration_hardattn import HardAttnConfig
-from .inputs import (check_finite_logits, check_ids, check_labels, check_mask, check_one_of, is_tracing,
-                     shift_tokens_right)
+from .inputs import (check_finite_logits, check_generated_length, check_generation_config, check_ids, check_labels,
+                     check_labels_match, check_mask, check_one_of, is_tracing, shift_tokens_right)
 from .int8 import Int8Mixin
 from .layers import (WRITTEN_OUT_MIN_QUERIES, WRITTEN_OUT_QUERIES, DecoderResult, HardAttnDecoder,
                      HardAttnEncoder, PositionEmbedding, SoftAttention, attention_classes, build_attention,
@@ -40,6 +41,27 @@ from .registry import ROLES
 from .saving import SavingMixin
 
 logger = logging.get_logger(__name__)
+
+
+def refuse_model_arguments(cls, config, args, kwargs):
+    """The models take their config only. transformers' ``from_pretrained(path, key=value)`` applies a key that is an
+    attribute of the config and passes any other on to the model's constructor (so does ``from_pretrained(path,
+    config=config, key=value)``, for every key): refused here naming the key, its value and what is allowed, not with a
+    TypeError about ``__init__``."""
+    if args:
+        raise ValueError(f"{cls.__name__} takes its config only, got {len(args)} more positional argument(s): "
+                         f"{', '.join(repr(arg) for arg in args)[:200]}.")
+    for key, value in kwargs.items():
+        fields = list(getattr(config, "__dataclass_fields__", ()))
+        if hasattr(config, key):  # (with `config=` given, transformers applies no keyword to it)
+            raise ValueError(f"`{key}`={value!r} is a field of {type(config).__name__}, but {cls.__name__} takes its "
+                             f"config only: with `config=` given, set it on the config (config.{key} = {value!r}); "
+                             f"without it, from_pretrained(path, {key}={value!r}) applies it to the saved config.")
+        close = difflib.get_close_matches(key, fields, n=1, cutoff=0.75)
+        hint = f"did you mean `{close[0]}`? " if close else ""
+        raise ValueError(f"`{key}`={value!r} is neither a field of {type(config).__name__} nor an argument of "
+                         f"from_pretrained, and {cls.__name__} takes its config only; {hint}allowed: the config's fields "
+                         f"(e.g. d_model, dropout, cross_attention) and transformers' from_pretrained arguments.")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -136,7 +158,8 @@ class HardAttnModel(HardAttnPreTrainedModel):
 
     decoder_class = HardAttnDecoder  # variants with another decoder (the hybrid's GRU) replace it
 
-    def __init__(self, config: HardAttnConfig):
+    def __init__(self, config: HardAttnConfig, *args, **kwargs):
+        refuse_model_arguments(type(self), config, args, kwargs)
         super().__init__(config)
         self.shared = nn.Embedding(config.vocab_size, config.d_model, padding_idx=config.pad_token_id)
         self.encoder = HardAttnEncoder(config, self.shared)
@@ -164,7 +187,8 @@ class HardAttnForConditionalGeneration(HardAttnPreTrainedModel, GenerationMixin)
     }
     model_class = HardAttnModel  # variants with another decoder (RNN) replace it
 
-    def __init__(self, config: HardAttnConfig):
+    def __init__(self, config: HardAttnConfig, *args, **kwargs):
+        refuse_model_arguments(type(self), config, args, kwargs)
         super().__init__(config)
         self.model = self.model_class(config)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
@@ -256,6 +280,7 @@ class HardAttnForConditionalGeneration(HardAttnPreTrainedModel, GenerationMixin)
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if labels is not None:
             check_labels(labels, self.config.vocab_size)
+            check_labels_match(labels, decoder_input_ids, decoder_inputs_embeds)
             use_cache = False
             if decoder_input_ids is None and decoder_inputs_embeds is None:
                 decoder_input_ids = self.prepare_decoder_input_ids_from_labels(labels)
@@ -314,6 +339,21 @@ class HardAttnForConditionalGeneration(HardAttnPreTrainedModel, GenerationMixin)
         if attention_mask is not None:  # (its values once per sentence: generate() passes the same mask at every step)
             check_mask("attention_mask", attention_mask, [memory.shape[:2]],
                        values=cache is None or cache.get_seq_length() == 0)
+
+    def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs):
+        """transformers' check of generate()'s settings, plus those it lets through to a deep failure (``num_beams``
+        below 1, an offloaded cache off CUDA: :func:`~inputs.check_generation_config`)."""
+        check_generation_config(generation_config, self)
+        super()._validate_generation_mode(generation_mode, generation_config, generation_mode_kwargs)
+
+    def _validate_generated_length(self, generation_config, input_ids_length, has_default_max_length):
+        """transformers' check of the generated length, plus the decoder's learned position table: a ``max_length``
+        / ``max_new_tokens`` beyond it is refused before the first decoding step
+        (:func:`~inputs.check_generated_length`)."""
+        super()._validate_generated_length(generation_config, input_ids_length, has_default_max_length)
+        limits = [module.limit for module in self.get_decoder().modules()
+                  if isinstance(module, PositionEmbedding) and module.kind == "learned"]
+        check_generated_length(generation_config, min(limits, default=None))
 
     def _decoder_checkpointing(self) -> bool:
         """Whether gradient checkpointing is on for any part of the decoder (``gradient_checkpointing_enable()``)."""

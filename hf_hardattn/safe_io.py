@@ -270,7 +270,10 @@ def verify_folder(folder: str, checksums: bool = True):
     for name, expected in recorded.items():
         path = os.path.join(folder, name)
         if not os.path.isfile(path):
-            raise CorruptFileError(f"{path} is missing: {CHECKSUM_FILE} lists it as part of this model.")
+            raise CorruptFileError(
+                f"{path} is missing: {CHECKSUM_FILE} lists it as part of this model. Restore the file from a copy (or "
+                f"save the model again); if the weights were re-saved into other files on purpose, delete "
+                f"{CHECKSUM_FILE} (or pass verify_checksums=False to from_pretrained).")
         actual = sha256_file(path)
         if actual != expected:
             raise CorruptFileError(

@@ -11,6 +11,7 @@ import sys
 import tempfile
 
 from huggingface_hub import ModelCard
+from huggingface_hub.utils import HFValidationError, validate_repo_id
 from transformers.dynamic_module_utils import get_relative_import_files
 from transformers.utils.hub import hf_api
 
@@ -43,6 +44,24 @@ def keep_card_through_trainer():
 
     create_model_card._hardattn_card = True
     trainer.create_model_card = create_model_card
+
+
+def check_folder_or_repo_id(path: str):
+    """FileNotFoundError naming ``path`` when it is no folder and cannot be a Hub repo id either (an absolute or
+    relative path, ``~``, ``..``): a missing folder, rather than transformers' "Repo id must be in the form ..."."""
+    if os.path.exists(path):
+        return
+    try:
+        validate_repo_id(path)
+        return  # a repo id: transformers looks it up on the Hub
+    except HFValidationError:
+        pass
+    parent = os.path.dirname(os.path.abspath(os.path.expanduser(path)))
+    while not os.path.isdir(parent):
+        parent = os.path.dirname(parent)
+    raise FileNotFoundError(f"`pretrained_model_name_or_path`={path!r} is no folder (the nearest existing folder on that "
+                            f"path is {parent!r}) and cannot be a Hub repo id; allowed: a folder written by "
+                            f"save_pretrained, or a Hub repo id 'name' or 'namespace/name'.")
 
 
 class SavingMixin:
@@ -121,6 +140,8 @@ class SavingMixin:
             folder = os.path.join(os.fspath(pretrained_model_name_or_path), kwargs.get("subfolder") or "")
             if os.path.isdir(folder):
                 verify_folder(folder, checksums=verify_checksums)
+            else:
+                check_folder_or_repo_id(os.fspath(pretrained_model_name_or_path))
         return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
 
     def push_to_hub(self, repo_id: str, *, commit_message=None, commit_description=None, private=None, token=None,
