@@ -303,5 +303,6 @@ def test_readme_layout_names_existing_files():
     text = (REPO / "README.md").read_text()
     section = text.split("## Layout", 1)[1].split("\n## ", 1)[0]
     for name in re.findall(r"`([\w/]+\.py)`", section):
-        candidates = [REPO / name, PACKAGE / name, PACKAGE / "tools" / name, REPO / "benchmarks" / name]
+        candidates = [REPO / name, PACKAGE / name, PACKAGE / "tools" / name, REPO / "benchmarks" / name,
+                      REPO / "examples" / name]
         assert any(path.is_file() for path in candidates), name
