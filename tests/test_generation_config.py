@@ -205,6 +205,21 @@ def test_the_package_s_decoding_paths_print_no_length_warning(tmp_path, transfor
     assert not length_warnings(transformers_messages())
 
 
+def test_translate_on_a_stock_marian_with_its_generation_config_prints_no_length_warning(transformers_messages):
+    """training.translate limits the new tokens through max_length when the model's generation config sets one
+    (Marian's 512): the same outputs as transformers' max_new_tokens, without its "Both ... have been set"."""
+    marian = randomize(MarianMTModel(MarianConfig(**tiny_kwargs(max_position_embeddings=64))), seed=0)
+    marian.generation_config.update(**MARIAN_GENERATION)
+    tokenizer = toy_tokenizer()
+    text = tokenizer.decode(SOURCE[0])
+    expected = marian.generate(SOURCE, num_beams=1, max_new_tokens=7)  # transformers' own: it warns
+    assert any("seem to have been set" in m for m in transformers_messages())
+    before = len(transformers_messages())
+    assert training.translate(marian, tokenizer, [text], num_beams=1, max_new_tokens=7) == [
+        tokenizer.decode(expected[0], skip_special_tokens=True).strip()]
+    assert not length_warnings(transformers_messages()[before:])
+
+
 def test_generation_config_defaults_fill_only_unset_fields():
     model = new_model("soft_transformer")
     model.generation_config = GenerationConfig(max_length=30, num_beams=2)
