@@ -498,8 +498,9 @@ def new_tokens_limit(model, new_tokens: int, generate_kwargs: dict) -> dict:
     start token; what ``max_new_tokens`` gives) for an encoder-decoder model decoding from its start token, so that a
     generation config that sets ``max_length`` (Marian's 512) does not make transformers log "Both `max_new_tokens`
     and `max_length` seem to have been set"; else (a saved ``max_new_tokens``, given decoder inputs) ``max_new_tokens``."""
-    if (getattr(model.config, "is_encoder_decoder", False) and "decoder_input_ids" not in generate_kwargs
-            and getattr(model.generation_config, "max_new_tokens", None) is None):
+    if (getattr(getattr(model, "config", None), "is_encoder_decoder", False)
+            and "decoder_input_ids" not in generate_kwargs
+            and getattr(getattr(model, "generation_config", None), "max_new_tokens", None) is None):
         return {"max_length": new_tokens + 1}
     return {"max_new_tokens": new_tokens}
 
