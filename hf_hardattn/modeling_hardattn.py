@@ -42,6 +42,23 @@ from .saving import SavingMixin
 
 logger = logging.get_logger(__name__)
 
+# generate() without length or beam arguments: a generation config fit for translation, as Marian checkpoints ship one
+TRANSLATION_MAX_LENGTH = 512  # Marian's max_length (transformers' model-agnostic default, 20, cuts sentences)
+TRANSLATION_NUM_BEAMS = 4  # the package's usual beam (`hf-hardattn translate` / `train` --num-beams)
+
+
+def set_translation_generation_defaults(model, num_beams: int | None = None):
+    """Fill the fields of ``model.generation_config`` that are unset (None), never one already set: ``max_length``
+    = 512 (Marian's) bounded by the model's position table (``max_position_embeddings``: learned positions end there,
+    and transformers bounds its own default by it), and ``num_beams`` when given. Returns the model."""
+    generation = model.generation_config
+    if generation.max_length is None:
+        limit = getattr(model.config, "max_position_embeddings", None)
+        generation.max_length = min(TRANSLATION_MAX_LENGTH, limit or TRANSLATION_MAX_LENGTH)
+    if num_beams is not None and generation.num_beams is None:
+        generation.num_beams = num_beams
+    return model
+
 
 def refuse_model_arguments(cls, config, args, kwargs):
     """The models take their config only. transformers' ``from_pretrained(path, key=value)`` applies a key that is an
@@ -196,6 +213,24 @@ class HardAttnForConditionalGeneration(HardAttnPreTrainedModel, GenerationMixin)
         self.register_buffer("final_logits_bias", torch.zeros(1, config.vocab_size) if config.final_logits_bias
                              else None)
         self.post_init()
+        set_translation_generation_defaults(self)
+
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        """A saved generation config without ``max_length`` (models saved before the translation defaults) gets
+        :func:`set_translation_generation_defaults`'s; one that sets it keeps it."""
+        loaded = super().from_pretrained(*args, **kwargs)
+        set_translation_generation_defaults(loaded[0] if isinstance(loaded, tuple) else loaded)
+        return loaded
+
+    def _prepare_generated_length(self, generation_config, has_default_max_length, *args, **kwargs):
+        # A call's max_new_tokens replaces the model's own max_length (its generation config's default) without
+        # transformers' "Both `max_new_tokens` and `max_length` seem to have been set" warning, meant for a call that
+        # sets both; max_new_tokens takes precedence either way.
+        if (generation_config.max_new_tokens is not None
+                and generation_config.max_length == self.generation_config.max_length):
+            has_default_max_length = True
+        return super()._prepare_generated_length(generation_config, has_default_max_length, *args, **kwargs)
 
     def get_encoder(self, *args, **kwargs):
         return self.model.encoder
@@ -411,6 +446,9 @@ __all__ = [
     "HardAttnModel",
     "HardAttnPreTrainedModel",
     "HardAttnForConditionalGeneration",
+    "TRANSLATION_MAX_LENGTH",
+    "TRANSLATION_NUM_BEAMS",
+    "set_translation_generation_defaults",
     "attention_classes",
     "build_attention",
     # the skeleton's other names, defined in its files by concern and importable from here as before

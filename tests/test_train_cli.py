@@ -73,6 +73,8 @@ def test_train_writes_a_model_whose_test_bleu_recomputes(data, tmp_path):
     assert results["test_bleu"] == round(sacrebleu.corpus_bleu(hypotheses, [references]).score, 2)
     card = (out / "model" / "README.md").read_text()
     assert "test_bleu" in card and "hf-hardattn train --train" in card
+    # generate() without arguments decodes as the run scored it (beam --num-beams), not cut at transformers' 20
+    assert (model.generation_config.num_beams, model.generation_config.max_length) == (2, 512)
     assert results["command"].startswith("hf-hardattn train --train")
 
 
@@ -191,7 +193,10 @@ def test_init_from_a_marian_folder_converts_it(data, tmp_path):
                  "--output-dir", str(out), "--max-steps", "2", "--quiet", "--threads", "1", "--max-length", "60"]) == 0
     results = json.loads((out / "results.json").read_text())
     assert results["origin"] == "converted from marian" and results["tokenizer"] == str(tmp_path / "marian")
-    assert AutoModelForSeq2SeqLM.from_pretrained(out / "model").config.d_model == 16
+    model = AutoModelForSeq2SeqLM.from_pretrained(out / "model")
+    assert model.config.d_model == 16
+    # the source sets neither: the run's beam (--num-beams, default 4) and the position table's length
+    assert (model.generation_config.num_beams, model.generation_config.max_length) == (4, 64)
 
 
 def test_sizes_from_yaml_config_flags_and_set_in_that_order(data, tmp_path):

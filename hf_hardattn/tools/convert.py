@@ -21,7 +21,8 @@ m2m_100       sinusoidal, layout "fairseq", from pad + 1   no                pre
 q/k/v are concatenated into our fused ``qkv_proj`` (self-attention) and ``kv_proj`` (cross-attention); a
 ``final_logits_bias`` that is all zeros is not kept (``final_logits_bias=False``), which changes nothing. The source's generation config
 (``num_beams``, ``max_length``, ``bad_words_ids``, ``forced_bos_token_id``/``forced_eos_token_id``, ...) is copied, so
-that ``generate()`` without arguments decodes as the source does.
+that ``generate()`` without arguments decodes as the source does; only a ``max_length`` the source leaves unset (where
+it would stop at transformers' 20) becomes the package's translation default (``set_translation_generation_defaults``).
 
 Targets: ``soft_transformer`` reproduces the source (logits, greedy and beam search). The other Transformer types get
 every parameter they share with it, per layer and attention kind (kinds may be overridden per role, e.g.
@@ -53,6 +54,7 @@ from transformers.utils import logging
 
 from ..gaussian import GaussianAttention
 from ..layers import SoftAttention
+from ..modeling_hardattn import set_translation_generation_defaults
 from ..registry import MODEL_TYPES, ROLES, model_classes
 
 logger = logging.get_logger(__name__)
@@ -141,6 +143,7 @@ def convert(source, model_type: str, *, return_report: bool = False, **config_ov
     model = model_class(config).to(dtype)
     _map_weights(model, source, family, report)
     model.generation_config = copy.deepcopy(source.generation_config)
+    set_translation_generation_defaults(model)
     model.to(next(source.parameters()).device).train(source.training)
     _describe_target(model, source, report)
     if report.initialised or report.dropped:

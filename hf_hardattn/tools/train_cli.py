@@ -35,6 +35,7 @@ from transformers import AutoConfig, AutoModelForSeq2SeqLM, AutoTokenizer, Early
 
 from ..gaussian import PRESETS, length_ratio_unless_given
 from ..model_card import CARD_METADATA, RESULTS_FILE, write_model_card
+from ..modeling_hardattn import set_translation_generation_defaults
 from ..registry import MODEL_TYPES
 from ..registry import model_classes as registered_classes
 from ..safe_io import atomic_folder, write_json_atomic
@@ -250,6 +251,8 @@ def run_train(args) -> dict:
     results = {k: v for k, v in results.items() if v is not None}
     if trainer.is_world_process_zero():
         folder = os.path.join(args.output_dir, "model")
+        # generate() without arguments decodes as this run scored it: beam --num-beams (a beam count set already stays)
+        set_translation_generation_defaults(model, num_beams=args.num_beams)
         model.save_pretrained(folder, tokenizer=tokenizer)
         write_json_atomic(os.path.join(folder, RESULTS_FILE), card_results(args, results, tokenizer_source))
         write_model_card(model, folder)

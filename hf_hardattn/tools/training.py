@@ -493,6 +493,18 @@ def default_max_new_tokens(input_ids: torch.Tensor) -> int:
     return int(1.5 * input_ids.shape[1]) + 10
 
 
+def new_tokens_limit(model, new_tokens: int, generate_kwargs: dict) -> dict:
+    """``generate()``'s keyword for at most ``new_tokens`` new tokens: ``max_length`` = ``new_tokens`` + 1 (the decoder
+    start token; what ``max_new_tokens`` gives) for an encoder-decoder model decoding from its start token, so that a
+    generation config that sets ``max_length`` (Marian's 512) does not make transformers log "Both `max_new_tokens`
+    and `max_length` seem to have been set"; else (a saved ``max_new_tokens``, given decoder inputs) ``max_new_tokens``."""
+    if (getattr(getattr(model, "config", None), "is_encoder_decoder", False)
+            and "decoder_input_ids" not in generate_kwargs
+            and getattr(getattr(model, "generation_config", None), "max_new_tokens", None) is None):
+        return {"max_length": new_tokens + 1}
+    return {"max_new_tokens": new_tokens}
+
+
 @torch.no_grad()
 def translate(model, tokenizer, sources, num_beams: int = 4, batch_size: int = 64, max_new_tokens: int | None = None,
               max_length: int = 128, progress: bool = False, do_sample: bool = False, **generate_kwargs) -> list[str]:
@@ -517,8 +529,8 @@ def translate(model, tokenizer, sources, num_beams: int = 4, batch_size: int = 6
                              total=math.ceil(len(sources) / batch_size), disable=not progress):
         batch = batch.to(model.device)
         limit = max_new_tokens or default_max_new_tokens(batch["input_ids"])
-        generated = model.generate(**batch, num_beams=num_beams, do_sample=do_sample, max_new_tokens=limit,
-                                   **generate_kwargs)
+        generated = model.generate(**batch, num_beams=num_beams, do_sample=do_sample,
+                                   **new_tokens_limit(model, limit, generate_kwargs), **generate_kwargs)
         for i, text in zip(index, tokenizer.batch_decode(generated, skip_special_tokens=True)):
             outputs[i] = text.strip()
     model.train(was_training)
