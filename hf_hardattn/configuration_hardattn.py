@@ -181,13 +181,10 @@ class HardAttnConfig(PreTrainedConfig):
     @classmethod
     def unknown_key(cls, key):
         """None for a key this config knows (a field, one of ``attribute_map``'s names, a key transformers passes on);
-        else the field it is close to (a misspelling), or "" when none is (an attention kind's setting never counts
-        as a misspelling: it is that kind's name for it)."""
+        else the field it is close to (a misspelling), or "" when none is."""
         fields = set(cls.__dataclass_fields__)
         if key in fields or key in cls.attribute_map or key in cls.KNOWN_EXTRA_KEYS:
             return None
-        if any(key in settings for settings in KIND_SETTINGS.values()):
-            return ""
         close = difflib.get_close_matches(key, fields, n=1, cutoff=0.85)
         return close[0] if close else ""
 

@@ -136,8 +136,8 @@ def test_a_correctly_named_attribute_round_trips_silently(model_type, tmp_path):
 
 
 def test_an_unknown_key_far_from_every_field_warns_on_both_paths(tmp_path):
-    """No misspelling (nothing close): a warning where it is typed and where it is read back; an attention kind's
-    setting is that kind's name, never a misspelling of a field."""
+    """No misspelling (nothing close): a warning where it is typed and where it is read back (as before: the setting
+    of an attention kind the config does not use, ``length_ratio`` here, too)."""
     config_class, model_class = model_classes("soft_transformer")
     with pytest.warns(UserWarning, match=r"`flavour` is not a field of SoftTransformerConfig.*kept") as records:
         config = config_class(**tiny_kwargs(), flavour="x", length_ratio=1.5)
