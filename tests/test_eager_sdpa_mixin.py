@@ -71,7 +71,7 @@ def ids_tensor(shape, vocab_size, rng):
     return torch.tensor([rng.randint(0, vocab_size - 1) for _ in range(int(np.prod(shape)))]).view(shape)
 
 
-def tester_inputs(config, rng, seq=SEQ):
+def marian_tester_inputs(config, rng, seq=SEQ):
     """MarianModelTester.prepare_config_and_inputs (batch 13, length 7)."""
     input_ids = ids_tensor([TESTER_BATCH, seq], config.vocab_size, rng).clamp(3)
     input_ids[:, -1] = config.eos_token_id
@@ -92,7 +92,7 @@ def eager_matches_sdpa(model_type, dtype, padding_side, use_attention_mask, enab
     config_class, model_class = model_classes(model_type)
     set_seed(42)
     config = config_class(**tiny_kwargs())
-    inputs = tester_inputs(config, random.Random(0), seq)
+    inputs = marian_tester_inputs(config, random.Random(0), seq)
     set_config_for_less_flaky_test(config)
     model = model_class(config)
     with tempfile.TemporaryDirectory() as folder:
