@@ -9,6 +9,8 @@ This file is part of the runtime code shipped with saved models (``trust_remote_
 with same-folder relative imports only.
 """
 
+import contextlib
+import contextvars
 import difflib
 import math
 import warnings
@@ -27,6 +29,20 @@ POSITION_EMBEDDINGS = ("sinusoidal", "learned")
 # Feature layouts of the sinusoidal table (see modeling_hardattn.sinusoidal_table): ours (Vaswani et al.), Marian's
 # (transformers' MarianMTModel) and fairseq's / tensor2tensor's (M2M100, NLLB).
 SINUSOIDAL_LAYOUTS = ("interleaved", "marian", "fairseq")
+
+
+# True while a config is built from a saved dict (config.json, ``from_dict``, ``from_json_file``): whatever
+# ``save_pretrained`` wrote must load, so an unknown key read back warns instead of refusing (see check_unknown_keys).
+_READING_SAVED = contextvars.ContextVar("hardattn_reading_saved_config", default=False)
+
+
+@contextlib.contextmanager
+def _reading_saved():
+    token = _READING_SAVED.set(True)
+    try:
+        yield
+    finally:
+        _READING_SAVED.reset(token)
 
 
 def _positive_finite(value) -> bool:
@@ -137,24 +153,55 @@ class HardAttnConfig(PreTrainedConfig):
         self.check()
 
     def check_unknown_keys(self, kwargs):
-        """A key that is no field of this config is kept by transformers as an attribute nothing reads: one that is
-        close to a field (a misspelling, ``cross_atention``) is an error naming both, any other a warning. The
-        settings of a kind the config uses (``KIND_SETTINGS``, e.g. ``length_ratio`` with Gaussian cross-attention)
-        are read by that kind and pass."""
-        fields = set(self.__dataclass_fields__)
+        """A key that is no field of this config is kept by transformers as an attribute nothing reads. Where the user
+        types it (constructor keywords, ``--set``, ``from_pretrained(path, key=value)``: see :meth:`check_typed_keys`)
+        one close to a field (a misspelling, ``cross_atention``) is an error naming both, any other a warning. Read
+        back from a saved config (config.json: ``from_pretrained``, ``from_dict``, ``from_json_file``) every unknown
+        key is kept and warned about, naming the close field if there is one: whatever ``save_pretrained`` wrote
+        loads, as with transformers' own configs (MarianConfig keeps such a key silently), e.g.
+        ``config.layer_norm_epsilon = 1e-6`` set by a user or by transformers' ``set_config_for_less_flaky_test``.
+        The settings of a kind the config uses (``KIND_SETTINGS``, e.g. ``length_ratio`` with Gaussian
+        cross-attention) are read by that kind and pass."""
         read = {key for kind in used_kinds(self) for key in KIND_SETTINGS.get(kind, ())}
+        saved = _READING_SAVED.get()
         for key in kwargs:
-            if key in fields or key in self.KNOWN_EXTRA_KEYS or key in read:
+            if key in read:
                 continue
-            close = difflib.get_close_matches(key, fields, n=1, cutoff=0.85)
+            close = self.unknown_key(key)
+            if close is None:
+                continue
+            if close and not saved:
+                raise ValueError(f"`{key}` is not a field of {type(self).__name__}; did you mean `{close}`?")
+            hint = f"; did you mean `{close}`? (`{close}` is {getattr(self, close)!r})" if close else ""
+            origin = "the saved config has" if saved else "got"
+            warnings.warn(f"`{key}` is not a field of {type(self).__name__} (model_type {self.model_type!r}): "
+                          f"{origin} `{key}`={kwargs[key]!r}; it is kept but nothing in the model reads it{hint}",
+                          stacklevel=3)
+
+    @classmethod
+    def unknown_key(cls, key):
+        """None for a key this config knows (a field, one of ``attribute_map``'s names, a key transformers passes on);
+        else the field it is close to (a misspelling), or "" when none is."""
+        fields = set(cls.__dataclass_fields__)
+        if key in fields or key in cls.attribute_map or key in cls.KNOWN_EXTRA_KEYS:
+            return None
+        close = difflib.get_close_matches(key, fields, n=1, cutoff=0.85)
+        return close[0] if close else ""
+
+    @classmethod
+    def check_typed_keys(cls, keys):
+        """Refuse a misspelled field among keywords the user typed (``from_pretrained(path, key=value)``,
+        ``AutoConfig.from_pretrained(path, key=value)``), naming the field it is close to."""
+        for key in keys:
+            close = cls.unknown_key(key)
             if close:
-                raise ValueError(f"`{key}` is not a field of {type(self).__name__}; did you mean `{close[0]}`?")
-            warnings.warn(f"`{key}` is not a field of {type(self).__name__} (model_type {self.model_type!r}); it is "
-                          f"kept but nothing in the model reads it.", stacklevel=3)
+                raise ValueError(f"`{key}` is not a field of {cls.__name__}; did you mean `{close}`?")
 
     @classmethod
     def from_dict(cls, config_dict, **kwargs):
-        """Refuses a config of another model type (``HardRetrievalForConditionalGeneration.from_pretrained`` of a soft
+        """``config_dict`` is a saved config (its unknown keys are kept with a warning: :meth:`check_unknown_keys`);
+        ``kwargs`` are the caller's overrides (a misspelled field is refused, naming the field). Refuses a config of
+        another model type (``HardRetrievalForConditionalGeneration.from_pretrained`` of a soft
         model's folder would otherwise build the class's model with that config, with only a logged warning)."""
         model_type = config_dict.get("model_type")
         if model_type and cls.model_type != HardAttnConfig.model_type and model_type != cls.model_type:
@@ -162,7 +209,15 @@ class HardAttnConfig(PreTrainedConfig):
                 f"This config is of model_type {model_type!r}, not {cls.model_type!r} ({cls.__name__}). Load it with "
                 f"AutoModelForSeq2SeqLM / AutoConfig (which pick the class of its type); to decode a model with other "
                 f"attention kinds, pass them as overrides, e.g. from_pretrained(path, cross_attention='hard_retrieval').")
-        return super().from_dict(config_dict, **kwargs)
+        cls.check_typed_keys(kwargs)  # the keywords are the user's; the dict is what was saved
+        with _reading_saved():
+            return super().from_dict(config_dict, **kwargs)
+
+    @classmethod
+    def from_json_file(cls, json_file):
+        """A config.json read back: unknown keys warn (see :meth:`check_unknown_keys`)."""
+        with _reading_saved():
+            return super().from_json_file(json_file)
 
     # Every attention kind returns its weights on request whatever the implementation ("sdpa" switches to the written-out
     # softmax for the call that asks), so, unlike transformers' models, `output_attentions` needs no "eager".

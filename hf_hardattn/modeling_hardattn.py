@@ -114,6 +114,14 @@ class HardAttnPreTrainedModel(Int8Mixin, SavingMixin, PreTrainedModel):
                              f"allowed: {list(self.ATTN_IMPLEMENTATIONS)} (or None for 'sdpa').")
         return requested
 
+    @classmethod
+    def _can_set_attn_implementation(cls) -> bool:
+        """Every model type can switch (:meth:`set_attn_implementation` sets its soft attention modules). transformers'
+        heuristic reads the class's module source: a ``class *Attention*(nn.Module)`` there without its
+        ``AttentionInterface`` made it refuse gaussian and hybrid (and, through the cached value it stores on the
+        class, their subclasses such as beam_joint_rnn) with only a logged warning, leaving them on "sdpa"."""
+        return True
+
     def set_attn_implementation(self, attn_implementation, *args, **kwargs):
         """transformers' method (checked by :meth:`_check_and_adjust_attn_implementation`); the soft attention modules
         then follow the new implementation."""

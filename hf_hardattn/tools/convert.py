@@ -45,6 +45,7 @@ Tooling (not runtime code): not copied with saved models.
 from __future__ import annotations
 
 import copy
+import difflib
 import os
 from dataclasses import dataclass, field
 
@@ -178,7 +179,9 @@ def _check_override_names(config_class, overrides):
     known = set(config_class.__dataclass_fields__)
     for name in overrides:
         if name not in known:
-            raise ValueError(f"`{name}` is not a field of {config_class.__name__}; allowed overrides: its fields "
+            close = difflib.get_close_matches(name, known, n=1, cutoff=0.85)
+            hint = f"did you mean `{close[0]}`? " if close else ""
+            raise ValueError(f"`{name}` is not a field of {config_class.__name__}; {hint}allowed overrides: its fields "
                              f"(e.g. dropout, label_smoothing, encoder_attention, decoder_attention, cross_attention).")
 
 
