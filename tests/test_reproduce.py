@@ -23,12 +23,13 @@ DE = ["ein mann fährt fahrrad .", "zwei hunde spielen im schnee .", "eine frau 
 
 
 def write_toy_multi30k(root):
-    """root/data with Multi30k's file names: the sentences above, 6 times as train, once as test_2016_flickr."""
+    """root/data with Multi30k's file names: the sentences above, 6 times as train, once as test_2016_flickr, the
+    last five (reversed) as val."""
     data = root / "data"
     data.mkdir()
-    for split, repeat in (("train", 6), ("test_2016_flickr", 1)):
-        (data / f"{split}.en").write_text("\n".join(EN * repeat) + "\n")
-        (data / f"{split}.de").write_text("\n".join(DE * repeat) + "\n")
+    for split, en, de in (("train", EN * 6, DE * 6), ("test_2016_flickr", EN, DE), ("val", EN[:2:-1], DE[:2:-1])):
+        (data / f"{split}.en").write_text("\n".join(en) + "\n")
+        (data / f"{split}.de").write_text("\n".join(de) + "\n")
     return data
 
 
@@ -84,6 +85,86 @@ def test_scores_match_an_independent_evaluation(run_dir, name, kinds):
     hypotheses = translate(model, tokenizer, EN, num_beams=4, batch_size=8, max_length=32)
     expected = sacrebleu.corpus_bleu(hypotheses, [DE]).score
     assert load_results(run_dir["out"])["rows"][name]["score"] == pytest.approx(expected, abs=0.01)
+
+
+@pytest.mark.parametrize("name, kinds", [
+    ("soft", {}),
+    ("soft_decoded_hard", dict(decoder_attention="hard_retrieval", cross_attention="hard_retrieval")),
+])
+def test_rows_score_bleu_and_chrf_on_test_and_validation(run_dir, name, kinds):
+    """Issue #53: every Multi30k row scores BLEU and chrF on test_2016_flickr and on the validation split, each equal
+    to sacrebleu's scores of the saved model's own translations (the table shows both sets)."""
+    folder = run_dir["out"] / "models" / "soft"
+    model = AutoModelForSeq2SeqLM.from_pretrained(folder).eval()
+    if kinds:
+        model = model.with_attention(**kinds)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    row = load_results(run_dir["out"])["rows"][name]
+    assert set(row["scores"]) == set(row["chrf"]) == {"test_2016_flickr", "val"}
+    for split, (en, de) in {"test_2016_flickr": (EN, DE), "val": (EN[:2:-1], DE[:2:-1])}.items():
+        hypotheses = translate(model, tokenizer, en, num_beams=4, batch_size=8, max_length=32)
+        assert row["scores"][split] == pytest.approx(sacrebleu.corpus_bleu(hypotheses, [de]).score, abs=0.01), split
+        assert row["chrf"][split] == pytest.approx(sacrebleu.corpus_chrf(hypotheses, [de]).score, abs=0.01), split
+    assert row["scores"]["test_2016_flickr"] == row["score"] and "nc:6" in row["chrf_signature"]
+    header = (run_dir["out"] / "reproduce_multi30k_tiny.md").read_text().splitlines()[2]
+    assert "BLEU val" in header and "chrF test_2016_flickr / val" in header
+
+
+def test_evaluate_scores_each_set_on_its_own_translations(monkeypatch):
+    """The scores of each set are sacrebleu's BLEU and chrF of that set's outputs against that set's references (the
+    tiny rows above translate to near-empty outputs, so this checks the bookkeeping with outputs that score in the
+    middle of the range): a set's outputs never meet another set's references."""
+    import datasets
+
+    outputs = {tuple(EN): [" ".join(d.split()[:-2]) for d in DE], tuple(EN[:2:-1]): [" ".join(d.split()[1:]) for d in DE[:2:-1]]}
+    monkeypatch.setattr(reproduce.training, "translate", lambda model, tokenizer, sources, **kw: outputs[tuple(sources)])
+    test = datasets.Dataset.from_dict({"source": EN, "target": DE})
+    val = datasets.Dataset.from_dict({"source": EN[:2:-1], "target": DE[:2:-1]})
+    out = reproduce.evaluate("multi30k", None, None, test, reproduce.PRESETS["multi30k"]["tiny"],
+                             other_sets={"val": val})
+    for split, hypotheses, references in (("test_2016_flickr", outputs[tuple(EN)], DE),
+                                          ("val", outputs[tuple(EN[:2:-1])], DE[:2:-1])):
+        bleu, chrf = sacrebleu.corpus_bleu(hypotheses, [references]).score, sacrebleu.corpus_chrf(hypotheses, [references]).score
+        assert 1 < bleu < 99 and 1 < chrf < 99
+        assert out["scores"][split] == pytest.approx(bleu, abs=0.005) and out["chrf"][split] == pytest.approx(chrf, abs=0.005)
+    assert out["score"] == out["scores"]["test_2016_flickr"] and out["scores"]["val"] != out["score"]
+
+
+def test_init_std_reaches_every_hf_hardattn_row_and_is_recorded(tmp_path):
+    """--init-std STD: the rows' models start from N(0, STD) weights (config init_std, stored in the row); 'xavier' is
+    the other initialisation; marian keeps its own (0.02); a bad value is refused by the parser."""
+    data = write_toy_multi30k(tmp_path)
+    common = ["--task", "multi30k", "--preset", "tiny", "--data", str(data), "--quiet", "--max-steps", "1"]
+    seen = {}
+    build = reproduce.run_row
+
+    def spy(row, ctx):
+        original = row.build
+        if original is not None:
+            def record(ctx):
+                model = original(ctx)
+                seen[(ctx["args"].init_std, row.name)] = model.get_input_embeddings().weight.detach().std().item()
+                return model
+            row = reproduce.dataclasses.replace(row, build=record)
+        return build(row, ctx)
+
+    reproduce.run_row = spy
+    try:
+        for init in ("0.005", "xavier"):
+            reproduce.main(common + ["--rows", "soft", "hc_sa", "marian", "--init-std", init,
+                                     "--output-dir", str(tmp_path / init)])
+    finally:
+        reproduce.run_row = build
+    for row in ("soft", "hc_sa"):
+        assert seen[(0.005, row)] == pytest.approx(0.005, rel=0.1)
+        assert seen[("xavier", row)] == pytest.approx(32 ** -0.5, rel=0.1)  # N(0, d_model^-1/2), d_model 32
+    assert seen[(0.005, "marian")] == pytest.approx(0.02, rel=0.1)  # MarianMTModel's own init
+    rows = load_results(tmp_path / "0.005")["rows"]
+    assert rows["soft"]["init_std"] == rows["hc_sa"]["init_std"] == 0.005 and rows["marian"]["init_std"] == 0.02
+    assert "--init-std 0.005" in rows["soft"]["command"]
+    assert load_results(tmp_path / "xavier")["rows"]["soft"]["init_std"] is None
+    with pytest.raises(SystemExit):
+        reproduce.main(common + ["--init-std", "-1", "--output-dir", str(tmp_path / "bad")])
 
 
 def test_decoded_k1_row_uses_k1(run_dir):

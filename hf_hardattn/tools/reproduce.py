@@ -5,7 +5,8 @@ Tooling, not runtime code. ``python benchmarks/reproduce.py`` and ``hf-hardattn 
 Tasks
     * ``multi30k``: En->De translation from a folder of parallel text files (default ``../shared/data/multi30k``,
       ``--data``), joint BPE tokenizer trained here, BLEU of beam 4 on ``test_2016_flickr`` (sacrebleu on
-      detokenised text; the signature is stored).
+      detokenised text; the signature is stored), and BLEU and chrF on every scored set: ``test_2016_flickr`` and
+      the validation split ``val`` (never used to choose a checkpoint here), in the row's ``scores`` / ``chrf``.
     * ``nouns``: German noun inflection (the ``german-nouns`` package, character level), exact-match accuracy of
       beam 4 on a fixed sample of held-out lemmas.
 
@@ -173,6 +174,8 @@ def _common(ctx, **extra):
     recipe = ctx["recipe"]
     common = dict(**recipe.dims, **_special(ctx["tokenizer"]), label_smoothing=recipe.label_smoothing,
                   max_position_embeddings=max(256, recipe.max_length))
+    if "init_std" in ctx:  # --init-std: every hf_hardattn row's initialisation (marian keeps its own, N(0, 0.02))
+        common["init_std"] = ctx["init_std"]
     common.update(extra)
     return common
 
@@ -319,6 +322,34 @@ def rows_for(task: str) -> list[Row]:
 # ----------------------------------------------------------------------------------------------------------------
 # Data
 # ----------------------------------------------------------------------------------------------------------------
+TEST_SET = "test_2016_flickr"  # the table's main Multi30k set (the row's ``score``)
+VALIDATION_SET = "val"  # scored beside it (issue #53: a verdict must hold on more than one set)
+
+
+def validation_set(task: str, recipe: Recipe, data: str | None):
+    """The second scored set of a Multi30k row (the validation split, cut to ``recipe.eval_size`` like the test set),
+    or None: the nouns task, or a ``--data`` source without one."""
+    if task != "multi30k":
+        return None
+    if data is None:
+        val = multi30k(VALIDATION_SET)
+    elif os.path.isdir(data):
+        try:
+            val = load_parallel(data, VALIDATION_SET)
+        except FileNotFoundError:
+            return None
+    else:
+        loaded = datasets.load_dataset(data)
+        if "validation" not in loaded:
+            return None
+        val = loaded["validation"].map(lambda row: {"source": row["translation"]["en"],
+                                                   "target": row["translation"]["de"]},
+                                       remove_columns=loaded["validation"].column_names)
+    if recipe.eval_size is not None:
+        val = val.select(range(min(recipe.eval_size, len(val))))
+    return val
+
+
 def load_task(task: str, recipe: Recipe, data: str | None, seed: int):
     """(train, test) Datasets with "source"/"target" columns."""
     if task == "multi30k":
@@ -344,9 +375,18 @@ def load_task(task: str, recipe: Recipe, data: str | None, seed: int):
 # ----------------------------------------------------------------------------------------------------------------
 # One row
 # ----------------------------------------------------------------------------------------------------------------
-def evaluate(task, model, tokenizer, test, recipe: Recipe, return_hypotheses: bool = False) -> dict:
+def corpus_scores(hypotheses, references) -> dict:
+    """sacrebleu's corpus BLEU and chrF (default settings) with their signatures."""
+    bleu, chrf = sacrebleu.BLEU(), sacrebleu.CHRF()
+    return dict(bleu=round(bleu.corpus_score(hypotheses, [list(references)]).score, 2),
+                chrf=round(chrf.corpus_score(hypotheses, [list(references)]).score, 2),
+                signature=str(bleu.get_signature()), chrf_signature=str(chrf.get_signature()))
+
+
+def evaluate(task, model, tokenizer, test, recipe: Recipe, return_hypotheses: bool = False, other_sets=None) -> dict:
     """The row's score (BLEU or exact match of beam ``recipe.num_beams``), test-set sentences/s (one timing) and three
-    samples; with ``return_hypotheses`` every output too (key ``hypotheses``)."""
+    samples; with ``return_hypotheses`` every output too (key ``hypotheses``). Multi30k: ``scores`` {set: BLEU} and
+    ``chrf`` {set: chrF} of ``test_2016_flickr`` and of every ``other_sets`` {name: Dataset} (decoded the same way)."""
     start = time.perf_counter()
     hypotheses = training.translate(model, tokenizer, test["source"], num_beams=recipe.num_beams,
                            batch_size=recipe.eval_batch_size, max_length=recipe.max_length)
@@ -355,9 +395,15 @@ def evaluate(task, model, tokenizer, test, recipe: Recipe, return_hypotheses: bo
                examples=len(hypotheses), samples=[[s, h, r] for s, h, r in zip(test["source"][:3], hypotheses[:3],
                                                                                  test["target"][:3])])
     if task == "multi30k":
-        metric = sacrebleu.BLEU()
-        score = metric.corpus_score(hypotheses, [list(test["target"])])
-        out.update(metric="BLEU", score=round(score.score, 2), signature=str(metric.get_signature()))
+        scored = corpus_scores(hypotheses, test["target"])
+        out.update(metric="BLEU", score=scored["bleu"], signature=scored["signature"],
+                   chrf_signature=scored["chrf_signature"], scores={TEST_SET: scored["bleu"]},
+                   chrf={TEST_SET: scored["chrf"]})
+        for name, dataset in (other_sets or {}).items():
+            other = training.translate(model, tokenizer, dataset["source"], num_beams=recipe.num_beams,
+                                       batch_size=recipe.eval_batch_size, max_length=recipe.max_length)
+            scored = corpus_scores(other, dataset["target"])
+            out["scores"][name], out["chrf"][name] = scored["bleu"], scored["chrf"]
     else:
         correct = sum(h.strip() == r.strip() for h, r in zip(hypotheses, test["target"]))
         out.update(metric="accuracy", score=round(100 * correct / len(hypotheses), 2))
@@ -453,7 +499,9 @@ def run_row(row: Row, ctx) -> dict:
         result.update(train_row(row, ctx, model, ctx["train_tok"]))
     result["params"] = sum(p.numel() for p in model.parameters())
     result["model_type"] = model.config.model_type
-    result.update(evaluate(ctx["task"], model, ctx["tokenizer"], ctx["test"], recipe))
+    result["init_std"] = getattr(model.config, "init_std", None)  # None: Xavier linears, N(0, d^-1/2) embeddings
+    others = {VALIDATION_SET: ctx["val"]} if ctx.get("val") is not None else None
+    result.update(evaluate(ctx["task"], model, ctx["tokenizer"], ctx["test"], recipe, other_sets=others))
     folder = model_dir(ctx, row.name)
     os.makedirs(folder, exist_ok=True)
     if hasattr(model, "card_title"):  # hf_hardattn models: the card shows the table (refreshed in write_outputs)
@@ -473,18 +521,31 @@ def row_table(task, preset, results: dict) -> str:
     """The markdown table of ``results``; its "ours vs" column puts each row's score difference to the row the paper's
     direction compares with (``Row.baseline``, soft unless said) beside that direction, so that a claim that failed
     reads as such in the table itself."""
-    metric = "BLEU" if task == "multi30k" else "exact match %"
-    lines = [f"| row | {metric} | sentences/s (beam 4) | training min | steps | parameters | paper | paper's direction "
-             f"| ours vs |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | --- | --- | --- |"]
+    metric = f"BLEU {TEST_SET}" if task == "multi30k" else "exact match %"
+    # Multi30k rows scored on the validation split too (rows from before issue #53 have only test BLEU: "-")
+    two_sets = task == "multi30k" and any("scores" in r for r in results.values())
+    extra_head, extra_align = (f" BLEU {VALIDATION_SET} | chrF {TEST_SET} / {VALIDATION_SET} |", " ---: | ---: |") \
+        if two_sets else ("", "")
+    lines = [f"| row | {metric} |{extra_head} sentences/s (beam 4) | training min | steps | parameters | paper "
+             f"| paper's direction | ours vs |",
+             f"| --- | ---: |{extra_align} ---: | ---: | ---: | ---: | --- | --- | --- |"]
     for row in ROWS:  # the paper columns come from the row's current definition, not from when it was run
         if row.name in results:
             r = results[row.name]
             trained = f"(= {r['decoded_from']})" if r.get("decoded_from") else f"{r['train_minutes']:.1f}"
             base = results.get(row.baseline)
             versus = f"{r['score'] - base['score']:+.2f} vs {row.baseline}" if base and row.baseline != row.name else ""
-            lines.append(f"| {row.name} | {r['score']:.2f} | {r['sentences_per_s']:.1f} | {trained} | {r['steps']} | "
-                         f"{r['params']:,} | {row.paper} | {row.expect} | {versus} |")
+            if two_sets and base and row.baseline != row.name and VALIDATION_SET in r.get("scores", {}) \
+                    and VALIDATION_SET in base.get("scores", {}):
+                versus += f" ({r['scores'][VALIDATION_SET] - base['scores'][VALIDATION_SET]:+.2f} on {VALIDATION_SET})"
+            extra = ""
+            if two_sets:
+                val = r.get("scores", {}).get(VALIDATION_SET)
+                chrf = r.get("chrf", {})
+                extra = (f" {'-' if val is None else f'{val:.2f}'} | "
+                         f"{' / '.join('-' if chrf.get(k) is None else f'{chrf[k]:.2f}' for k in (TEST_SET, VALIDATION_SET))} |")
+            lines.append(f"| {row.name} | {r['score']:.2f} |{extra} {r['sentences_per_s']:.1f} | {trained} | {r['steps']} "
+                         f"| {r['params']:,} | {row.paper} | {row.expect} | {versus} |")
     return "\n".join(lines)
 
 
@@ -533,7 +594,7 @@ def row_command(ctx, name) -> str:
     args = ctx["args"]
     parts = ["python", "benchmarks/reproduce.py", "--task", ctx["task"], "--preset", ctx["preset"], "--rows", name,
              "--seed", str(args.seed)]
-    for flag in (*RECIPE_OVERRIDES, "precision", "data", "output_dir", "threads"):
+    for flag in (*RECIPE_OVERRIDES, "init_std", "precision", "data", "output_dir", "threads"):
         value = getattr(args, flag)
         if value is not None:
             parts += [f"--{flag.replace('_', '-')}", str(value)]
@@ -544,6 +605,19 @@ def row_command(ctx, name) -> str:
 # CLI
 # ----------------------------------------------------------------------------------------------------------------
 RECIPE_OVERRIDES = ("minutes", "max_steps", "learning_rate", "eval_size")  # flags that replace a preset's value
+
+
+def _init_std(text: str):
+    """--init-std: "xavier" (config init_std None) or a positive finite std."""
+    if text == "xavier":
+        return "xavier"
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if value is None or not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be 'xavier' or a positive number, got {text!r}")
+    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser):
@@ -558,6 +632,10 @@ def add_arguments(parser: argparse.ArgumentParser):
     parser.add_argument("--max-steps", type=int, default=None, help="override the preset's steps per row")
     parser.add_argument("--learning-rate", type=float, default=None, help="override the preset's peak learning rate")
     parser.add_argument("--eval-size", type=int, default=None, help="override the preset's number of test examples")
+    parser.add_argument("--init-std", type=_init_std, default=None, metavar="{xavier,STD}",
+                        help="initialisation of every hf_hardattn row (config init_std): 'xavier' (Xavier-uniform "
+                             "linears, N(0, d_model^-1/2) embeddings) or a positive std (every linear and embedding "
+                             "N(0, STD)); default: the config's default")
     parser.add_argument("--precision", choices=("bf16", "fp32"), default=None,
                         help="override the preset's training precision (bf16 autocast needs a CPU with AVX512 or "
                              "AMX, or a GPU)")
@@ -615,8 +693,10 @@ def run(args) -> dict:
     train_tok = training.tokenize_dataset(train, tokenizer, max_length=recipe.max_length)
     per_sentence, batch_size = batch_size_for(recipe, train_tok)
     ctx = dict(args=args, task=args.task, preset=args.preset, recipe=recipe, out=out, train=train, test=test,
-               tokenizer=tokenizer, train_tok=train_tok, results=results, tokens_per_sentence=round(per_sentence, 2),
-               batch_size=batch_size)
+               val=validation_set(args.task, recipe, args.data), tokenizer=tokenizer, train_tok=train_tok,
+               results=results, tokens_per_sentence=round(per_sentence, 2), batch_size=batch_size)
+    if args.init_std is not None:
+        ctx["init_std"] = None if args.init_std == "xavier" else args.init_std
     print(f"reproduce {args.task}/{args.preset}: {len(train)} training examples, {len(test)} test, vocabulary "
           f"{len(tokenizer)}, {per_sentence:.1f} tokens/sentence -> {ctx['batch_size']} sentences per batch; "
           f"output {out}", flush=True)
