@@ -178,6 +178,61 @@ def test_two_processes_equal_one_process_with_the_doubled_batch(data, tmp_path, 
     assert results["steps"] == 3 and results["processes"] == 2
 
 
+def launcher_env(monkeypatch, *flags):
+    """The environment accelerate's own launcher gives its child for ``accelerate launch FLAGS -m hf_hardattn train``
+    (its argument parser, checks and env preparation, no default config file read)."""
+    from accelerate.commands import launch
+    from accelerate.utils.launch import prepare_multi_gpu_env, prepare_simple_launcher_cmd_env
+
+    monkeypatch.setattr(launch, "default_config_file", "/nonexistent/accelerate.yaml")
+    for name in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "ACCELERATE_USE_CPU"):
+        monkeypatch.delenv(name, raising=False)
+    args, _, _ = launch._validate_launch_command(launch.launch_command_parser().parse_args(
+        [*flags, "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "hf_hardattn",
+         "train"]))
+    if args.multi_gpu:  # torchrun then adds WORLD_SIZE, RANK, ... for each process it starts
+        return dict(prepare_multi_gpu_env(args), WORLD_SIZE=str(args.num_processes))
+    return prepare_simple_launcher_cmd_env(args)[1]
+
+
+@pytest.mark.parametrize("flags, refused", [
+    (["--cpu", "--num_processes", "2"], True),
+    (["--num_processes", "3"], True),  # no --multi_gpu, no GPUs: the simple launcher too
+    (["--cpu", "--num_processes", "1"], False),
+    (["--cpu"], False),
+    (["--multi_gpu", "--num_processes", "2"], False),
+])
+def test_an_accelerate_launch_that_starts_fewer_processes_is_refused(monkeypatch, flags, refused):
+    from hf_hardattn.training import check_processes_started
+
+    if "--multi_gpu" not in flags and torch.cuda.device_count() > 1:
+        pytest.skip("accelerate turns on --multi_gpu itself where it sees several GPUs")
+    env = launcher_env(monkeypatch, *flags)
+    if not refused:
+        check_processes_started(env)
+        return
+    with pytest.raises(ValueError, match=r"accelerate launch --multi_gpu --num_processes N -m hf_hardattn train"):
+        check_processes_started(env)
+
+
+def test_accelerate_launch_cpu_with_two_processes_is_refused_end_to_end(data, tmp_path):
+    """A real ``accelerate launch --cpu --num_processes 2``: one process starts and refuses before any work."""
+    out = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE")}
+    run = subprocess.run(
+        [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2", "--num_machines", "1",
+         "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "hf_hardattn", "train", "--train",
+         str(data / "small"), "--source-lang", "en", "--target-lang", "de", "--model-type", "soft_transformer",
+         *SIZES, "--tokenizer", str(data / "tok"), "--max-steps", "1", "--output-dir", str(out), "--quiet"],
+        capture_output=True, text=True, env=dict(env, OMP_NUM_THREADS="1"), timeout=300)
+    assert run.returncode != 0
+    errors = [line for line in run.stderr.splitlines() if "hf-hardattn train: error:" in line]
+    assert len(errors) == 1, run.stderr[-3000:]  # one process, one error line
+    assert "`accelerate launch --multi_gpu --num_processes N -m hf_hardattn train ...`" in errors[0]
+    assert "`torchrun --nproc_per_node N -m hf_hardattn train ...`" in errors[0]
+    assert not out.exists()  # refused before any work
+
+
 def test_init_from_a_marian_folder_converts_it(data, tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(data / "tok")
     marian = MarianMTModel(MarianConfig(d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,

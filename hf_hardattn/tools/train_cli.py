@@ -17,7 +17,8 @@ checkpoint of ``--output-dir`` (a checkpoint a kill left half written is skipped
 
 Multi-process (CPU: gloo; GPU: NCCL), through the Trainer: ``torchrun --nproc_per_node 2 -m hf_hardattn train ...``
 or ``accelerate launch --multi_gpu --num_processes 2 -m hf_hardattn train ...`` (on a CPU-only machine this starts 2
-CPU processes; ``accelerate launch --cpu --num_processes 2`` starts one). ``--batch-size`` is per process. Tooling, not runtime code.
+CPU processes; ``accelerate launch --cpu --num_processes 2`` starts one, and is refused, see
+:func:`hf_hardattn.training.check_processes_started`). ``--batch-size`` is per process. Tooling, not runtime code.
 """
 
 from __future__ import annotations
@@ -185,6 +186,10 @@ def bleu_metric(tokenizer):
 
 
 def run_train(args) -> dict:
+    try:
+        training.check_processes_started()  # before any work: an accelerate launch that started fewer processes
+    except ValueError as error:
+        raise _error(error) from error
     torch.set_num_threads(args.threads)
     if args.eval_steps and not args.validation:
         raise _error("--eval-steps needs --validation (the split it scores).")
