@@ -269,7 +269,7 @@ def test_sizes_from_yaml_config_flags_and_set_in_that_order(data, tmp_path):
 
 
 @pytest.mark.parametrize("case", ["no data", "eval without validation", "bad type", "too long", "length > positions",
-                                  "no length", "bad config"])
+                                  "no length", "bad config", "vocab below bpe's"])
 def test_bad_input_is_a_one_line_error(data, tmp_path, case, capsys):
     (tmp_path / "bad.json").write_text("[1, 2]")
     extra = {"no data": ["--max-steps", "1", "--train", str(tmp_path / "none")],
@@ -278,11 +278,12 @@ def test_bad_input_is_a_one_line_error(data, tmp_path, case, capsys):
              "too long": ["--max-steps", "1", "--max-length", "5"],
              "length > positions": ["--max-steps", "1", "--max-length", "5000"],
              "no length": [],
-             "bad config": ["--max-steps", "1", "--config", str(tmp_path / "bad.json")]}[case]
-    assert train(data, tmp_path / "out", *extra) == 2
+             "bad config": ["--max-steps", "1", "--config", str(tmp_path / "bad.json")],
+             "vocab below bpe's": ["--max-steps", "1", "--vocab-size", "100"]}[case]
+    assert train(data, tmp_path / "out", *extra, tokenizer=case != "vocab below bpe's") == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("hf-hardattn train: error:")
     assert {"no data": "--train:", "eval without validation": "--eval-steps needs --validation",
             "bad type": "--model-type='softer'", "too long": "longer than --max-length=5",
             "length > positions": "max_position_embeddings", "no length": "--max-steps, --minutes or --epochs",
-            "bad config": "must hold a mapping"}[case] in err
+            "bad config": "must hold a mapping", "vocab below bpe's": "--vocab-size=100 is below 260"}[case] in err
