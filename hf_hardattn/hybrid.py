@@ -91,6 +91,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import GenerationMixin
 from transformers import initialization as init
 from transformers.utils import ModelOutput
 
@@ -539,7 +540,7 @@ class HybridModel(HybridPreTrainedModel, HardAttnModel):
     decoder_class = HybridDecoder
 
 
-class HybridForConditionalGeneration(HybridPreTrainedModel, HardAttnForConditionalGeneration):
+class HybridForConditionalGeneration(HybridPreTrainedModel, HardAttnForConditionalGeneration, GenerationMixin):
     config_class = HybridConfig
     INT8_KEEP = (".score",)  # the additive attention's v, read as a vector (quantize_int8 keeps it fp32)
     model_class = HybridModel
