@@ -42,6 +42,7 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from transformers import GenerationMixin
 
 from .configuration_hardattn import HardAttnConfig
 from .hybrid import HybridConfig, HybridForConditionalGeneration
@@ -459,7 +460,8 @@ def candidate_self_attention(q, k_own, v_own, k_hist, v_hist, hist_mask, scale, 
     return probs[..., :-1] @ v_hist + probs[..., -1:] * v_own, probs
 
 
-class BeamJointTransformerForConditionalGeneration(JointOutputMixin, HardAttnForConditionalGeneration):
+class BeamJointTransformerForConditionalGeneration(JointOutputMixin, HardAttnForConditionalGeneration,
+                                                   GenerationMixin):
     """Beam-joint attention on a multi-head Transformer decoder (the paper's "future work").
 
     In the joint layer L (``config.joint_layer``): P_t(a) = mean over heads of softmax(q k^T / sqrt(d_k)) (Eq. 1,
@@ -653,7 +655,7 @@ def _log_probs(probs):
     return torch.where(positive, torch.where(positive, probs, torch.ones_like(probs)).log(), float("-inf"))
 
 
-class BeamJointRNNForConditionalGeneration(JointOutputMixin, HybridForConditionalGeneration):
+class BeamJointRNNForConditionalGeneration(JointOutputMixin, HybridForConditionalGeneration, GenerationMixin):
     """Beam-joint attention in the paper's own setting, an attentional RNN decoder (``hybrid.py``).
 
     ``rnn_decoder_style="luong"`` (default, the paper's): at step t the RNN reads y_{t-1} and the previous soft

@@ -43,6 +43,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import GenerationMixin
 
 from .configuration_hardattn import HardAttnConfig
 from .inputs import is_tracing
@@ -528,7 +529,7 @@ def length_ratio_unless_given(config, dataset, tokenizer, given=None):
     return config.length_ratio
 
 
-class GaussianForConditionalGeneration(HardAttnForConditionalGeneration):
+class GaussianForConditionalGeneration(HardAttnForConditionalGeneration, GenerationMixin):
     config_class = GaussianConfig
     card_title = "Transformer with hard-coded Gaussian attention"
     card_description = (

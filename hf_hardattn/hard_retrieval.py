@@ -20,6 +20,7 @@ Runtime code shipped with saved models: flat, same-folder relative imports only.
 
 import torch
 import torch.nn.functional as F
+from transformers import GenerationMixin
 
 from .configuration_hardattn import HardAttnConfig
 from .layers import SoftAttention, full_mask
@@ -123,7 +124,7 @@ class HardRetrievalConfig(HardAttnConfig):
     cross_attention: str | list[str] = "hard_retrieval"
 
 
-class HardRetrievalForConditionalGeneration(HardAttnForConditionalGeneration):
+class HardRetrievalForConditionalGeneration(HardAttnForConditionalGeneration, GenerationMixin):
     config_class = HardRetrievalConfig
     card_title = "Transformer with hard retrieval decoder attention"
     card_description = (

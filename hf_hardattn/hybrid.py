@@ -91,6 +91,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import GenerationMixin
 from transformers import initialization as init
 from transformers.utils import ModelOutput
 
@@ -114,7 +115,9 @@ class HybridConfig(HardAttnConfig):
 
     Args (besides :class:`HardAttnConfig`'s encoder fields):
         decoder_layers: number of stacked RNN layers (hybrid paper: 1).
-        rnn_hidden_size: RNN state size H (hybrid paper: 1024).
+        rnn_hidden_size: RNN state size H; None (the default) = 2 * d_model, the hybrid paper's ratio (1024 for its
+            d_model 512), resolved when the config is built, so that a saved config.json holds the number (one saved
+            before this default, 1024 whatever d_model, keeps the value it holds).
         rnn_embedding_size: RNN word-input size (hybrid paper: 512); None = d_model. See the module docstring for the
             choice made when it differs from d_model.
         rnn_attention: ``"additive"``, ``"dot"`` or ``"multihead"`` (heads: ``decoder_attention_heads``).
@@ -133,11 +136,16 @@ class HybridConfig(HardAttnConfig):
     decoder_attention: str | list[str] = "none"
     cross_attention: str | list[str] = "none"
     rnn_attention: str = "additive"
-    rnn_hidden_size: int = 1024
+    rnn_hidden_size: int | None = None  # None: 2 * d_model (see __post_init__)
     rnn_embedding_size: int | None = None
     additive_attention_size: int | None = None
     rnn_decoder_style: str = "bahdanau"
     rnn_cell: str = "gru"
+
+    def __post_init__(self, **kwargs):
+        if self.rnn_hidden_size is None and isinstance(self.d_model, int) and not isinstance(self.d_model, bool):
+            self.rnn_hidden_size = 2 * self.d_model  # (a bad d_model is refused by check, naming it)
+        super().__post_init__(**kwargs)
 
     def check(self):
         super().check()
@@ -147,7 +155,7 @@ class HybridConfig(HardAttnConfig):
                 raise ValueError(f"`{name}` must be one of {allowed}, got {getattr(self, name)!r}.")
         for name in ("rnn_hidden_size", "rnn_embedding_size", "additive_attention_size"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"`{name}` must be a positive integer (or None for the default), got {value!r}.")
         for name in ("decoder_attention", "cross_attention"):
             if set(self.attention_kinds("decoder" if name == "decoder_attention" else "cross")) != {"none"}:
@@ -532,7 +540,7 @@ class HybridModel(HybridPreTrainedModel, HardAttnModel):
     decoder_class = HybridDecoder
 
 
-class HybridForConditionalGeneration(HybridPreTrainedModel, HardAttnForConditionalGeneration):
+class HybridForConditionalGeneration(HybridPreTrainedModel, HardAttnForConditionalGeneration, GenerationMixin):
     config_class = HybridConfig
     INT8_KEEP = (".score",)  # the additive attention's v, read as a vector (quantize_int8 keeps it fp32)
     model_class = HybridModel

@@ -37,6 +37,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import GenerationMixin
 from transformers import initialization as init
 
 from .configuration_hardattn import HardAttnConfig
@@ -336,7 +337,7 @@ class RecurrentConfig(HardAttnConfig):
                                  self.coverage_lambda, self.recurrent_context_norm)
 
 
-class RecurrentForConditionalGeneration(HardAttnForConditionalGeneration):
+class RecurrentForConditionalGeneration(HardAttnForConditionalGeneration, GenerationMixin):
     config_class = RecurrentConfig
     card_title = "Transformer with recurrent cross-attention"
     card_description = (

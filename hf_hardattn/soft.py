@@ -3,6 +3,8 @@
 Runtime code shipped with saved models: flat, same-folder relative imports only.
 """
 
+from transformers import GenerationMixin
+
 from .configuration_hardattn import HardAttnConfig
 from .modeling_hardattn import HardAttnForConditionalGeneration
 
@@ -13,7 +15,7 @@ class SoftTransformerConfig(HardAttnConfig):
     model_type = "soft_transformer"
 
 
-class SoftTransformerForConditionalGeneration(HardAttnForConditionalGeneration):
+class SoftTransformerForConditionalGeneration(HardAttnForConditionalGeneration, GenerationMixin):
     config_class = SoftTransformerConfig
     card_title = "Soft Transformer baseline"
     card_description = (

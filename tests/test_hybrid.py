@@ -3,15 +3,18 @@ against torch.nn.GRUCell, both decoder styles (bahdanau / luong with input feedi
 the independent decoder of tests/rnn_reference.py (float64), step loop == teacher forcing, the cache's per-step
 states, and the HF-integration contract of tests/common.py."""
 
+import json
 import math
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from transformers import AutoModelForSeq2SeqLM
 
 from common import (GROUPED_MODES, beam_result, check_cache_equivalence, check_grouped_memory, check_padded_batch,
                     check_remote_code, check_save_load, check_trainer, fitted, source_batch, tiny_kwargs)
 from hf_hardattn import HardAttnCache, HybridConfig, HybridForConditionalGeneration
+from hf_hardattn.registry import model_classes
 from rnn_reference import naive_rnn_decoder
 
 KINDS = ("additive", "dot", "multihead")
@@ -267,8 +270,6 @@ def test_save_load(tmp_path):
 def test_save_load_luong_and_a_config_from_before_the_fields(tmp_path):
     """The Luong LSTM model reloads with its style and cell; a saved config without `rnn_decoder_style` / `rnn_cell`
     (written before they existed) loads as the GRU Bahdanau-style decoder it was trained with."""
-    import json
-
     reloaded = check_save_load(fitted_model("luong"), tmp_path / "luong")
     assert (reloaded.config.rnn_decoder_style, reloaded.config.rnn_cell) == ("luong", "lstm")
     old = fitted_model("additive")
@@ -331,8 +332,43 @@ def test_embedding_size_other_than_d_model_stays_tied():
     assert model(input_ids=ids, attention_mask=mask, labels=ids).logits.shape == (2, 7, 40)
 
 
+@pytest.mark.parametrize("model_type, gates", [("hybrid_transformer", 3), ("beam_joint_rnn", 4)])  # GRU / LSTM
+def test_rnn_hidden_size_defaults_to_twice_d_model(model_type, gates, tmp_path):
+    """The hybrid paper's decoder state is 1024 for d_model 512; the default follows d_model at that ratio (it was
+    1024 whatever d_model: 9.8M parameters for a d_model 32 hybrid against 44k for a soft Transformer of that size).
+    The saved config.json holds the number (transformers writes every field that PreTrainedConfig lacks)."""
+    config_class, model_class = model_classes(model_type)
+    assert config_class(**tiny_kwargs(d_model=512)).rnn_hidden_size == 1024  # the paper's setting
+    assert config_class(**tiny_kwargs(d_model=48, encoder_attention_heads=4)).rnn_hidden_size == 96
+    config = config_class(**tiny_kwargs(decoder_layers=1))  # d_model 32
+    assert config.rnn_hidden_size == 64
+    decoder = model_class(config).model.decoder
+    assert decoder.input_projs[0].weight.shape == (gates * 64, 32)  # one block of H rows per gate
+    assert decoder.init_proj.weight.shape == (64, 32) and decoder.readout_proj.weight.shape == (32, 64 + 32)
+    assert config_class(**tiny_kwargs(rnn_hidden_size=24)).rnn_hidden_size == 24  # an explicit size is kept
+    model_class(config).save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["rnn_hidden_size"] == 64
+
+
+@pytest.mark.parametrize("model_type", ["hybrid_transformer", "beam_joint_rnn"])
+def test_a_saved_rnn_hidden_size_loads_as_saved_whatever_d_model(model_type, tmp_path):
+    """A model saved under the old default (1024 at d_model 32, written to its config.json) loads as it was saved:
+    the number in config.json wins over the default derived from d_model (tests/test_old_checkpoints.py: 8 at
+    d_model 8)."""
+    config_class, model_class = model_classes(model_type)
+    torch.manual_seed(0)
+    old = model_class(config_class(**tiny_kwargs(decoder_layers=1, rnn_hidden_size=1024))).eval()
+    old.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["rnn_hidden_size"] == 1024
+    loaded = AutoModelForSeq2SeqLM.from_pretrained(tmp_path).eval()
+    assert loaded.config.rnn_hidden_size == 1024 and loaded.model.decoder.hidden_size == 1024
+    ids, mask = source_batch()
+    torch.testing.assert_close(loaded(input_ids=ids, attention_mask=mask, decoder_input_ids=ids).logits,
+                               old(input_ids=ids, attention_mask=mask, decoder_input_ids=ids).logits, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("bad", [dict(rnn_attention="bilinear"), dict(cross_attention="soft"),
-                                 dict(rnn_hidden_size=0), dict(decoder_attention=["soft"]),
+                                 dict(rnn_hidden_size=0), dict(rnn_hidden_size=True), dict(rnn_hidden_size=32.0), dict(decoder_attention=["soft"]),
                                  dict(rnn_decoder_style="luong_feed"), dict(rnn_cell="rnn")])
 def test_bad_config_raises(bad):
     name = next(iter(bad))

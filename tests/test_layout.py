@@ -133,6 +133,46 @@ def test_imports_sit_at_the_top_but_heavy_optional_ones(tmp_path):
     assert len(imports_inside_functions(mutant)) == 2
 
 
+NOT_IMPORTED = {  # declared dependencies no module of the package imports, each with why it is declared
+    "accelerate": "transformers' Trainer (hf-hardattn train) refuses to start without it",
+    "safetensors": "the weights format of every saved folder, read and written through transformers",
+}
+
+
+def declared_dependencies(pyproject):
+    """The distribution names of pyproject.toml's [project] dependencies, normalised (PEP 503)."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    with open(pyproject, "rb") as handle:
+        declared = tomllib.load(handle)["project"]["dependencies"]
+    return {re.sub(r"[-_.]+", "-", re.split(r"[<>=!~\[; ]", spec, maxsplit=1)[0]).lower() for spec in declared}
+
+
+def imported_distributions(root=PACKAGE):
+    """The distributions (normalised names) whose top-level modules the package imports anywhere (importlib.metadata's
+    map of import names to distributions)."""
+    from importlib.metadata import packages_distributions
+
+    owners, found = packages_distributions(), set()
+    for path in modules(root).values():
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module] if isinstance(node, ast.ImportFrom) and not node.level and node.module else [])
+            for name in names:
+                found.update(re.sub(r"[-_.]+", "-", d).lower() for d in owners.get(name.partition(".")[0], []))
+    return found
+
+
+def test_every_declared_dependency_is_imported_or_says_why(tmp_path):
+    """No dependency that nothing uses (issue #52: ``evaluate`` was declared and never imported)."""
+    unused = declared_dependencies(REPO / "pyproject.toml") - imported_distributions() - set(NOT_IMPORTED)
+    assert unused == set()
+    mutant = tmp_path / "pyproject.toml"
+    mutant.write_text('[project]\ndependencies = ["torch>=2", "Evaluate", "german_nouns"]\n')
+    assert declared_dependencies(mutant) == {"torch", "evaluate", "german-nouns"}
+    assert declared_dependencies(mutant) - imported_distributions() == {"evaluate"}
+
+
 def test_no_file_over_1000_lines():
     files = list(PACKAGE.rglob("*.py")) + list((REPO / "tests").glob("*.py"))
     assert len(files) > 50

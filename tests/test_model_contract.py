@@ -11,6 +11,7 @@ against the same sentence in a left-padded batch.
 import contextlib
 import math
 import os
+from unittest import mock
 
 import pytest
 import torch
@@ -573,6 +574,31 @@ def test_eager_attention_is_honoured_and_equals_sdpa(monkeypatch, tmp_path):
     model.save_pretrained(tmp_path)
     assert AutoModelForSeq2SeqLM.from_pretrained(tmp_path, attn_implementation="eager").config._attn_implementation \
         == "eager"
+
+
+@pytest.mark.parametrize("name", CONTRACT_MODELS)
+def test_set_attn_implementation_eager_is_honoured_by_every_model_type(name):
+    """As on transformers' MarianMTModel, ``set_attn_implementation("eager")`` switches the model (issue #52: gaussian
+    and hybrid stayed on "sdpa" with a logged warning only): the config says so, every soft attention module writes Eq. 1
+    out (torch's fused kernel no longer runs) and the output is the "sdpa" model's."""
+    marian = MarianMTModel(MarianConfig(**{k: v for k, v in tiny_kwargs().items() if k in MarianConfig().to_dict()}))
+    marian.set_attn_implementation("eager")
+    assert marian.config._attn_implementation == "eager"  # the reference
+    model = contract_model(name, fit=False).double()
+    assert model.config._attn_implementation == "sdpa"
+    ids, mask = source_batch()
+    soft = [module for module in model.modules()  # soft attention (hard retrieval, a subclass, has its own kernel)
+            if getattr(type(module), "attend", None) is SoftAttention.attend]
+    with mock.patch.object(F, "scaled_dot_product_attention", wraps=F.scaled_dot_product_attention) as fused:
+        reference = model(input_ids=ids, attention_mask=mask, decoder_input_ids=DEC).logits
+        calls = fused.call_count
+        assert (calls > 0) == bool(soft)  # the default runs the fused kernel wherever there is soft attention
+        model.set_attn_implementation("eager")
+        eager = model(input_ids=ids, attention_mask=mask, decoder_input_ids=DEC).logits
+        assert fused.call_count == calls
+    assert model.config._attn_implementation == "eager"
+    assert all(module.eager for module in model.modules() if isinstance(module, SoftAttention))
+    torch.testing.assert_close(eager, reference, rtol=0, atol=1e-10)
 
 
 @pytest.mark.parametrize("value", ["flash_attention_2", "flex_attention", "paged|eager", "kernels-community/flash-attn"])

@@ -459,3 +459,32 @@ def test_a_cache_with_step_state_is_not_croppable():
     assert cache.is_croppable
     cache.states["gru.0"] = torch.zeros(1, 4)
     assert not cache.is_croppable
+
+
+def test_every_generative_class_lists_generation_mixin_among_its_own_bases():
+    """transformers' GenerationTesterMixin.test_inherits_generation_mixin: for each class that can generate,
+    ``"GenerationMixin" in str(model_class.__bases__)`` (PreTrainedModel.can_generate otherwise only finds it through a
+    parent class), as for its own MarianMTModel. Every class of the runtime modules that can generate is checked."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    from transformers import MarianMTModel, PreTrainedModel
+
+    import hf_hardattn
+    from hf_hardattn.registry import MODEL_TYPES, model_classes
+
+    def direct(cls):
+        return "GenerationMixin" in str(cls.__bases__)
+
+    assert direct(MarianMTModel)  # the reference
+    assert not direct(type("Sub", (SoftTransformerForConditionalGeneration,), {}))  # what the check catches
+    generative = set()
+    for info in pkgutil.iter_modules(hf_hardattn.__path__):
+        if info.ispkg or info.name.startswith("__"):
+            continue
+        module = importlib.import_module(f"hf_hardattn.{info.name}")
+        generative |= {cls for cls in vars(module).values() if inspect.isclass(cls) and cls.__module__ == module.__name__
+                       and issubclass(cls, PreTrainedModel) and cls.can_generate()}
+    assert {model_classes(name)[1] for name in MODEL_TYPES} <= generative
+    assert sorted(cls.__name__ for cls in generative if not direct(cls)) == []

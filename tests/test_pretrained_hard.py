@@ -177,7 +177,7 @@ def test_readme_quick_start_runs_as_written(hub, tmp_path, monkeypatch):  # noqa
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "train.en").write_text("\n".join(EN * 4) + "\n")
     (tmp_path / "data" / "train.de").write_text("\n".join(DE * 4) + "\n")
-    tokenizer = train_tokenizer(["data/train.en", "data/train.de"], vocab_size=200)
+    tokenizer = train_tokenizer(["data/train.en", "data/train.de"], vocab_size=260)
     torch.manual_seed(0)
     source = MarianMTModel(MarianConfig(
         vocab_size=len(tokenizer), d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,

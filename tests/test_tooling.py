@@ -131,6 +131,36 @@ def test_bpe_tokenizer_round_trip_specials_save_load(tmp_path):
     assert reloaded.pad_token_id == 0 and reloaded.eos_token_id == 2
 
 
+def test_a_vocab_size_below_what_the_kind_needs_is_refused_naming_the_minimum(tmp_path, capsys):
+    """Byte-level BPE keeps its 256 byte symbols whatever vocab_size: the tokenizers library's own trainer, given 100,
+    returns 4 + 256 = 260 entries; train_tokenizer returned them silently for vocab_size=100 (issue #52). Now a size
+    below 260 is refused, and the sizes from 260 up are honoured exactly. char: the specials and one character."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from hf_hardattn.cli import main
+    from hf_hardattn.tokenization import SPECIAL_TOKENS, min_vocab_size
+
+    texts = CORPUS * 5 + DE * 5
+    raw = Tokenizer(models.BPE(unk_token="<unk>"))  # the reference: the library alone, as train_tokenizer sets it up
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    raw.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=100, special_tokens=list(SPECIAL_TOKENS),
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                                       show_progress=False))
+    assert min_vocab_size("bpe") == raw.get_vocab_size() == 260
+    for size in (260, 261, 300):
+        assert len(train_tokenizer(texts, vocab_size=size, min_frequency=1)) == size
+    for size in (100, 259):
+        with pytest.raises(ValueError, match=rf"`vocab_size` must be an integer >= 260 for kind='bpe' .*got {size}"):
+            train_tokenizer(texts, vocab_size=size)
+    assert min_vocab_size("char") == 5 and len(train_tokenizer(texts, vocab_size=5, kind="char")) == 5
+    with pytest.raises(ValueError, match=r"`vocab_size` must be an integer >= 5 for kind='char' .*got 4"):
+        train_tokenizer(texts, vocab_size=4, kind="char")
+    write(tmp_path / "a.txt", CORPUS, False)
+    assert main(["tokenizer", "--files", str(tmp_path / "a.txt"), "--vocab-size", "100", "--out",
+                 str(tmp_path / "tok")]) == 2
+    assert "--vocab-size=100 is below 260" in capsys.readouterr().err and not (tmp_path / "tok").exists()
+
+
 def test_char_tokenizer_keeps_tags_whole(tmp_path):
     texts = ["Haus <n> <gen> <pl>", "Häuser", "Frau <f> <dat> <sg>", "Frauen"]
     tok = train_tokenizer(texts, kind="char", min_frequency=1)

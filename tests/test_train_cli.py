@@ -178,6 +178,61 @@ def test_two_processes_equal_one_process_with_the_doubled_batch(data, tmp_path, 
     assert results["steps"] == 3 and results["processes"] == 2
 
 
+def launcher_env(monkeypatch, *flags):
+    """The environment accelerate's own launcher gives its child for ``accelerate launch FLAGS -m hf_hardattn train``
+    (its argument parser, checks and env preparation, no default config file read)."""
+    from accelerate.commands import launch
+    from accelerate.utils.launch import prepare_multi_gpu_env, prepare_simple_launcher_cmd_env
+
+    monkeypatch.setattr(launch, "default_config_file", "/nonexistent/accelerate.yaml")
+    for name in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "ACCELERATE_USE_CPU"):
+        monkeypatch.delenv(name, raising=False)
+    args, _, _ = launch._validate_launch_command(launch.launch_command_parser().parse_args(
+        [*flags, "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "hf_hardattn",
+         "train"]))
+    if args.multi_gpu:  # torchrun then adds WORLD_SIZE, RANK, ... for each process it starts
+        return dict(prepare_multi_gpu_env(args), WORLD_SIZE=str(args.num_processes))
+    return prepare_simple_launcher_cmd_env(args)[1]
+
+
+@pytest.mark.parametrize("flags, refused", [
+    (["--cpu", "--num_processes", "2"], True),
+    (["--num_processes", "3"], True),  # no --multi_gpu, no GPUs: the simple launcher too
+    (["--cpu", "--num_processes", "1"], False),
+    (["--cpu"], False),
+    (["--multi_gpu", "--num_processes", "2"], False),
+])
+def test_an_accelerate_launch_that_starts_fewer_processes_is_refused(monkeypatch, flags, refused):
+    from hf_hardattn.training import check_processes_started
+
+    if "--multi_gpu" not in flags and torch.cuda.device_count() > 1:
+        pytest.skip("accelerate turns on --multi_gpu itself where it sees several GPUs")
+    env = launcher_env(monkeypatch, *flags)
+    if not refused:
+        check_processes_started(env)
+        return
+    with pytest.raises(ValueError, match=r"accelerate launch --multi_gpu --num_processes N -m hf_hardattn train"):
+        check_processes_started(env)
+
+
+def test_accelerate_launch_cpu_with_two_processes_is_refused_end_to_end(data, tmp_path):
+    """A real ``accelerate launch --cpu --num_processes 2``: one process starts and refuses before any work."""
+    out = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE")}
+    run = subprocess.run(
+        [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2", "--num_machines", "1",
+         "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "hf_hardattn", "train", "--train",
+         str(data / "small"), "--source-lang", "en", "--target-lang", "de", "--model-type", "soft_transformer",
+         *SIZES, "--tokenizer", str(data / "tok"), "--max-steps", "1", "--output-dir", str(out), "--quiet"],
+        capture_output=True, text=True, env=dict(env, OMP_NUM_THREADS="1"), timeout=300)
+    assert run.returncode != 0
+    errors = [line for line in run.stderr.splitlines() if "hf-hardattn train: error:" in line]
+    assert len(errors) == 1, run.stderr[-3000:]  # one process, one error line
+    assert "`accelerate launch --multi_gpu --num_processes N -m hf_hardattn train ...`" in errors[0]
+    assert "`torchrun --nproc_per_node N -m hf_hardattn train ...`" in errors[0]
+    assert not out.exists()  # refused before any work
+
+
 def test_init_from_a_marian_folder_converts_it(data, tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(data / "tok")
     marian = MarianMTModel(MarianConfig(d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
@@ -214,7 +269,7 @@ def test_sizes_from_yaml_config_flags_and_set_in_that_order(data, tmp_path):
 
 
 @pytest.mark.parametrize("case", ["no data", "eval without validation", "bad type", "too long", "length > positions",
-                                  "no length", "bad config"])
+                                  "no length", "bad config", "vocab below bpe's"])
 def test_bad_input_is_a_one_line_error(data, tmp_path, case, capsys):
     (tmp_path / "bad.json").write_text("[1, 2]")
     extra = {"no data": ["--max-steps", "1", "--train", str(tmp_path / "none")],
@@ -223,11 +278,12 @@ def test_bad_input_is_a_one_line_error(data, tmp_path, case, capsys):
              "too long": ["--max-steps", "1", "--max-length", "5"],
              "length > positions": ["--max-steps", "1", "--max-length", "5000"],
              "no length": [],
-             "bad config": ["--max-steps", "1", "--config", str(tmp_path / "bad.json")]}[case]
-    assert train(data, tmp_path / "out", *extra) == 2
+             "bad config": ["--max-steps", "1", "--config", str(tmp_path / "bad.json")],
+             "vocab below bpe's": ["--max-steps", "1", "--vocab-size", "100"]}[case]
+    assert train(data, tmp_path / "out", *extra, tokenizer=case != "vocab below bpe's") == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("hf-hardattn train: error:")
     assert {"no data": "--train:", "eval without validation": "--eval-steps needs --validation",
             "bad type": "--model-type='softer'", "too long": "longer than --max-length=5",
             "length > positions": "max_position_embeddings", "no length": "--max-steps, --minutes or --epochs",
-            "bad config": "must hold a mapping"}[case] in err
+            "bad config": "must hold a mapping", "vocab below bpe's": "--vocab-size=100 is below 260"}[case] in err

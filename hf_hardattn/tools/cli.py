@@ -50,7 +50,7 @@ from .arguments import CommandError, assignment, offline_by_default, positive_fl
 from .convert import convert
 from .distill import add_distill_arguments, run_distill
 from .plot import attention_maps, plot_comparison, plot_layers
-from .tokenization import train_tokenizer
+from .tokenization import min_vocab_size, train_tokenizer
 
 # Demo model sizes: "small" learns visibly in ~3 minutes on 2 CPU cores; "tiny" is for tests (seconds).
 DEMO_SIZES = {
@@ -205,6 +205,10 @@ def run_tokenizer(args):
     missing = [path for path in args.files if not os.path.isfile(path)]
     if missing:
         raise FileNotFoundError(f"--files: not found: {missing}")
+    least = min_vocab_size(args.kind)
+    if args.vocab_size < least:
+        raise CommandError(f"--vocab-size={args.vocab_size} is below {least}, the least a {args.kind} tokenizer has "
+                           f"(see hf_hardattn.tokenization.min_vocab_size); allowed: >= {least}.")
     tokenizer = train_tokenizer(args.files, vocab_size=args.vocab_size, kind=args.kind,
                                 min_frequency=args.min_frequency)
     with atomic_folder(args.out) as staging:  # a killed save leaves the earlier tokenizer (or none), never half one
@@ -552,8 +556,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     tok = sub.add_parser("tokenizer", help="train a joint tokenizer on text files and save it")
     tok.add_argument("--files", nargs="+", required=True, help="text files, one sentence a line (.gz allowed)")
-    tok.add_argument("--vocab-size", type=positive_int, default=8000, help="vocabulary size, special tokens included (bpe; "
-                                                                            "an upper bound for char; default 8000)")
+    tok.add_argument("--vocab-size", type=positive_int, default=8000, help="vocabulary size, special tokens included (bpe, "
+                     "at least 260; an upper bound for char, at least 5; default 8000)")
     tok.add_argument("--kind", choices=("bpe", "char"), default="bpe", help="byte-level BPE or characters (default bpe)")
     tok.add_argument("--min-frequency", type=positive_int, default=2, help="rarer symbols/merges are left out (default 2)")
     tok.add_argument("--out", required=True, help="output folder (loads with AutoTokenizer.from_pretrained)")

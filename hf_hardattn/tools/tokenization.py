@@ -86,6 +86,17 @@ def iter_texts(texts_or_files, columns=("source", "target")) -> Iterator[str]:
             yield text
 
 
+def min_vocab_size(kind: str = "bpe", special_tokens: Iterable[str] = SPECIAL_TOKENS) -> int:
+    """The smallest ``vocab_size`` :func:`train_tokenizer` can honour for ``kind``: ``"bpe"``, the special tokens and
+    the 256 byte symbols that byte-level BPE always keeps (so that every string round-trips: 260 with the default
+    special tokens; the ``tokenizers`` trainer returns that many entries for any smaller ``vocab_size``); ``"char"``,
+    the special tokens and one character."""
+    special_tokens = list(special_tokens)
+    if kind == "bpe":
+        return len(set(special_tokens) | set(pre_tokenizers.ByteLevel.alphabet()))
+    return len(special_tokens) + 1
+
+
 def train_tokenizer(
     texts_or_files,
     vocab_size: int = 8000,
@@ -98,8 +109,9 @@ def train_tokenizer(
     """Train one joint vocabulary on ``texts_or_files`` (strings, file paths, or a Dataset with ``columns``).
 
     Args:
-        vocab_size: BPE: the vocabulary size including special tokens. char: an upper bound (the most frequent
-            symbols are kept).
+        vocab_size: BPE: the vocabulary size including special tokens, at least 260 (the special tokens and the
+            256 bytes, see :func:`min_vocab_size`; a smaller one is refused). char: an upper bound (the most frequent
+            symbols are kept), at least 5.
         kind: ``"bpe"`` (byte-level BPE) or ``"char"`` (characters, with ``<tag>`` tokens kept whole).
         min_frequency: symbols / merges seen fewer times are left out.
         special_tokens: the first four are pad, bos, eos, unk (ids 0-3); more may follow.
@@ -109,8 +121,11 @@ def train_tokenizer(
     special_tokens = list(special_tokens)
     if len(special_tokens) < 4 or len(set(special_tokens)) != len(special_tokens):
         raise ValueError(f"`special_tokens` must list at least 4 distinct tokens (pad, bos, eos, unk), got {special_tokens!r}.")
-    if not isinstance(vocab_size, int) or vocab_size <= len(special_tokens):
-        raise ValueError(f"`vocab_size` must be an integer > {len(special_tokens)} (the special tokens), got {vocab_size!r}.")
+    least = min_vocab_size(kind, special_tokens)
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < least:
+        needs = (f"its {len(special_tokens)} special tokens and the 256 byte symbols that byte-level BPE always keeps"
+                 if kind == "bpe" else f"its {len(special_tokens)} special tokens and one character")
+        raise ValueError(f"`vocab_size` must be an integer >= {least} for kind={kind!r} ({needs}), got {vocab_size!r}.")
     if not isinstance(min_frequency, int) or min_frequency < 1:
         raise ValueError(f"`min_frequency` must be a positive integer, got {min_frequency!r}.")
     pad, bos, eos, unk = special_tokens[:4]
@@ -147,4 +162,4 @@ def train_tokenizer(
     )
 
 
-__all__ = ["train_tokenizer", "iter_texts", "SPECIAL_TOKENS", "KINDS", "CHAR_PATTERN"]
+__all__ = ["train_tokenizer", "min_vocab_size", "iter_texts", "SPECIAL_TOKENS", "KINDS", "CHAR_PATTERN"]

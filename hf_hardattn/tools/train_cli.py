@@ -17,7 +17,8 @@ checkpoint of ``--output-dir`` (a checkpoint a kill left half written is skipped
 
 Multi-process (CPU: gloo; GPU: NCCL), through the Trainer: ``torchrun --nproc_per_node 2 -m hf_hardattn train ...``
 or ``accelerate launch --multi_gpu --num_processes 2 -m hf_hardattn train ...`` (on a CPU-only machine this starts 2
-CPU processes; ``accelerate launch --cpu --num_processes 2`` starts one). ``--batch-size`` is per process. Tooling, not runtime code.
+CPU processes; ``accelerate launch --cpu --num_processes 2`` starts one, and is refused, see
+:func:`hf_hardattn.training.check_processes_started`). ``--batch-size`` is per process. Tooling, not runtime code.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from . import training
 from .arguments import CommandError, assignment, positive_float, positive_int
 from .convert import convert
 from .data import load_split
-from .tokenization import train_tokenizer
+from .tokenization import min_vocab_size, train_tokenizer
 
 SIZE_FLAGS = {  # flag -> config fields it sets
     "d_model": ("d_model",), "encoder_layers": ("encoder_layers",), "decoder_layers": ("decoder_layers",),
@@ -102,9 +103,14 @@ def load_data(args) -> dict:
     return splits
 
 
-def build_tokenizer(args, splits):
-    source = args.tokenizer or (args.init_from if args.init_from and os.path.isfile(
+def tokenizer_folder(args):
+    """The folder the run's tokenizer loads from (``--tokenizer``, or the ``--init-from`` folder's), or None: trained."""
+    return args.tokenizer or (args.init_from if args.init_from and os.path.isfile(
         os.path.join(args.init_from, "tokenizer_config.json")) else None)
+
+
+def build_tokenizer(args, splits):
+    source = tokenizer_folder(args)
     if source:
         try:
             return AutoTokenizer.from_pretrained(source), source
@@ -185,6 +191,10 @@ def bleu_metric(tokenizer):
 
 
 def run_train(args) -> dict:
+    try:
+        training.check_processes_started()  # before any work: an accelerate launch that started fewer processes
+    except ValueError as error:
+        raise _error(error) from error
     torch.set_num_threads(args.threads)
     if args.eval_steps and not args.validation:
         raise _error("--eval-steps needs --validation (the split it scores).")
@@ -192,6 +202,10 @@ def run_train(args) -> dict:
         raise _error("--early-stopping needs --validation and --eval-steps (it counts evaluations without a gain).")
     if args.max_steps is None and args.minutes is None and args.epochs is None:
         raise _error("give the training length: --max-steps, --minutes or --epochs.")
+    least = min_vocab_size(args.tokenizer_kind)
+    if tokenizer_folder(args) is None and args.vocab_size < least:
+        raise _error(f"--vocab-size={args.vocab_size} is below {least}, the least a {args.tokenizer_kind} tokenizer "
+                     f"has (see hf_hardattn.tokenization.min_vocab_size); allowed: >= {least}.")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not args.tokenizer and not args.init_from:
         raise _error("a multi-process run needs --tokenizer (or --init-from with one): train it first with "
                      "`hf-hardattn tokenizer`, so that every process reads the same vocabulary.")
@@ -360,7 +374,8 @@ def add_arguments(parser: argparse.ArgumentParser):
 
     tok = parser.add_argument_group("tokenizer (default: a joint one trained on --train)")
     tok.add_argument("--tokenizer", default=None, help="an existing tokenizer folder")
-    tok.add_argument("--vocab-size", type=positive_int, default=8000, help="size of a trained tokenizer (8000)")
+    tok.add_argument("--vocab-size", type=positive_int, default=8000,
+                     help="size of a trained tokenizer (8000; bpe: at least 260, char: an upper bound, at least 5)")
     tok.add_argument("--tokenizer-kind", choices=("bpe", "char"), default="bpe", help="byte-level BPE or characters")
 
     run = parser.add_argument_group("training")

@@ -365,6 +365,34 @@ def training_arguments(output_dir, batch_size, eval_ds, eval_steps, fixed: dict,
     return Seq2SeqTrainingArguments(output_dir=str(output_dir), **fixed, **{**defaults, **extra})
 
 
+WORLD_SIZE_VARIABLES = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")  # accelerate's
+
+
+def check_processes_started(environ=None) -> None:
+    """Refuse a run that ``accelerate launch`` started as one process although more were asked for.
+
+    ``accelerate launch --cpu --num_processes 2`` (or ``--num_processes 2`` without ``--multi_gpu`` where no two GPUs
+    are seen, or ``--num_machines 2`` without ``--multi_gpu``) goes through accelerate's simple launcher, which starts
+    ONE process; for a count above 1 it exports ``MASTER_ADDR`` / ``MASTER_PORT`` but no world size
+    (``accelerate/utils/launch.py``, ``prepare_simple_launcher_cmd_env``), and the run would train alone. That
+    launcher is the one that sets ``ACCELERATE_USE_CPU``; the others (torchrun underneath ``--multi_gpu``, mpirun)
+    set a world size (``WORLD_SIZE``, or MPI's, as accelerate reads them). A ValueError naming the commands that start
+    the processes.
+    """
+    environ = os.environ if environ is None else environ
+    if "ACCELERATE_USE_CPU" not in environ or "MASTER_ADDR" not in environ:
+        return
+    if any(name in environ for name in WORLD_SIZE_VARIABLES):
+        return
+    raise ValueError(
+        "`accelerate launch` started this run as a single process although more processes were asked for "
+        "(--num_processes or --num_machines above 1 without --multi_gpu, e.g. with --cpu: accelerate's simple "
+        f"launcher starts one process, sets MASTER_ADDR={environ['MASTER_ADDR']} and no WORLD_SIZE). Start N "
+        "processes with `accelerate launch --multi_gpu --num_processes N -m hf_hardattn train ...` (N gloo "
+        "processes on a CPU-only machine) or `torchrun --nproc_per_node N -m hf_hardattn train ...`; for one process "
+        "leave out --num_processes (or unset MASTER_ADDR if your shell exports it).")
+
+
 def train_seq2seq(
     model,
     tokenizer,
@@ -418,6 +446,7 @@ def train_seq2seq(
     :func:`checkpoint_problem`), a path from that checkpoint; the run then ends with the weights an uninterrupted run
     would have (same data order and RNG states; with ``minutes``, the time budget starts again).
     """
+    check_processes_started()
     if max_steps is not None and (not isinstance(max_steps, int) or max_steps < 1):
         raise ValueError(f"`max_steps` must be a positive integer or None, got {max_steps!r}.")
     if minutes is not None and not minutes > 0:
