@@ -178,3 +178,40 @@ def test_missing_weights_listed_in_the_checksums_say_what_to_do(name, saved, tmp
                                       r"model. Restore the file from a copy \(or save the model again\); .*delete "
                                       r"hardattn_checksums.json \(or pass verify_checksums=False to from_pretrained\)"):
         type(contract_model(name, fit=False)).from_pretrained(folder)
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_a_config_without_model_type_is_refused_where_the_package_loads_it(name, saved, tmp_path):
+    """A config.json that lost its "model_type": transformers' AutoConfig asks whether to run the folder's own code
+    (the config has ``auto_map``) instead of naming the problem; the package's loaders (translate / plot / publish,
+    train --init-from, convert, distill --teacher) refuse it first, naming the file and the type its "architectures"
+    give. (A user's own ``AutoModelForSeq2SeqLM.from_pretrained`` call reaches transformers before any package code:
+    that path stays transformers' own.)"""
+    import json
+    import shutil
+
+    from hf_hardattn.tools import cli, convert
+    from hf_hardattn.tools.arguments import CommandError
+
+    folder = tmp_path / "model"
+    shutil.copytree(saved[name], folder)
+    config = json.loads((folder / "config.json").read_text())
+    model_type = config.pop("model_type")
+    (folder / "config.json").write_text(json.dumps(config))
+    expected = rf'config.json has no "model_type".*add "model_type": "{model_type}" \(its "architectures"'
+    with pytest.raises(CommandError, match=expected):
+        cli.load_for_translation(str(folder), None)
+    with pytest.raises(ValueError, match=r"`source`=.*" + expected):
+        convert.convert(str(folder), "soft_transformer")
+    config.pop("architectures")
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r'has no "model_type".*add its "model_type" \(hf_hardattn types: '
+                                         r"soft_transformer, hard_retrieval_transformer"):
+        convert.convert(str(folder), "soft_transformer")
+    (folder / "config.json").write_text(json.dumps(dict(config, model_type=model_type)))
+    from transformers import AutoModelForSeq2SeqLM
+
+    from hf_hardattn.tools.arguments import check_model_type
+
+    check_model_type(folder)  # restored: passes, and the folder loads
+    assert AutoModelForSeq2SeqLM.from_pretrained(folder).config.model_type == model_type

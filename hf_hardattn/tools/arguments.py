@@ -8,9 +8,35 @@ import os
 
 import huggingface_hub
 
+from ..registry import MODEL_TYPES
+
 
 class CommandError(Exception):
     """Bad input to a command: main() prints ``hf-hardattn COMMAND: error: MESSAGE`` and exits with status 2."""
+
+
+def check_model_type(path, name: str = "MODEL"):
+    """A local folder whose config.json lacks "model_type" is refused here, naming the file and the fix: transformers'
+    Auto classes would otherwise stop at a remote-code prompt (a config with ``auto_map``) or at "Unrecognized
+    model" before any code of this package runs. The type named by the config's ``architectures`` is suggested.
+    Anything else (a Hub id, a folder without config.json, a config with its type) passes unchanged."""
+    config = os.path.join(os.fspath(path), "config.json")
+    if not os.path.isfile(config):
+        return
+    try:
+        with open(config, encoding="utf-8") as handle:
+            data = json.load(handle)
+    except (OSError, ValueError) as error:
+        raise ValueError(f"{name}={os.fspath(path)!r}: {config} is not readable JSON ({error}).") from error
+    if not isinstance(data, dict) or "model_type" in data:
+        return
+    architectures = data.get("architectures") or []
+    guess = [kind for kind, entry in MODEL_TYPES.items() if entry.model_class in architectures]
+    fix = (f'add "model_type": "{guess[0]}" (its "architectures" {architectures} name that type)' if guess else
+           f'add its "model_type" (hf_hardattn types: {", ".join(MODEL_TYPES)}; or a transformers type such as '
+           f'"marian")')
+    raise ValueError(f'{name}={os.fspath(path)!r}: {config} has no "model_type", so transformers cannot tell which '
+                     f"model it is{' (it would ask to run the folder' + chr(39) + 's own code instead)' if 'auto_map' in data else ''}; {fix}.")
 
 
 def positive_float(text):

@@ -46,7 +46,8 @@ from ..registry import MODEL_TYPES, ROLES
 from ..safe_io import atomic_folder, write_json_atomic
 from ..soft import SoftTransformerConfig, SoftTransformerForConditionalGeneration
 from . import data, reproduce, train_cli, training
-from .arguments import CommandError, assignment, offline_by_default, positive_float, positive_int
+from .arguments import (CommandError, assignment, check_model_type, offline_by_default, positive_float,
+                        positive_int)
 from .convert import convert
 from .distill import add_distill_arguments, run_distill
 from .plot import attention_maps, plot_comparison, plot_layers
@@ -291,6 +292,10 @@ def write_lines(path: str, lines: list[str]):
 def load_for_translation(model_path: str, tokenizer_path: str | None):
     """(model, tokenizer) of a saved seq2seq folder: any hf_hardattn type, or a transformers model (MarianMTModel,
     BART, ...). Errors name the folder."""
+    try:
+        check_model_type(model_path)
+    except ValueError as error:
+        raise CommandError(str(error)) from error
     try:
         model = AutoModelForSeq2SeqLM.from_pretrained(model_path)
     except (OSError, ValueError, KeyError) as error:

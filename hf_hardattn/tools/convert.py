@@ -57,6 +57,7 @@ from ..gaussian import GaussianAttention
 from ..layers import SoftAttention
 from ..modeling_hardattn import set_translation_generation_defaults
 from ..registry import MODEL_TYPES, ROLES, model_classes
+from .arguments import check_model_type
 
 logger = logging.get_logger(__name__)
 
@@ -197,6 +198,7 @@ def _load_source(source):
         what = "a file" if os.path.isfile(path) else "a folder without config.json"
         raise ValueError(f"`source`={path!r} is {what}, not a transformers seq2seq checkpoint; allowed: a folder "
                          f"(or Hub id) holding a {'/'.join(SUPPORTED_SOURCES.values())}.")
+    check_model_type(path, "`source`")
     try:
         config = AutoConfig.from_pretrained(path)
     except (OSError, ValueError, KeyError) as error:

@@ -53,6 +53,7 @@ from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
 from ..safe_io import write_json_atomic
 from . import training
+from .arguments import check_model_type
 from .data import load_parallel
 from .training import Seq2SeqLengthTrainer, tokenize_dataset, train_seq2seq
 
@@ -451,6 +452,7 @@ def add_distill_arguments(parser: argparse.ArgumentParser):
 
 def run_distill(args):
     try:
+        check_model_type(args.teacher, "--teacher")
         teacher = AutoModelForSeq2SeqLM.from_pretrained(args.teacher, trust_remote_code=args.trust_remote_code).eval()
     except (OSError, ValueError) as error:
         raise ValueError(f"--teacher={args.teacher!r} does not load as a seq2seq model (a saved folder, or a Hub id "

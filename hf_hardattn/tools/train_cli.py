@@ -41,7 +41,7 @@ from ..registry import MODEL_TYPES
 from ..registry import model_classes as registered_classes
 from ..safe_io import atomic_folder, write_json_atomic
 from . import training
-from .arguments import CommandError, assignment, positive_float, positive_int
+from .arguments import CommandError, assignment, check_model_type, positive_float, positive_int
 from .convert import convert
 from .data import load_split
 from .tokenization import min_vocab_size, train_tokenizer
@@ -139,6 +139,7 @@ def build_model(args, tokenizer, splits, fields):
                    else tokenizer.pad_token_id)
     if args.init_from:
         try:
+            check_model_type(args.init_from, "--init-from")
             stored = AutoConfig.from_pretrained(args.init_from)
         except (OSError, ValueError) as error:
             raise _error(f"--init-from={args.init_from!r} holds no loadable config ({error}).") from error
