@@ -24,10 +24,15 @@ from hf_hardattn.tokenization import train_tokenizer
 MISSPELLED = r"`layer_norm_epsilon` is not a field of {name}.*did you mean `layer_norm_eps`\?"
 
 
+def tiny_kwargs_of(model_type):
+    """tiny_kwargs(), with a tiny RNN state for the RNN decoders (their default, 1024, makes a 10M-parameter model)."""
+    return tiny_kwargs(**(dict(rnn_hidden_size=32) if MODEL_TYPES[model_type].rnn_decoder else {}))
+
+
 def tiny_model(model_type):
     config_class, model_class = model_classes(model_type)
     torch.manual_seed(0)
-    return model_class(config_class(**tiny_kwargs())).eval()
+    return model_class(config_class(**tiny_kwargs_of(model_type))).eval()
 
 
 def tiny_marian():

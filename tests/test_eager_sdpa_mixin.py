@@ -11,7 +11,8 @@ LayerNorm's eps 1.0), a batch of 7 (``input_ids``, ``decoder_input_ids`` and, wi
 ``decoder_attention_mask`` whose last row has 2 padded positions on the given side; the mixin passes no encoder
 ``attention_mask`` to an encoder-decoder model), forward under ``torch.nn.attention.sdpa_kernel``, and the last
 ``decoder_hidden_states`` compared with the mixin's tolerances (padded positions of the last row left out, bf16's atol
-raised to 3% of the outputs' magnitude), at least 80% of the rows within them.
+raised to 3% of the outputs' magnitude), at least 80% of the rows within them. The cases of one model type and dtype
+build, save and load the same models: they are built once per model type and dtype and shared (`loaded_models`).
 
 The inputs are those of transformers' MarianModelTester (``input_ids`` >= 3 ending in EOS, random
 ``decoder_input_ids``), drawn from a seeded generator instead of the mixin's unseeded ``global_rng``.
@@ -84,32 +85,56 @@ def marian_tester_inputs(config, rng, seq=SEQ):
                 attention_mask=input_ids.ne(config.pad_token_id).long())
 
 
+_LOADED = {}  # (model type, dtype, device, tiny_rnn) -> (config, "sdpa" model, "eager" model): see `loaded_models`
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_loaded_models():
+    yield
+    _LOADED.clear()
+
+
+def loaded_models(model_type, dtype, device, tiny_rnn):
+    """The mixin's models of one case: ``set_seed(42)``, the config made less flaky, ``model_class(config)`` saved and
+    loaded in ``dtype`` with "sdpa", a deep copy switched to "eager", both made less flaky. Every case of one model type
+    and dtype builds, saves and loads exactly these (the same seed, config and calls); the cases differ in their inputs
+    and sdpa backends only. So they are built once per model type and dtype and shared by those cases (which run
+    forward in eval mode without gradient on them). ``tiny_rnn``: the RNN decoders (hybrid, beam_joint_rnn) with
+    rnn_hidden_size 32, as the other tests' tiny RNN models, instead of their default 1024 (a 10M-parameter model)."""
+    key = (model_type, dtype, device, tiny_rnn)
+    if key not in _LOADED:
+        config_class, model_class = model_classes(model_type)
+        set_seed(42)
+        rnn = dict(rnn_hidden_size=32) if tiny_rnn and MODEL_TYPES[model_type].rnn_decoder else {}
+        config = config_class(**tiny_kwargs(**rnn))
+        set_config_for_less_flaky_test(config)
+        model = model_class(config)
+        with tempfile.TemporaryDirectory() as folder:
+            model.save_pretrained(folder)
+            with pytest.warns(UserWarning, match="layer_norm_epsilon"):  # kept from the saved config, with a warning
+                model_sdpa = model_class.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa")
+        model_sdpa = model_sdpa.eval().to(device)
+        model_eager = copy.deepcopy(model_sdpa)
+        model_eager.set_attn_implementation("eager")
+        model_eager = model_eager.eval().to(device)
+        assert model_sdpa.config._attn_implementation == "sdpa" and model_eager.config._attn_implementation == "eager"
+        set_model_for_less_flaky_test(model_eager)
+        set_model_for_less_flaky_test(model_sdpa)
+        _LOADED[key] = config, model_sdpa, model_eager
+    return _LOADED[key]
+
+
 def eager_matches_sdpa(model_type, dtype, padding_side, use_attention_mask, enable_kernels, device="cpu", seq=SEQ,
-                       encoder=False):
+                       encoder=False, tiny_rnn=False):
     """The mixin's body for one model class; returns (share of rows within tolerance, atol, max abs difference,
-    calls of torch's fused attention kernel made by the "sdpa" model)."""
+    calls of torch's fused attention kernel made by the "sdpa" model). The models: `loaded_models`."""
     dtype = DTYPES[dtype]
     if dtype == torch.float16 and not is_torch_fp16_available_on_device(device):
         pytest.skip(f"float16 not supported on {device}")
     if dtype == torch.bfloat16 and not is_torch_bf16_available_on_device(device):
         pytest.skip(f"bfloat16 not supported on {device}")
-    config_class, model_class = model_classes(model_type)
-    set_seed(42)
-    config = config_class(**tiny_kwargs())
+    config, model_sdpa, model_eager = loaded_models(model_type, dtype, device, tiny_rnn)
     inputs = marian_tester_inputs(config, random.Random(0), seq)
-    set_config_for_less_flaky_test(config)
-    model = model_class(config)
-    with tempfile.TemporaryDirectory() as folder:
-        model.save_pretrained(folder)
-        with pytest.warns(UserWarning, match="layer_norm_epsilon"):  # kept from the saved config, with a warning
-            model_sdpa = model_class.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa")
-    model_sdpa = model_sdpa.eval().to(device)
-    model_eager = copy.deepcopy(model_sdpa)
-    model_eager.set_attn_implementation("eager")
-    model_eager = model_eager.eval().to(device)
-    assert model_sdpa.config._attn_implementation == "sdpa" and model_eager.config._attn_implementation == "eager"
-    set_model_for_less_flaky_test(model_eager)
-    set_model_for_less_flaky_test(model_sdpa)
 
     processed = {"input_ids": inputs["input_ids"][:BATCH].to(device)}
     mask = None
@@ -158,8 +183,10 @@ def eager_matches_sdpa(model_type, dtype, padding_side, use_attention_mask, enab
                          ids=[case[0] for case in CASES])
 def test_eager_matches_sdpa_inference(model_type, name, dtype, padding_side, use_attention_mask, output_attentions,
                                       enable_kernels):
-    # output_attentions: the mixin sets it only for decoder-only models; an encoder-decoder runs the case without it
-    result = eager_matches_sdpa(model_type, dtype, padding_side, use_attention_mask, enable_kernels)
+    # output_attentions: the mixin sets it only for decoder-only models; an encoder-decoder runs the case without it.
+    # At these shapes "sdpa" writes attention out as "eager" does (see the next test): the outputs agree exactly (within
+    # 1.2e-7 in fp32 for hybrid) whatever the RNN state's size, so the RNN decoders run with a tiny one
+    result = eager_matches_sdpa(model_type, dtype, padding_side, use_attention_mask, enable_kernels, tiny_rnn=True)
     if use_attention_mask and padding_side == "left":
         assert result is None  # refused by both implementations (LEFT_PADDED_DECODER)
         return

@@ -141,9 +141,16 @@ def test_gradient_reaches_queries_keys_and_values_in_a_model():
         assert attention.kv_proj.weight.grad.abs().sum() > 0  # keys via P, values via Eq. 10
 
 
-def test_decode_with_the_other_kind_shares_weights():
+@pytest.fixture(scope="module")
+def hard_trained():
+    """A hard-retrieval model fitted on the reversal task, shared by the tests below (which copy it or read it)."""
+    torch.manual_seed(0)  # module-scoped: built before the per-test seed (conftest), so seeded here
+    return fitted(HardRetrievalForConditionalGeneration(HardRetrievalConfig(**tiny_kwargs())))
+
+
+def test_decode_with_the_other_kind_shares_weights(hard_trained):
     """Table 4 of the paper: a hard-trained model decoded soft (and back) with the same parameters."""
-    hard = fitted(HardRetrievalForConditionalGeneration(HardRetrievalConfig(**tiny_kwargs())))
+    hard = hard_trained
     soft = hard.with_attention(decoder_attention="soft", cross_attention="soft")
     assert soft.config.attention_kinds("cross") == ["soft", "soft"]
     for (name, p), (name2, p2) in zip(hard.state_dict().items(), soft.state_dict().items()):
@@ -157,10 +164,10 @@ def test_decode_with_the_other_kind_shares_weights():
         hard.with_attention(self_attention="soft")
 
 
-def test_load_with_a_kind_override(tmp_path):
+def test_load_with_a_kind_override(hard_trained, tmp_path):
     from transformers import AutoModelForSeq2SeqLM
 
-    hard = fitted(HardRetrievalForConditionalGeneration(HardRetrievalConfig(**tiny_kwargs())))
+    hard = hard_trained
     hard.save_pretrained(tmp_path)
     soft = AutoModelForSeq2SeqLM.from_pretrained(tmp_path, cross_attention="soft", decoder_attention="soft").eval()
     reference = hard.with_attention(cross_attention="soft", decoder_attention="soft")
