@@ -1,14 +1,30 @@
-"""Beam-joint / full-joint attention (Shankar, Garg & Sarawagi, "Surprisingly Easy Hard-Attention for Sequence to
+r"""Beam-joint / full-joint attention (Shankar, Garg & Sarawagi, "Surprisingly Easy Hard-Attention for Sequence to
 Sequence Learning", EMNLP 2018) as an *output mechanism*.
 
-Soft attention marginalises early: P(y_t) = P(y_t | sum_a P_t(a) x_a) (Eq. 2). The joint model marginalises late:
+Soft attention marginalises early: P(y_t) = P(y_t | sum_a P_t(a) x_a) (Eq. 2). The joint model marginalises late,
+the paper's Eq. 4 ("full-joint") and Eq. 5 ("beam-joint"), exactly as printed:
 
-    log P_t(y_t) = log sum_a P_t(a) P_t(y_t | x_a)                      (Eq. 4, "full-joint")
-    log P_t(y_t) ~= log sum_{a in TopK(P_t)} P_t(a) P_t(y_t | x_a)       (Eq. 5, "beam-joint")
+    $$\log P_t(y_t|\mathbf{x}_{1...m}) = \log \sum_a P_t(a)P_t(y_t|\mathbf{x}_a) \quad (4)$$
+    $$\log P_t(y_t|\mathbf{x}_{1...m}) \approx \log \sum_{a \in \text{TopK}(P_t(a))} P_t(y_t|\mathbf{x}_a)$$ (5)
+
+Eq. 5 as printed has no weight P_t(a); the text around it has one: "select the Top-K input positions from the
+multinomial, next with hard attention on each position compute K output softmax, and finally compute the attention
+weighted output mixture distribution" (Sec. 3), and Eq. 5 approximates Eq. 4 ("approximates the full joint log
+probability as"). So the mixture here is Eq. 4 restricted to the top K:
+
+    log P_t(y_t) ~= log sum_{a in TopK(P_t)} P_t(a) P_t(y_t | x_a)                (Eq. 5 with the weight)
 
 where P_t(y | x_a) is the output distribution computed with hard attention on source state a (the same output layer
 as the soft path, the context replaced by that single state). TopK is a pass-through operator: no gradient flows
 through the *selection*, the gradient reaches the attention scores through the mixture weights P_t(a_k).
+
+The paper never renormalises the top-K weights; ``renormalize_joint`` (default True) divides them by their sum so
+that the mixture is a distribution, except at K=1 in training (:meth:`JointOutputMixin.renormalizes`): one
+renormalised weight is exactly 1 and the attention would get no gradient, whereas the paper trains K=1 (Figure 2:
+"On En-Vi BLEU increases from 16.0 to 25.7 to 26.5 as K increases from 1 to 2 to 3"; Table 2's K=1 at inference,
+26.5 on En-Vi, is another model) with the beam-approximation as it is: "We used the default pass-through TopK
+operator (which is not differentiable) and optimize the beam-approximation directly." At K=1 the training loss is
+-log P_t(a_1) - log P_t(y_t | x_{a_1}) (a_1 the argmax of P_t): the attention's gradient is that of log P_t(a_1).
 
 The mixture is computed in log space (logsumexp, fp32) and returned as ``logits`` holding LOG-PROBABILITIES, so
 generate() (greedy / beam / sampling) and the Trainer's loss work unchanged: log_softmax of log-probabilities is the
@@ -298,7 +314,9 @@ JOINT_DOC = """
         full_joint_max_source_length: full-joint refuses (ValueError) batches whose padded source length exceeds
             this, since its cost is source length x vocabulary per target token.
         renormalize_joint: divide the top-K weights by their sum so that the mixture is a distribution (default
-            True, so that the mixture is a distribution; the paper's Eq. 5 writes the plain top-K sum).
+            True; the paper never renormalises: its Eq. 5 is the plain top-K sum). Not at K=1 in training, where the
+            one renormalised weight would be exactly 1 and give the attention no gradient: a K=1 model trains with
+            the paper's weight P_t(a_1) (module docstring); in eval K=1 is renormalised (hard attention on the argmax).
             With False, the log-probabilities of the un-renormalised Eq. 5 sum to sum_k P(a_k) <= 1 and the loss
             trains that bound directly; generate() still works (beam search renormalises with log_softmax).
         joint_chunk_size: candidate rows (tokens x K) whose vocabulary logits are materialised at once; bounds the
@@ -340,6 +358,15 @@ class JointOutputMixin:
         if not self.training and self.config.joint_inference_k is not None:
             k = self.config.joint_inference_k
         return k
+
+    def renormalizes(self, k: int) -> bool:
+        """Whether the top-``k`` weights are renormalised: ``renormalize_joint``, except with a single candidate in
+        training. One renormalised weight is exactly 1, so the attention would get no gradient from the loss; the
+        paper trains K=1 (its Figure 2) and optimises "the attention weighted output mixture distribution" (Sec. 3)
+        with the weight P_t(a_1) of Eq. 1 (module docstring). In eval (decoding, scoring) K=1 stays renormalised:
+        hard attention on the argmax, a distribution, as Table 2's K=1 decoding ("Since the output now has only a
+        single softmax component")."""
+        return self.config.renormalize_joint and not (self.training and k == 1)
 
     @staticmethod
     def check_memory(decoder_input_ids, decoder_inputs_embeds, encoder_hidden_states, attention_mask):
@@ -516,7 +543,7 @@ class BeamJointTransformerForConditionalGeneration(JointOutputMixin, HardAttnFor
         past = cache.get_seq_length() if cache is not None else 0
         x = decoder.embed(decoder_input_ids, decoder_inputs_embeds, past)
         length = x.shape[1]
-        self_mask, causal = decoder.self_attention_mask(decoder_attention_mask, length, past, x.device)
+        self_masks = decoder.self_attention_masks(decoder_attention_mask, length, past, x.device)  # per layer
         cross_mask = padding_mask(attention_mask)
         n_layers = len(decoder.layers)
         hidden_states = [x] if output_hidden_states else None
@@ -530,6 +557,7 @@ class BeamJointTransformerForConditionalGeneration(JointOutputMixin, HardAttnFor
                 cross_attentions.append(cross_weights)
 
         for index, layer in enumerate(decoder.layers):
+            self_mask, causal = self_masks[index]
             if index < joint:
                 out = layer(x, memory, self_mask, causal, cross_mask, cache, output_attentions=output_attentions)
                 x, *weights = out if output_attentions else (out,)
@@ -549,7 +577,7 @@ class BeamJointTransformerForConditionalGeneration(JointOutputMixin, HardAttnFor
                     scores = scores.masked_fill(~cross_mask, _NEG)
                 log_heads = scores.log_softmax(-1)
                 log_p = torch.logsumexp(log_heads, dim=1) - math.log(attn.num_heads)  # head average
-                log_w, index_k = select_candidates(log_p, k_active, config.full_joint, config.renormalize_joint)
+                log_w, index_k = select_candidates(log_p, k_active, config.full_joint, self.renormalizes(k_active))
                 # hard attention of every head on position a: out_proj(concat_h v_h[a])  [B, S, d]
                 # (a constant of the sentence: computed once per sentence when decoding with the cache)
                 hard = cache.sentence_states.get("beam_joint.hard") if cache is not None else None
@@ -726,7 +754,7 @@ class BeamJointRNNForConditionalGeneration(JointOutputMixin, HybridForConditiona
         heads = out.attentions  # [B, heads, T, S]
         p = heads[:, 0] if heads.shape[1] == 1 else heads.mean(1)  # P_t(a), head-averaged for multi-head
         log_w, index = select_candidates(_log_probs(_at_least_fp32(p)), k_active, self.config.full_joint,
-                                         self.config.renormalize_joint)
+                                         self.renormalizes(k_active))
         hard = self.hard_contexts(encoder_hidden_states, cache)
         if self.config.rnn_decoder_style == "luong":  # h~_{t,a} = tanh(W_c [s_t; x_a] + b), not dropped (as h~_t)
             readouts = self.candidate_readouts(out.states, hard, index)

@@ -18,6 +18,13 @@ normal density over key positions (Eq. 2):
   ``index`` never build a [Tq, Tk] matrix: per head, out[i] = sum_{|d| <= r} w(d) V[f(i) + d] (a banded combination
   of W = 2r + 1 gathered value rows, r = (window - 1) / 2 for conv, 0 for index), each tap cut at the sentence
   borders, in the future (decoder) and on padding, never renormalised (``band`` and ``banded``).
+* ``full``'s [H, Tq, Tk] matrix is built in the model's dtype: a key's distance from a head's centre is an integer,
+  so the kernel is computed (float64) once per head and integer distance in range, O(H (Tq + Tk)) values, and each
+  row gathered from that table: the float64 kernel rounded once to the dtype, bit for bit what casting a float64
+  [H, Tq, Tk] matrix gives, without building one (a traced graph still does, see ``_traced_weights``). Each module
+  keeps at most ``MEMO_ENTRIES`` such constants (and bands) and ``MEMO_BYTES`` bytes, least recently used out first.
+* decoder self-attention zeroes the weights after the query itself (``causal_built_in``): the decoder hands it the
+  key padding mask [B, 1, 1, Tk] of a padded batch, never a [B, 1, Tq, Tk] one.
 * attention dropout (training) is applied to the weights that exist: ``full`` drops entries of the dense matrix,
   ``conv`` / ``index`` drop each tap of the band, independently with probability p, and scale the kept ones by
   1 / (1 - p). That is the same distribution of outcomes as dropout on the dense matrix (whose entries off the band
@@ -39,6 +46,7 @@ Runtime code shipped with saved models: flat, same-folder relative imports only.
 """
 
 import math
+from collections import OrderedDict
 
 import torch
 import torch.nn.functional as F
@@ -59,6 +67,9 @@ OFFSET_FIELDS = {role: f"{role}_offsets" for role in ROLES}  # encoder_offsets, 
 DEFAULT_OFFSETS = {role: DEFAULTS[field] for role, field in OFFSET_FIELDS.items()}
 # ``full`` during cached decoding skips keys whose weight is below this fraction of the head's peak weight
 FULL_CUTOFF = 1e-6
+# the memo of each attention module (weight matrices of ``full``, bands of ``conv`` / ``index``) keeps at most this many
+# constants, least recently used first out, and at most this many bytes; a larger constant is not kept
+MEMO_ENTRIES, MEMO_BYTES = 8, 16 * 2**20
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -166,6 +177,12 @@ def cutoff_radius(sigma: float, cutoff: float = FULL_CUTOFF) -> int:
     return int(math.floor(sigma * math.sqrt(-2.0 * math.log(cutoff)) + 1e-9))
 
 
+def _nbytes(constant) -> int:
+    """Bytes of a memoised constant: a tensor or a tuple of tensors."""
+    tensors = constant if isinstance(constant, tuple) else (constant,)
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 def leading_padding(mask):
     """[B]: the padded keys before each row's first real one, from a key mask [B, 1, 1, S] (True = real); None when no
     row starts with padding (while tracing, torch.compile / export, always the counts)."""
@@ -186,6 +203,9 @@ class GaussianAttention(nn.Module):
     Parameters: the value projection ``v_proj`` and the output projection ``out_proj`` only (Sec. 3.1)."""
 
     reads_memory_grouped = False  # its heads are centred by query position (hc-all's cross heads), see SoftAttention
+    # as decoder self-attention its weights (and taps) are 0 after the query by construction: the decoder hands it the
+    # key padding mask [B, 1, 1, Tk] alone, never a causal [B, 1, Tq, Tk] one (HardAttnDecoder.self_attention_mask)
+    causal_built_in = True
 
     def __init__(self, config: HardAttnConfig, role: str, layer_idx: int):
         super().__init__()
@@ -207,7 +227,7 @@ class GaussianAttention(nn.Module):
         self.lookback = self.radius - min(self.offsets) if role == "decoder" else 0
         self.v_proj = nn.Linear(d_model, d_model)
         self.out_proj = nn.Linear(d_model, d_model)
-        self._weights = {}  # memo of the (constant) weight matrices and bands
+        self._weights = OrderedDict()  # memo of the (constant) weight matrices and bands, bounded (_memo)
 
     def extra_repr(self):
         return (f"role={self.role}, implementation={self.implementation}, offsets={self.offsets}, sigma={self.sigma}"
@@ -237,29 +257,82 @@ class GaussianAttention(nn.Module):
         return weights
 
     def _memo(self, key, compute):
-        """The memoised constant for ``key``; a traced graph computes its constants and leaves the memo alone."""
+        """The memoised constant for ``key`` (least recently used first out): at most ``MEMO_ENTRIES`` entries and
+        ``MEMO_BYTES`` bytes per module; a constant larger than that is computed and not kept. A traced graph computes
+        its constants and leaves the memo alone."""
         if is_tracing():
             return compute()
         found = self._weights.get(key)
-        if found is None:
-            if len(self._weights) > 256:
-                self._weights.clear()
-            found = self._weights[key] = compute()
+        if found is not None:
+            self._weights.move_to_end(key)
+            return found
+        found = compute()
+        size = _nbytes(found)
+        if size <= MEMO_BYTES:
+            self._weights[key] = found
+            while len(self._weights) > MEMO_ENTRIES or sum(map(_nbytes, self._weights.values())) > MEMO_BYTES:
+                self._weights.popitem(last=False)
         return found
+
+    def _windows(self, table: torch.Tensor, first: torch.Tensor, key_length: int, dtype) -> torch.Tensor:
+        """[..., H, Tq, Tk] rows of the per-head tables ``table`` [H, L] (the kernel of every integer distance in
+        range, float64): row (h, i) = table[h, first[..., h, i] : first[..., h, i] + Tk]. The tables (O(H (Tk + Tq)))
+        are cast to ``dtype`` first and the rows gathered from a strided view of them, so the only [H, Tq, Tk] tensor
+        built is the result, in ``dtype``, holding the float64 kernel's values rounded once, as casting a float64
+        matrix would."""
+        if key_length == 0 or first.numel() == 0:
+            return table.new_zeros(*first.shape, key_length, dtype=dtype)
+        windows = table.to(dtype).unfold(-1, key_length, 1)  # [H, L - Tk + 1, Tk], a view
+        heads = torch.arange(table.shape[0], device=table.device)[:, None]
+        return windows[heads, first]
+
+    def _tables(self, low: int, length: int, device) -> torch.Tensor:
+        """[H, length]: kernel(d) (Eq. 2) for the integer distances d = low, low + 1, ... (float64), cut for decoder
+        self-attention after the query: key <= query, i.e. d = key - (query + o) <= -o."""
+        distance = torch.arange(low, low + length, device=device, dtype=torch.float64)
+        table = self.kernel(distance).expand(self.num_heads, -1)
+        if self.role == "decoder":
+            offsets = torch.tensor(self.offsets, device=device, dtype=torch.float64)[:, None]
+            table = table * (distance <= -offsets)
+        return table
+
+    def _traced_weights(self, q_pos, k_pos, shift, dtype):
+        """The weights in a traced graph (torch.compile, torch.export), whose sizes stay symbolic: the table bounds of
+        :meth:`centre_range` are Python arithmetic on them (floor(gamma * Tq)) and would fix them, so the kernel is
+        taken of the [(B,) H, Tq, Tk] float64 distance matrix itself (the same values, with float64 temporaries)."""
+        centres = self.centres(q_pos)[..., None]
+        if shift is not None:
+            centres = centres[None] + shift.to(torch.float64)[:, None, None, None]
+        weights = self.kernel(k_pos.to(torch.float64) - centres)
+        if self.role == "decoder":
+            weights = weights * (k_pos[None, :] <= q_pos[:, None])
+        return weights.to(dtype)
+
+    def centre_range(self, query_start: int, query_length: int) -> tuple:
+        """(lowest, highest) integer centre of any head over the queries, with one position to spare each side, from
+        the positions alone (no tensor read: the same under tracing); f(i) is nondecreasing in i."""
+        first, last = query_start, query_start + query_length - 1
+        if self.is_cross:
+            return (math.floor(self.gamma * first + min(self.offsets)) - 1,
+                    math.floor(self.gamma * last + max(self.offsets)) + 1)
+        return first + min(self.offsets) - 1, last + max(self.offsets) + 1
 
     def weights(self, query_start: int, query_length: int, key_start: int, key_length: int, device, dtype):
         """[H, Tq, Tk] weights of queries at positions query_start + [0, Tq) over keys at key_start + [0, Tk), cut at
-        the current position for decoder self-attention and never renormalised (footnote 5)."""
+        the current position for decoder self-attention and never renormalised (footnote 5). Key j of query i is
+        at the integer distance d = key_start + j - f(i) from the head's centre: one float64 table of kernel(d) per
+        head over the distances in range, its rows gathered in ``dtype`` (:meth:`_windows`)."""
         relative = not self.is_cross  # self-attention weights depend only on key - query positions
 
         def compute():
             q_pos = torch.arange(query_start, query_start + query_length, device=device)
-            k_pos = torch.arange(key_start, key_start + key_length, device=device)
-            distance = k_pos.to(torch.float64)[None, None, :] - self.centres(q_pos)[:, :, None]
-            weights = self.kernel(distance)
-            if self.role == "decoder":
-                weights = weights * (k_pos[None, :] <= q_pos[:, None])
-            return weights.to(dtype)
+            if is_tracing():
+                return self._traced_weights(q_pos, torch.arange(key_start, key_start + key_length, device=device),
+                                            None, dtype)
+            low, high = self.centre_range(query_start, query_length)  # centres f(i) in [low, high]
+            table = self._tables(key_start - high, key_length + high - low, device)  # d from key_start - high
+            first = high - self.centres(q_pos).long()  # [H, Tq]: d = key_start - f(i) sits at index high - f(i)
+            return self._windows(table, first, key_length, dtype)
 
         return self._memo(("dense", (key_start - query_start) if relative else (query_start, key_start),
                            query_length, key_length, device, dtype), compute)
@@ -267,11 +340,16 @@ class GaussianAttention(nn.Module):
     def shifted_weights(self, query_start: int, query_length: int, shift: torch.Tensor, key_length: int, device,
                         dtype):
         """[B, H, Tq, S] cross-attention weights over a left-padded source: source positions count from each row's
-        first real token, so row b's centres floor(gamma * i + o) move right by its ``shift[b]`` padded positions."""
+        first real token, so row b's centres floor(gamma * i + o) move right by its ``shift[b]`` padded positions
+        (0 <= shift[b] <= S). Built as :meth:`weights`, from tables over the distances in range."""
         q_pos = torch.arange(query_start, query_start + query_length, device=device)
-        k_pos = torch.arange(key_length, device=device, dtype=torch.float64)
-        distance = k_pos - shift.to(torch.float64)[:, None, None, None] - self.centres(q_pos)[None, :, :, None]
-        return self.kernel(distance).to(dtype)
+        if is_tracing():
+            return self._traced_weights(q_pos, torch.arange(key_length, device=device), shift, dtype)
+        low, high = self.centre_range(query_start, query_length)
+        high += key_length  # the centres plus a shift of at most S
+        table = self._tables(-high, key_length + high - low, device)
+        centres = self.centres(q_pos).long()[None] + shift.to(device).long()[:, None, None]  # [B, H, Tq]
+        return self._windows(table, high - centres, key_length, dtype)
 
     def band(self, query_start: int, query_length: int, key_start: int, key_length: int, device, dtype,
              shift: torch.Tensor = None):

@@ -164,7 +164,9 @@ class SoftAttention(nn.Module):
 
     * ``hidden``: the queries' layer input [B, Tq, d]; ``memory``: the encoder output [B, S, d] (cross-attention);
     * ``mask``: bool, broadcastable to [B, heads, Tq, Tk], True = may attend, or None;
-    * ``causal``: the decoder's causal mask when ``mask`` is None and Tq == Tk (training, no cache);
+    * ``causal``: the decoder's causal mask when ``mask`` is None and Tq == Tk (training, no cache); a kind that sets
+      ``causal_built_in = True`` (its weights are 0 after the query by construction) gets as decoder self-attention
+      only the key padding mask [B, 1, 1, Tk] (or None) and ``causal=False``;
     * ``cache``: a :class:`HardAttnCache` during cached decoding;
     * ``output_attentions``: also return the attention weights the kind used, ``(output, weights)`` with weights
       [B, heads, Tq, Tk] (transformers' layout; computed only when asked, the fused kernel stays the default).
@@ -454,6 +456,10 @@ class HardAttnDecoder(nn.Module):
         self.reads_memory_grouped = all(layer.cross_attn is None or
                                         getattr(layer.cross_attn.module, "reads_memory_grouped", False)
                                         for layer in self.layers)
+        # per layer: its self-attention zeroes the weights after the query itself (or there is none), so it reads only
+        # the key padding mask (see self_attention_mask)
+        self.causal_built_in = [layer.self_attn is None or getattr(layer.self_attn.module, "causal_built_in", False)
+                                for layer in self.layers]
         self.final_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps) if config.normalize_before else None
 
     def embed(self, input_ids, inputs_embeds, past_length):
@@ -465,18 +471,37 @@ class HardAttnDecoder(nn.Module):
         return F.dropout(x, self.config.dropout, self.training)
 
     @staticmethod
-    def self_attention_mask(decoder_attention_mask, query_length, past_length, device):
+    def self_attention_mask(decoder_attention_mask, query_length, past_length, device, causal_built_in=False):
         """(mask, causal) for decoder self-attention: no mask at all for one cached step, SDPA's causal flag for a
-        whole unpadded sequence, an explicit bool mask otherwise."""
+        whole unpadded sequence, an explicit bool mask otherwise. ``causal_built_in``: for a kind whose weights are
+        zero after the query by construction (``causal_built_in = True``, e.g. Gaussian): the key padding mask
+        [B, 1, 1, Tk] alone (None without padding), O(B Tk), never a [B, 1, Tq, Tk] one."""
         key_length = past_length + query_length
-        if decoder_attention_mask is not None and (is_tracing() or not bool(decoder_attention_mask.all())):
-            pad = decoder_attention_mask[:, None, None, -key_length:].bool()
+        padded = decoder_attention_mask is not None and (is_tracing() or not bool(decoder_attention_mask.all()))
+        pad = decoder_attention_mask[:, None, None, -key_length:].bool() if padded else None
+        if causal_built_in:
+            return pad, False
+        if padded:
             return causal_mask(query_length, key_length, device) & pad, False
         if query_length == 1:
             return None, False
         if past_length == 0:
             return None, True
         return causal_mask(query_length, key_length, device), False
+
+    def self_attention_masks(self, decoder_attention_mask, query_length, past_length, device):
+        """[(mask, causal)] per decoder layer, from :meth:`self_attention_mask`: the key padding mask alone for a layer
+        whose self-attention builds its causal cut in (or that has none), the causal (& padding) mask otherwise; each
+        built once, and the [B, 1, Tq, Tk] one only if some layer reads it."""
+        built = {}
+
+        def mask(built_in):
+            if built_in not in built:
+                built[built_in] = self.self_attention_mask(decoder_attention_mask, query_length, past_length, device,
+                                                           built_in)
+            return built[built_in]
+
+        return [mask(built_in) for built_in in self.causal_built_in]
 
     def forward(self, input_ids=None, encoder_hidden_states=None, encoder_attention_mask=None, attention_mask=None,
                 inputs_embeds=None, cache=None, output_attentions=None, output_hidden_states=None, return_dict=None,
@@ -502,12 +527,12 @@ class HardAttnDecoder(nn.Module):
         without building a ModelOutput)."""
         past_length = cache.get_seq_length() if cache is not None else 0
         x = self.embed(input_ids, inputs_embeds, past_length)
-        self_mask, causal = self.self_attention_mask(attention_mask, x.shape[1], past_length, x.device)
+        self_masks = self.self_attention_masks(attention_mask, x.shape[1], past_length, x.device)
         check_memory_rows(x.shape[0], encoder_hidden_states, encoder_attention_mask, self.reads_memory_grouped)
         cross_mask = padding_mask(encoder_attention_mask)
         hidden_states = [x] if output_hidden_states else None
         attentions, cross_attentions = ([], []) if output_attentions else (None, None)
-        for layer in self.layers:
+        for layer, (self_mask, causal) in zip(self.layers, self_masks):
             if output_attentions:
                 x, self_weights, cross_weights = layer(x, encoder_hidden_states, self_mask, causal, cross_mask, cache,
                                                        output_attentions=True)

@@ -220,6 +220,62 @@ def test_gradient_through_mixture_weights_not_selection(name):
     assert query and all(ours[n].abs().max() > 0 for n in query), "no gradient reached the attention scores"
 
 
+def attention_query_names(model, name):
+    """The parameters that reach the output only through P_t(a) (one-token target): in the joint layer of the
+    Transformer, q_proj; in the RNN setting, the attention's own parameters."""
+    if name.startswith("transformer"):
+        layer = model.config.joint_layer % model.config.decoder_layers
+        return [f"model.decoder.layers.{layer}.cross_attn.module.q_proj.weight"]
+    return [n for n, _ in model.named_parameters() if n.startswith("model.decoder.attention.")]
+
+
+@pytest.mark.parametrize("name", sorted(SETTINGS))
+def test_k1_training_keeps_the_papers_weight(name):
+    """K=1 in training with the default renormalize_joint: the loss is the paper's beam-approximation at K=1, the
+    attention weighted mixture of one component, log P_t(a_1) + log P_t(y_t | x_{a_1}), a_1 the argmax of P_t (not
+    renormalised: one renormalised weight is exactly 1 and the attention got no gradient). Every parameter's
+    gradient against that equation by hand in float64 (a naive loop over the attention positions picks a_1, on the
+    independent references); for a one-token target the attention's parameters get a non-zero gradient (that of
+    log P_t(a_1), where they reach the output only through P_t(a)), while the renormalised K=1 of eval mode gives
+    them exactly 0."""
+    ids, mask = source_batch()
+    model = randomize(SETTINGS[name](joint_k=1), std=0.3).double().train()
+    dec, target = DEC[:, :1], torch.tensor([[6], [8]])  # one target token: no later step reads the attention
+    got = forward_log_probs(model, ids, mask, dec).gather(-1, target[..., None]).sum()
+    names = [n for n, _ in model.named_parameters()]
+    ours = dict(zip(names, torch.autograd.grad(got, list(model.parameters()))))
+    log_p, log_py, ref_params = reference(model, ids, mask, dec, with_params=True)
+    terms, attention_terms, chosen = [], [], log_p.detach()
+    for b in range(ids.shape[0]):
+        for t in range(dec.shape[1]):
+            best = 0
+            for a in range(ids.shape[1]):  # the top-1 position: pass-through, no gradient through the choice
+                if float(chosen[b, t, a]) > float(chosen[b, t, best]):
+                    best = a
+            terms.append(log_p[b, t, best] + log_py[b, t, best, target[b, t]])  # log P_t(a_1) P_t(y_t | x_{a_1})
+            attention_terms.append(log_p[b, t, best])
+    ref = torch.stack(terms).sum()
+    torch.testing.assert_close(got.double(), ref, rtol=1e-9, atol=1e-9)
+    theirs = dict(zip(ref_params, torch.autograd.grad(ref, list(ref_params.values()), allow_unused=True,
+                                                      retain_graph=True)))
+    for key, grad in ours.items():
+        expected = theirs[key] if theirs[key] is not None else torch.zeros_like(grad)
+        torch.testing.assert_close(grad, expected, rtol=1e-6, atol=1e-9, msg=key)
+    query = attention_query_names(model, name)
+    assert query and all(ours[n].abs().max() > 1e-6 for n in query), "no gradient reached the attention"
+    if name.startswith("transformer") or "luong" in name:  # only through P_t(a): the gradient of log P_t(a_1)
+        from_weight = torch.autograd.grad(torch.stack(attention_terms).sum(), [ref_params[n] for n in query])
+        for n, grad in zip(query, from_weight):
+            torch.testing.assert_close(ours[n], grad, rtol=1e-6, atol=1e-9, msg=n)
+        model.eval()  # renormalised K=1 (decoding): hard attention on the argmax, no gradient to the attention
+        hard = forward_log_probs(model, ids, mask, dec).gather(-1, target[..., None]).sum()
+        torch.testing.assert_close(hard.double(), torch.stack([term - w for term, w in zip(terms, attention_terms)])
+                                   .sum(), rtol=1e-9, atol=1e-9)
+        params = dict(model.named_parameters())
+        for n, grad in zip(query, torch.autograd.grad(hard, [params[n] for n in query], allow_unused=True)):
+            assert grad is None or not bool(grad.any()), n
+
+
 @pytest.mark.parametrize("name", ["transformer_last", "rnn_luong", "rnn_bahdanau_additive"])
 def test_k_larger_than_sentence_uses_all_its_positions(name):
     """Row 2 has 5 real source positions in a batch padded to 7: K=6 mixes exactly its 5 unpadded positions (the

@@ -215,11 +215,41 @@ def test_two_stage_schedule_runs_mle_then_the_kd_scheme(tmp_path, monkeypatch):
     assert first.state.global_step == second.state.global_step == 2
     assert second.kd_scheme == "eq1_sequence" and second.kd_lambda == 1.0 and set(second.kd_parts) == {"nll", "kd"}
     assert list(second.train_dataset["teacher_labels"]) == outs
-    # mle=None: stage 2 only (the old rows' sequence-level KD from scratch)
+    # mle=False: stage 2 only, asked for (the old rows' sequence-level KD from scratch)
     seen.clear()
-    none, only = train_two_stage(hybrid(), toy_tokenizer(), _distilled(), kd_scheme="sequence_only", kd=step,
-                                 output_dir=str(tmp_path / "one"))
+    none, only = train_two_stage(hybrid(), toy_tokenizer(), _distilled(), kd_scheme="sequence_only", mle=False,
+                                 kd=step, output_dir=str(tmp_path / "one"))
     assert none is None and [s[0] for s in seen] == ["kd"] and seen[0][2] == outs
+
+
+def test_two_stage_default_is_the_papers_schedule(tmp_path, monkeypatch):
+    """Eq. 1's schedule by default: without `mle`, stage 1 (MLE on the references, train_seq2seq's defaults) runs
+    before stage 2, whatever the scheme; skipping it takes mle=False; mle=None (the old default, which skipped it)
+    and other values are refused with the allowed ones."""
+    seen = []
+
+    def recording(model, tokenizer, data, **kw):
+        seen.append(("kd" if kw.get("trainer_class") is DistillationTrainer else "mle",
+                     [list(r) for r in data["labels"]], sorted(kw)))
+        return "trainer"
+
+    monkeypatch.setattr(distill, "train_seq2seq", recording)
+    step = dict(max_steps=1)
+    for scheme in ("eq1_sequence", "sequence_only"):
+        seen.clear()
+        first, second = train_two_stage(hybrid(), toy_tokenizer(), _distilled(), kd_scheme=scheme, kd=step,
+                                        output_dir=str(tmp_path / scheme))
+        assert [s[0] for s in seen] == ["mle", "kd"] and first == second == "trainer", scheme
+        assert seen[0][1] == [_ids(y) for y in REFERENCES] and seen[0][2] == ["output_dir"]  # defaults: no budget
+    seen.clear()
+    assert train_two_stage(hybrid(), toy_tokenizer(), _distilled(), mle=False, kd=step)[0] is None
+    assert [s[0] for s in seen] == ["kd"]
+    for bad in (None, "no", 0, [1]):
+        with pytest.raises(ValueError, match="mle=False"):
+            train_two_stage(hybrid(), toy_tokenizer(), _distilled(), mle=bad, kd=step)
+    no_reference = _distilled().remove_columns("reference")
+    with pytest.raises(ValueError, match="'reference' column.*mle=False"):
+        train_two_stage(hybrid(), toy_tokenizer(), no_reference, kd_scheme="sequence_only", kd=step)
 
 
 def test_kd_scheme_errors(tmp_path):

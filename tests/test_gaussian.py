@@ -316,6 +316,169 @@ def test_conv_and_index_build_no_query_by_key_tensor(role, implementation):
     assert (probe.largest >= queries * keys) == (implementation == "full"), probe.largest
 
 
+class LargestBytes(TorchDispatchMode):
+    """The largest storage (in bytes) any operation returns while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.untyped_storage().nbytes())
+        return out
+
+
+def float64_weights(attention, query_start, query_length, key_start, key_length, dtype, shift=None):
+    """The weights as built before issue #53: the [H, Tq, Tk] (or [B, H, Tq, Tk]) distance matrix in float64, the
+    kernel and the causal cut on it in float64, cast to ``dtype`` at the end."""
+    q_pos = torch.arange(query_start, query_start + query_length)
+    k_pos = torch.arange(key_start, key_start + key_length)
+    centres = attention.centres(q_pos)[:, :, None]
+    if shift is not None:
+        centres = centres[None] + shift.to(torch.float64)[:, None, None, None]
+    weights = attention.kernel(k_pos.to(torch.float64) - centres)
+    if attention.role == "decoder":
+        weights = weights * (k_pos[None, :] <= q_pos[:, None])
+    return weights.to(dtype)
+
+
+@pytest.mark.parametrize("role", ["encoder", "decoder", "cross"])
+def test_full_weights_equal_the_float64_computation_without_its_temporaries(role):
+    """``full``'s [H, Tq, Tk] weights are gathered from per-head float64 tables of O(Tq + Tk) entries, cast once to
+    the model's dtype: bit for bit the weights of the float64 [H, Tq, Tk] computation cast at the end (fp32, bf16,
+    fp16, fp64; offsets per head; queries and keys starting anywhere, as in cached decoding; gamma < 1, > 1 and
+    non-terminating; a left-padded source's shifted centres), while the largest tensor built is the result itself
+    (the float64 path's temporaries are twice an fp32 result)."""
+    for gamma, sigma in ((1.3, 1.0), (0.6, 1.7), (1 / 3, 1.0), (2.5, 0.5)):
+        attention = random_module(role, dict(gaussian_implementation="full", gaussian_sigma=sigma), gamma)
+        for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+            for query_start, query_length, key_start, key_length in ((0, 9, 0, 9), (0, 7, 0, 11), (6, 3, 0, 9),
+                                                                     (5, 1, 3, 3), (10, 5, 7, 8), (0, 1, 0, 1)):
+                attention._weights.clear()
+                got = attention.weights(query_start, query_length, key_start, key_length, "cpu", dtype)
+                expected = float64_weights(attention, query_start, query_length, key_start, key_length, dtype)
+                assert got.dtype == dtype and torch.equal(got, expected), (gamma, dtype, query_start, key_start)
+            if role == "cross":
+                for shift in (torch.tensor([0, 3]), torch.tensor([11, 0])):
+                    got = attention.shifted_weights(2, 6, shift, 11, "cpu", dtype)
+                    assert torch.equal(got, float64_weights(attention, 2, 6, 0, 11, dtype, shift)), (gamma, shift)
+    attention = random_module(role, dict(gaussian_implementation="full"), 1.3)
+    heads, queries, keys = attention.num_heads, 120, 130
+    for dtype in (torch.float32, torch.bfloat16):
+        attention._weights.clear()
+        with LargestBytes() as probe:
+            weights = attention.weights(0, queries, 0, keys, "cpu", dtype)
+        result = heads * queries * keys * dtype.itemsize
+        assert weights.untyped_storage().nbytes() == result and probe.largest == result, (probe.largest, result)
+
+
+def test_memo_is_bounded_in_entries_and_bytes():
+    """The memo of a module keeps at most MEMO_ENTRIES constants and MEMO_BYTES bytes, least recently used out first;
+    a constant larger than MEMO_BYTES is computed (correctly) and not kept; a hit returns the kept tensor."""
+    from hf_hardattn.gaussian import MEMO_BYTES, MEMO_ENTRIES
+
+    assert MEMO_ENTRIES <= 8 and MEMO_BYTES <= 16 * 2**20  # a few entries, 16 MiB per module at most
+    attention = random_module("encoder", dict(gaussian_implementation="full"))
+    attention.float()
+
+    def used():
+        return sum(t.numel() * t.element_size() for t in attention._weights.values())
+
+    kept = attention.weights(0, 5, 0, 5, "cpu", torch.float32)
+    for length in range(6, 6 + 3 * MEMO_ENTRIES):
+        attention.weights(0, 5, 0, 5, "cpu", torch.float32)  # used again: stays
+        attention.weights(0, length, 0, length, "cpu", torch.float32)
+        assert len(attention._weights) <= MEMO_ENTRIES and used() <= MEMO_BYTES
+    assert attention.weights(0, 5, 0, 5, "cpu", torch.float32) is kept
+    assert ("dense", 0, 6, 6, "cpu", torch.float32) not in attention._weights  # the least recently used left
+    heads = attention.num_heads
+    side = math.isqrt(MEMO_BYTES // (4 * heads)) + 1  # one [H, side, side] fp32 matrix is over MEMO_BYTES
+    big = attention.weights(0, side, 0, side, "cpu", torch.float32)
+    assert big.shape == (heads, side, side) and used() <= MEMO_BYTES
+    assert all(value.shape[-1] != side for value in attention._weights.values())
+    assert torch.equal(big[:, -3:, -5:], float64_weights(attention, side - 3, 3, side - 5, 5, torch.float32))
+    torch.manual_seed(0)
+    hidden = torch.randn(1, 40, 32)
+    for implementation in ("conv", "index"):  # bands share the memo and its bounds
+        banded = random_module("decoder", dict(gaussian_implementation=implementation)).float()
+        for length in range(1, 41):
+            banded(hidden[:, :length])
+            assert 0 < len(banded._weights) <= MEMO_ENTRIES
+
+
+def padded_decoder_batch(length):
+    """A source batch and a right-padded decoder batch of ``length`` positions (row 2 ends 7 positions early)."""
+    generator = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, 40, (2, 6), generator=generator)
+    dec = torch.randint(3, 40, (2, length), generator=generator)
+    dec_mask = torch.ones(2, length, dtype=torch.long)
+    dec_mask[1, length - 7:] = 0
+    return ids, torch.ones(2, 6, dtype=torch.long), dec.masked_fill(dec_mask == 0, 0), dec_mask
+
+
+@pytest.mark.parametrize("implementation", ["conv", "index", "full"])
+def test_padded_decoder_gives_gaussian_self_attention_only_the_key_padding_mask(implementation, monkeypatch):
+    """With a padded decoder batch, Gaussian decoder self-attention (its weights are 0 after the query by
+    construction) gets the key padding mask [B, 1, 1, T], O(B T): no [B, 1, T, T] mask is built (the function that
+    builds causal masks is never called) for a model whose decoder self-attention is all Gaussian, and the outputs
+    are exactly those with the causal & padding mask; in a model mixing soft and Gaussian layers the soft layer
+    still gets (and reads) the causal mask. conv / index: no tensor of B x T x T elements at all in the decoder."""
+    from hf_hardattn import layers
+
+    ids, mask, dec, dec_mask = padded_decoder_batch(150)
+    model = make("hc-all", gaussian_implementation=implementation, max_position_embeddings=256, length_ratio=0.5)
+    model = randomize_model(model).eval()
+    calls, seen = [], []
+    real_causal = layers.causal_mask
+    monkeypatch.setattr(layers, "causal_mask", lambda *a: calls.append(a) or real_causal(*a))
+    real_forward = GaussianAttention.forward
+
+    def spy(self, hidden, memory=None, mask=None, causal=False, **kw):
+        if self.role == "decoder":
+            seen.append(None if mask is None else tuple(mask.shape))
+        return real_forward(self, hidden, memory=memory, mask=mask, causal=causal, **kw)
+
+    monkeypatch.setattr(GaussianAttention, "forward", spy)
+    inputs = dict(input_ids=ids, attention_mask=mask, decoder_input_ids=dec, decoder_attention_mask=dec_mask)
+    memory = model.get_encoder()(input_ids=ids, attention_mask=mask).last_hidden_state
+    with torch.no_grad():
+        if implementation != "full":
+            with LargestAllocation() as probe:
+                model.model.decoder(input_ids=dec, encoder_hidden_states=memory, encoder_attention_mask=mask,
+                                    attention_mask=dec_mask)
+            assert probe.largest < 2 * 150 * 150, probe.largest
+        logits = model(**inputs).logits
+        assert not calls and seen and all(shape == (2, 1, 1, 150) for shape in seen), (calls, seen)
+        decoder = model.model.decoder
+        decoder.causal_built_in = [False] * len(decoder.layers)  # the path before: causal & padding for every layer
+        torch.testing.assert_close(model(**inputs).logits, logits, rtol=0, atol=0)
+        assert calls and seen[-1] == (2, 1, 150, 150)
+    calls.clear()
+    mixed = make("hc-all", gaussian_implementation=implementation, decoder_attention=["soft", "gaussian"],
+                 max_position_embeddings=256, length_ratio=0.5)
+    mixed = randomize_model(mixed).eval()
+    soft_masks = []
+    soft = mixed.model.decoder.layers[0].self_attn.module
+    real_attend = type(soft).attend
+    monkeypatch.setattr(soft, "attend", lambda q, k, v, m, c: soft_masks.append((tuple(m.shape), c))
+                        or real_attend(soft, q, k, v, m, c))
+    with torch.no_grad():
+        mixed(**inputs)
+    assert len(calls) == 1 and soft_masks == [((2, 1, 150, 150), False)] and seen[-1] == (2, 1, 1, 150)
+
+
+def randomize_model(model, seed=0):
+    """Random weights of a non-trivial size (the attention of padded positions would otherwise hide nothing)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
+    return model
+
+
 @pytest.mark.parametrize("implementation", ["conv", "index", "full"])
 def test_attention_dropout_drops_each_weight_independently(implementation):
     """Training: every non-zero weight is kept and scaled by 1 / (1 - p) or dropped, independently (two weights are

@@ -427,3 +427,33 @@ def test_every_preset_exists_for_every_task():
         assert set(reproduce.PRESETS[task]) == set(reproduce.PRESET_NAMES), task
     small = reproduce.PRESETS["multi30k"]["small"]
     assert (small.dims["d_model"], small.max_tokens, small.bf16, small.minutes) == (128, 1024, False, 20.0)
+
+
+def test_kd_rows_ask_for_their_mle_stage_explicitly(monkeypatch, tmp_path):
+    """train_two_stage runs the MLE stage by default (the hybrid paper's schedule): the hybrid_*_kd rows, sequence-level
+    KD only with no MLE stage on purpose, pass mle=False, the hybrid_*_kd_eq1 rows half the budget as a dict; so a
+    row's recorded stages ({"mle": 0} for the former) do not change with the default. (Fast: no training.)"""
+    from types import SimpleNamespace
+
+    from hf_hardattn.tools import distill
+
+    calls = {}
+
+    def trainer(steps):
+        return SimpleNamespace(state=SimpleNamespace(global_step=steps, log_history=[]),
+                               args=SimpleNamespace(warmup_steps=1))
+
+    def two_stage(model, tokenizer, distilled, kd_scheme, mle=True, kd=None, **kwargs):
+        calls[kd_scheme] = mle
+        return (None if mle is False else trainer(mle["max_steps"])), trainer(kd["max_steps"])
+
+    monkeypatch.setattr(distill, "train_two_stage", two_stage)
+    recipe = reproduce.PRESETS["multi30k"]["tiny"]
+    ctx = dict(recipe=recipe, args=SimpleNamespace(seed=0, quiet=True), batch_size=2, tokenizer=None,
+               out=str(tmp_path), kd_data="distilled")
+    rows = {row.name: row for row in reproduce.ROWS}
+    for attention in ("additive", "dot", "multihead"):
+        old = reproduce.train_row(rows[f"hybrid_{attention}_kd"], ctx, None, None)
+        assert calls["sequence_only"] is False and old["stages"] == {"mle": 0, "kd": recipe.max_steps}
+        eq1 = reproduce.train_row(rows[f"hybrid_{attention}_kd_eq1"], ctx, None, None)
+        assert isinstance(calls["eq1_sequence"], dict) and eq1["stages"]["mle"] == recipe.max_steps // 2

@@ -32,8 +32,8 @@ plain likelihood (no label smoothing), as Eq. 1.
 * :class:`DistillationTrainer`: a ``Seq2SeqTrainer`` with the scheme's loss; the teacher (``eq1_word`` and
   ``sequence_word``) is frozen (eval mode, ``requires_grad=False``, run under ``torch.no_grad``) and must share the
   student's tokenizer.
-* :func:`train_two_stage`: the paper's schedule (MLE on the references, then the scheme); :func:`train_kd_stage`:
-  stage 2 alone.
+* :func:`train_two_stage`: the paper's schedule (MLE on the references, then the scheme; ``mle=False`` skips the MLE
+  stage, which the paper does not); :func:`train_kd_stage`: stage 2 alone.
 
 Tooling (not runtime code): may import datasets / tqdm.
 """
@@ -304,22 +304,34 @@ def train_kd_stage(student, tokenizer, distilled, kd_scheme: str = DEFAULT_KD_SC
 
 
 def train_two_stage(student, tokenizer, distilled, kd_scheme: str = DEFAULT_KD_SCHEME, kd_lambda=None,
-                    teacher_model=None, teacher_tokenizer=None, mle: dict | None = None, kd: dict | None = None,
+                    teacher_model=None, teacher_tokenizer=None, mle: dict | bool = True, kd: dict | None = None,
                     max_length: int = 128, output_dir: str = "outputs/kd"):
-    """The paper's two-stage training (Sec. 2.2): stage 1 maximises the likelihood of the bilingual data (the
-    "reference" column of ``distilled``; the model's own loss), stage 2 fine-tunes the same student with the
+    """The paper's two-stage training (Sec. 2.2: "We use a two-stage training for our hybrid model: the pre-training
+    and the knowledge distillation fine-tuning. In the first stage, our model is generally trained to maximize the
+    likelihood estimation using the bilingual training data."): stage 1 maximises the likelihood of the bilingual data
+    (the "reference" column of ``distilled``; the model's own loss), stage 2 fine-tunes the same student with the
     ``kd_scheme`` objective (default Eq. 1, :func:`train_kd_stage`). ``mle`` / ``kd``: keyword arguments of
-    :func:`~hf_hardattn.training.train_seq2seq` for each stage (its budget, learning rate, ...); ``mle=None`` skips
-    stage 1 (a student trained with MLE already, or the old rows' ``sequence_only`` from scratch). Returns (stage-1
-    trainer or None, stage-2 trainer)."""
+    :func:`~hf_hardattn.training.train_seq2seq` for each stage (its budget, learning rate, ...); ``mle=True`` (the
+    default) runs stage 1 with train_seq2seq's defaults, as ``kd=None`` runs stage 2. Skipping stage 1 is not the
+    paper's schedule and must be asked for: ``mle=False`` (a student trained with MLE already, or the
+    ``sequence_only`` rows of the reproduction table, trained from scratch on the teacher's outputs). Returns
+    (stage-1 trainer or None, stage-2 trainer)."""
     check_kd_scheme(kd_scheme)
+    if mle is None:  # before issue #53 None skipped stage 1 and was the default: refused rather than reinterpreted
+        raise ValueError("`mle=None` no longer skips stage 1: pass `mle=False` to skip the MLE stage (not the paper's "
+                         "schedule), or `mle=True` / a dict of train_seq2seq arguments to run it.")
+    if not isinstance(mle, (bool, dict)):
+        raise ValueError(f"`mle` must be True (stage 1 with train_seq2seq's defaults), a dict of train_seq2seq "
+                         f"arguments, or mle=False (no stage 1), got {mle!r}.")
     first = None
-    if mle is not None:
+    if mle is not False:
         if "reference" not in distilled.column_names:
             raise ValueError("stage 1 (`mle`) trains on the bilingual data: `distilled` needs its 'reference' column "
-                             f"(translate_dataset of a dataset with targets); columns: {distilled.column_names}.")
+                             f"(translate_dataset of a dataset with targets), or pass mle=False; columns: "
+                             f"{distilled.column_names}.")
         references = tokenize_dataset(distilled, tokenizer, max_length=max_length, target_column="reference")
-        first = train_seq2seq(student, tokenizer, references, output_dir=os.path.join(str(output_dir), "mle"), **mle)
+        first = train_seq2seq(student, tokenizer, references, output_dir=os.path.join(str(output_dir), "mle"),
+                              **({} if mle is True else mle))
     second = train_kd_stage(student, tokenizer, distilled, kd_scheme, kd_lambda, teacher_model, teacher_tokenizer,
                             max_length, os.path.join(str(output_dir), "kd"), **(kd or {}))
     return first, second

@@ -445,7 +445,7 @@ def train_row(row: Row, ctx, model, train_tok) -> dict:
             warmup = max(1, recipe.warmup_steps // 2)
             mle, kd = budget(half, first_steps, warmup), budget(half, second_steps, warmup)
         else:
-            mle, kd = None, budget(recipe.minutes, recipe.max_steps)
+            mle, kd = False, budget(recipe.minutes, recipe.max_steps)  # no MLE stage: the hybrid_*_kd rows' recipe
         first, second = distill.train_two_stage(model, ctx["tokenizer"], kd_data(ctx), kd_scheme=row.kd_scheme, mle=mle,
                                         kd=kd, max_length=recipe.max_length,
                                         output_dir=os.path.join(ctx["out"], "trainer", row.name))
