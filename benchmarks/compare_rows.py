@@ -10,8 +10,9 @@ is called parity only when the mean difference is within the margin on every set
         --compare hard_cross:soft hc_sa:soft --compare-init soft hard_cross --margin 0.5 \
         --output benchmarks/results/init_h200/summary.json
 
-``--compare A:B`` pairs row A with row B of the same initialisation; ``--compare-init ROW`` pairs ROW with init_std
-0.02 against ROW with Xavier (init_std None). The standard error of a mean of n values is sd / sqrt(n) (sample sd,
+``--compare A:B`` pairs row A with row B of the same initialisation (``A@INIT:B@INIT`` names each side's
+initialisation, e.g. ``"soft@xavier, emb N(0,0.02):marian@N(0,0.02)"``); ``--compare-init ROW`` pairs every other
+initialisation of ROW (init_std, embed_init_std) against ROW with Xavier. The standard error of a mean of n values is sd / sqrt(n) (sample sd,
 n - 1); with one seed it is not defined (shown as "n=1").
 """
 
@@ -24,8 +25,15 @@ import statistics
 import sys
 
 
-def init_name(init_std) -> str:
-    return "xavier" if init_std is None else f"N(0,{init_std:g})"
+def init_name(init_std, embed_init_std=None) -> str:
+    """"xavier" (the default before issue #53's embeddings-only init), "N(0,0.02)" (every weight), "xavier, emb
+    N(0,0.02)" (Xavier linears, embeddings N(0, 0.02))."""
+    name = "xavier" if init_std is None else f"N(0,{init_std:g})"
+    return name if embed_init_std is None else f"{name}, emb N(0,{embed_init_std:g})"
+
+
+def row_init(row) -> str:
+    return init_name(row.get("init_std"), row.get("embed_init_std"))
 
 
 def load_rows(paths) -> list[dict]:
@@ -40,10 +48,10 @@ def load_rows(paths) -> list[dict]:
 
 
 def scores_of(row) -> dict:
-    """{(metric, set): value}: Multi30k rows' BLEU and chrF per set; a row without sets (nouns, older rows) gives its
-    one score under the set "test"."""
+    """{(metric, set): value}: Multi30k rows' BLEU and chrF per set; a row without sets gives its one score under its
+    test set: "test_2016_flickr" for an older Multi30k row (its ``score``, the table's set), "test" for nouns."""
     if "scores" not in row:
-        return {(row["metric"], "test"): row["score"]}
+        return {(row["metric"], "test_2016_flickr" if row.get("task") == "multi30k" else "test"): row["score"]}
     out = {("BLEU", name): value for name, value in row["scores"].items()}
     out.update({("chrF", name): value for name, value in row.get("chrf", {}).items()})
     return out
@@ -58,9 +66,9 @@ def group(rows) -> dict:
     """{(row, init name): {seed: {(metric, set): value}}}; the same row, init and seed twice is an error."""
     groups = {}
     for row in rows:
-        seeds = groups.setdefault((row["row"], init_name(row.get("init_std"))), {})
+        seeds = groups.setdefault((row["row"], row_init(row)), {})
         if row["seed"] in seeds:
-            raise ValueError(f"row {row['row']} ({init_name(row.get('init_std'))}) seed {row['seed']} appears twice "
+            raise ValueError(f"row {row['row']} ({row_init(row)}) seed {row['seed']} appears twice "
                              f"({row['file']}); pass each run once.")
         seeds[row["seed"]] = scores_of(row)
     return groups
@@ -94,6 +102,10 @@ def summarise(rows, compare=(), compare_init=(), margin=None) -> dict:
     pairs = []
     for spec in compare:
         a, b = spec.split(":")
+        if "@" in a or "@" in b:  # ROW@INIT: one named initialisation on each side (e.g. soft's against marian's own)
+            (a, a_init), (b, b_init) = (side.split("@", 1) if "@" in side else (side, "xavier") for side in (a, b))
+            pairs.append(((a, a_init), (b, b_init)))
+            continue
         inits = sorted({init for (name, init) in groups if name == a} & {init for (name, init) in groups if name == b})
         pairs += [((a, init), (b, init)) for init in inits]
     for name in compare_init:
@@ -133,13 +145,16 @@ def markdown(summary) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("files", nargs="+", help="reproduce_TASK_PRESET.json files")
-    parser.add_argument("--compare", nargs="*", default=[], metavar="A:B", help="paired differences of row A - row B")
+    parser.add_argument("--compare", nargs="*", default=[], metavar="A:B", help="paired differences of row A - row B (A@INIT:B@INIT: named initialisations)")
     parser.add_argument("--compare-init", nargs="*", default=[], metavar="ROW",
-                        help="paired differences of ROW with init_std set - ROW with Xavier")
+                        help="paired differences of ROW with another init - ROW with Xavier")
     parser.add_argument("--margin", type=float, default=None, help="parity margin (e.g. 0.5 BLEU)")
     parser.add_argument("--output", default=None, help="write the summary JSON (and .md beside it)")
+    parser.add_argument("--rows", nargs="*", default=None, metavar="ROW",
+                        help="read only these rows of the files (e.g. a few rows of an older run beside new ones)")
     args = parser.parse_args(argv)
-    summary = summarise(load_rows(args.files), args.compare, args.compare_init, args.margin)
+    rows = [row for row in load_rows(args.files) if args.rows is None or row["row"] in args.rows]
+    summary = summarise(rows, args.compare, args.compare_init, args.margin)
     table = markdown(summary)
     print(table)
     if args.output:

@@ -98,6 +98,9 @@ class HardAttnConfig(PreTrainedConfig):
             not at all at that recipe's learning rate (as MarianMTModel), so the default stays None. Layers with an
             initialisation of their own keep it (the RNN decoders' orthogonal recurrent blocks, an LSTM's
             forget-gate bias). Loaded weights are never re-initialised.
+        embed_init_std: the initialisation of a new model's embeddings (token embeddings, tied to the output layer,
+            and learned positions) alone. None: as ``init_std`` says (N(0, d_model^-1/2) under Xavier, else
+            N(0, init_std)). A number: N(0, embed_init_std) whatever the linear layers get.
         encoder_attention / decoder_attention / cross_attention: the attention kind of each role, one of
             ``ATTENTION_KINDS``, either a single kind for every layer or a list with one kind per layer.
     """
@@ -133,6 +136,7 @@ class HardAttnConfig(PreTrainedConfig):
     scale_embedding: bool = True
     layer_norm_eps: float = 1e-5
     init_std: float | None = None
+    embed_init_std: float | None = None
     encoder_attention: str | list[str] = "soft"
     decoder_attention: str | list[str] = "soft"
     cross_attention: str | list[str] = "soft"
@@ -248,6 +252,9 @@ class HardAttnConfig(PreTrainedConfig):
         if self.init_std is not None and not _positive_finite(self.init_std):
             raise ValueError(f"`init_std` must be None (Xavier linears, N(0, d_model^-1/2) embeddings) or a positive "
                              f"finite number (every linear and embedding N(0, init_std)), got {self.init_std!r}.")
+        if self.embed_init_std is not None and not _positive_finite(self.embed_init_std):
+            raise ValueError(f"`embed_init_std` must be None (embeddings as `init_std` says) or a positive finite "
+                             f"number (every embedding N(0, embed_init_std)), got {self.embed_init_std!r}.")
         for name in ("pad_token_id", "bos_token_id", "decoder_start_token_id"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)

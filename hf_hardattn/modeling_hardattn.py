@@ -144,9 +144,13 @@ class HardAttnPreTrainedModel(Int8Mixin, SavingMixin, PreTrainedModel):
     @torch.no_grad()
     def _init_weights(self, module):
         """``config.init_std`` None: Xavier-uniform linear layers, N(0, d^-1/2) token embeddings (scaled by sqrt(d) on
-        use); a number: both N(0, init_std) (Marian's, BART's). Zero biases, unit norms, and the sinusoidal table (a
-        non-persistent buffer, rebuilt after loading on the meta device)."""
+        use); a number: both N(0, init_std) (Marian's, BART's). ``config.embed_init_std``, when a number, replaces the
+        embeddings' std alone. Zero biases, unit norms, and the sinusoidal table (a non-persistent buffer, rebuilt
+        after loading on the meta device)."""
         std = self.config.init_std
+        embed_std = getattr(self.config, "embed_init_std", None)
+        if embed_std is None:
+            embed_std = self.config.d_model**-0.5 if std is None else std
         if isinstance(module, nn.Linear):
             if std is None:
                 init.xavier_uniform_(module.weight)
@@ -155,7 +159,7 @@ class HardAttnPreTrainedModel(Int8Mixin, SavingMixin, PreTrainedModel):
             if module.bias is not None:
                 init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
-            init.normal_(module.weight, mean=0.0, std=self.config.d_model**-0.5 if std is None else std)
+            init.normal_(module.weight, mean=0.0, std=embed_std)
             if module.padding_idx is not None and not getattr(module.weight, "_is_hf_initialized", False):
                 init.zeros_(module.weight[module.padding_idx])
         elif isinstance(module, nn.LayerNorm):

@@ -132,7 +132,8 @@ def test_evaluate_scores_each_set_on_its_own_translations(monkeypatch):
 
 def test_init_std_reaches_every_hf_hardattn_row_and_is_recorded(tmp_path):
     """--init-std STD: the rows' models start from N(0, STD) weights (config init_std, stored in the row); 'xavier' is
-    the other initialisation; marian keeps its own (0.02); a bad value is refused by the parser."""
+    the other initialisation; --embed-init-std STD sets the embeddings alone (config embed_init_std, stored); marian
+    keeps its own (0.02); a bad value is refused by the parser."""
     data = write_toy_multi30k(tmp_path)
     common = ["--task", "multi30k", "--preset", "tiny", "--data", str(data), "--quiet", "--max-steps", "1"]
     seen = {}
@@ -143,7 +144,8 @@ def test_init_std_reaches_every_hf_hardattn_row_and_is_recorded(tmp_path):
         if original is not None:
             def record(ctx):
                 model = original(ctx)
-                seen[(ctx["args"].init_std, row.name)] = model.get_input_embeddings().weight.detach().std().item()
+                key = ctx["args"].init_std if ctx["args"].embed_init_std is None else "embed"
+                seen[(key, row.name)] = model.get_input_embeddings().weight.detach().std().item()
                 return model
             row = reproduce.dataclasses.replace(row, build=record)
         return build(row, ctx)
@@ -153,6 +155,8 @@ def test_init_std_reaches_every_hf_hardattn_row_and_is_recorded(tmp_path):
         for init in ("0.005", "xavier"):
             reproduce.main(common + ["--rows", "soft", "hc_sa", "marian", "--init-std", init,
                                      "--output-dir", str(tmp_path / init)])
+        reproduce.main(common + ["--rows", "soft", "marian", "--init-std", "xavier", "--embed-init-std", "0.01",
+                                 "--output-dir", str(tmp_path / "embed")])
     finally:
         reproduce.run_row = build
     for row in ("soft", "hc_sa"):
@@ -163,8 +167,13 @@ def test_init_std_reaches_every_hf_hardattn_row_and_is_recorded(tmp_path):
     assert rows["soft"]["init_std"] == rows["hc_sa"]["init_std"] == 0.005 and rows["marian"]["init_std"] == 0.02
     assert "--init-std 0.005" in rows["soft"]["command"]
     assert load_results(tmp_path / "xavier")["rows"]["soft"]["init_std"] is None
-    with pytest.raises(SystemExit):
-        reproduce.main(common + ["--init-std", "-1", "--output-dir", str(tmp_path / "bad")])
+    assert seen[("embed", "soft")] == pytest.approx(0.01, rel=0.1) and seen[("embed", "marian")] == pytest.approx(0.02, rel=0.1)
+    rows = load_results(tmp_path / "embed")["rows"]
+    assert rows["soft"]["embed_init_std"] == 0.01 and rows["soft"]["init_std"] is None
+    assert "--embed-init-std 0.01" in rows["soft"]["command"]
+    for flag, value in (("--init-std", "-1"), ("--embed-init-std", "0"), ("--embed-init-std", "xavier")):
+        with pytest.raises(SystemExit):
+            reproduce.main(common + [flag, value, "--output-dir", str(tmp_path / "bad")])
 
 
 def test_decoded_k1_row_uses_k1(run_dir):

@@ -438,21 +438,25 @@ def test_batched_decoding_steps_attend_written_out_equal_to_the_fused_kernel(mon
 
 
 @pytest.mark.parametrize("name", CONTRACT_MODELS)
-@pytest.mark.parametrize("init_std", [None, 0.05])
-def test_init_std_sets_every_linear_and_embedding(name, init_std):
+@pytest.mark.parametrize("init_std, embed_init_std", [(None, None), (0.05, None), (None, 0.01), (0.05, 0.01)])
+def test_init_std_sets_every_linear_and_embedding(name, init_std, embed_init_std):
     """``init_std`` None: Xavier-uniform linears (|w| <= sqrt(6 / (fan_in + fan_out)), std = that bound / sqrt(3))
-    and N(0, d^-1/2) embeddings; a number: both N(0, init_std), as Marian / BART. Zero biases and padding rows; the RNN
-    decoders' orthogonal recurrent blocks keep their own init."""
+    and N(0, d^-1/2) embeddings; a number: both N(0, init_std), as Marian / BART. ``embed_init_std``, when a number,
+    replaces the embeddings' std (token and learned position embeddings) and leaves the linears alone. Zero biases and
+    padding rows; the RNN decoders' orthogonal recurrent blocks keep their own init."""
     from hf_hardattn.hybrid import RNNHiddenProjection
 
     reference = contract_model(name, fit=False)
     config = reference.config
-    config.init_std = init_std
+    config.init_std, config.embed_init_std = init_std, embed_init_std
     torch.manual_seed(0)
     model = type(reference)(config)
     embedding = model.get_input_embeddings()
-    expected = config.d_model**-0.5 if init_std is None else init_std
-    assert abs(embedding.weight.std().item() / expected - 1) < 0.1, (embedding.weight.std(), expected)
+    expected = embed_init_std or (config.d_model**-0.5 if init_std is None else init_std)
+    embeddings = [m for m in model.modules() if isinstance(m, torch.nn.Embedding)]
+    assert embedding in embeddings
+    for table in embeddings:
+        assert abs(table.weight.std().item() / expected - 1) < 0.1, (table, table.weight.std(), expected)
     assert not embedding.weight[config.pad_token_id].any()
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and not isinstance(m, RNNHiddenProjection)
                and m.weight.data_ptr() != embedding.weight.data_ptr()]
@@ -471,3 +475,5 @@ def test_init_std_sets_every_linear_and_embedding(name, init_std):
 def test_init_std_refuses_what_is_not_a_positive_number(value):
     with pytest.raises(ValueError, match=r"`init_std` must be None .* or a positive finite number"):
         SoftTransformerConfig(**tiny_kwargs(init_std=value))
+    with pytest.raises(ValueError, match=r"`embed_init_std` must be None .* or a positive finite number"):
+        SoftTransformerConfig(**tiny_kwargs(embed_init_std=value))

@@ -176,6 +176,8 @@ def _common(ctx, **extra):
                   max_position_embeddings=max(256, recipe.max_length))
     if "init_std" in ctx:  # --init-std: every hf_hardattn row's initialisation (marian keeps its own, N(0, 0.02))
         common["init_std"] = ctx["init_std"]
+    if "embed_init_std" in ctx:  # --embed-init-std: the embeddings' std alone
+        common["embed_init_std"] = ctx["embed_init_std"]
     common.update(extra)
     return common
 
@@ -500,6 +502,7 @@ def run_row(row: Row, ctx) -> dict:
     result["params"] = sum(p.numel() for p in model.parameters())
     result["model_type"] = model.config.model_type
     result["init_std"] = getattr(model.config, "init_std", None)  # None: Xavier linears, N(0, d^-1/2) embeddings
+    result["embed_init_std"] = getattr(model.config, "embed_init_std", None)  # None: the embeddings follow init_std
     others = {VALIDATION_SET: ctx["val"]} if ctx.get("val") is not None else None
     result.update(evaluate(ctx["task"], model, ctx["tokenizer"], ctx["test"], recipe, other_sets=others))
     folder = model_dir(ctx, row.name)
@@ -594,7 +597,7 @@ def row_command(ctx, name) -> str:
     args = ctx["args"]
     parts = ["python", "benchmarks/reproduce.py", "--task", ctx["task"], "--preset", ctx["preset"], "--rows", name,
              "--seed", str(args.seed)]
-    for flag in (*RECIPE_OVERRIDES, "init_std", "precision", "data", "output_dir", "threads"):
+    for flag in (*RECIPE_OVERRIDES, "init_std", "embed_init_std", "precision", "data", "output_dir", "threads"):
         value = getattr(args, flag)
         if value is not None:
             parts += [f"--{flag.replace('_', '-')}", str(value)]
@@ -620,6 +623,19 @@ def _init_std(text: str):
     return value
 
 
+def _embed_init_std(text: str):
+    """--embed-init-std: "follow" (config embed_init_std None: as init_std says) or a positive finite std."""
+    if text == "follow":
+        return "follow"
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if value is None or not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be 'follow' or a positive number, got {text!r}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser):
     parser.add_argument("--task", choices=TASKS, default="multi30k", help="which table: Multi30k en-de or German nouns")
     parser.add_argument("--preset", choices=PRESET_NAMES, default="cpu",
@@ -636,6 +652,10 @@ def add_arguments(parser: argparse.ArgumentParser):
                         help="initialisation of every hf_hardattn row (config init_std): 'xavier' (Xavier-uniform "
                              "linears, N(0, d_model^-1/2) embeddings) or a positive std (every linear and embedding "
                              "N(0, STD)); default: the config's default")
+    parser.add_argument("--embed-init-std", type=_embed_init_std, default=None, metavar="{follow,STD}",
+                        help="initialisation of every hf_hardattn row's embeddings alone (config embed_init_std): "
+                             "'follow' (as --init-std says) or a positive std (N(0, STD)); default: the config's "
+                             "default")
     parser.add_argument("--precision", choices=("bf16", "fp32"), default=None,
                         help="override the preset's training precision (bf16 autocast needs a CPU with AVX512 or "
                              "AMX, or a GPU)")
@@ -697,6 +717,8 @@ def run(args) -> dict:
                results=results, tokens_per_sentence=round(per_sentence, 2), batch_size=batch_size)
     if args.init_std is not None:
         ctx["init_std"] = None if args.init_std == "xavier" else args.init_std
+    if args.embed_init_std is not None:
+        ctx["embed_init_std"] = None if args.embed_init_std == "follow" else args.embed_init_std
     print(f"reproduce {args.task}/{args.preset}: {len(train)} training examples, {len(test)} test, vocabulary "
           f"{len(tokenizer)}, {per_sentence:.1f} tokens/sentence -> {ctx['batch_size']} sentences per batch; "
           f"output {out}", flush=True)
