@@ -321,10 +321,10 @@ def check_save_load(model, tmp_path):
 
 REMOTE_SCRIPT = textwrap.dedent(
     """
-    import copy, importlib, json, sys, os
+    import copy, importlib, json, sys, os, traceback
     os.environ["HF_HUB_OFFLINE"] = "1"
     # hf_hardattn must NOT be importable: drop every path that could provide it
-    sys.path = [p for p in sys.path if p and os.path.abspath(p) != os.path.abspath(sys.argv[2])]
+    sys.path = [p for p in sys.path if p and os.path.abspath(p) != os.path.abspath(sys.argv[1])]
     sys.meta_path = [f for f in sys.meta_path if "editable" not in getattr(f, "__module__", "")
                      and "editable" not in type(f).__module__]
     sys.path_hooks = [h for h in sys.path_hooks if "editable" not in getattr(h, "__module__", "")]
@@ -336,59 +336,140 @@ REMOTE_SCRIPT = textwrap.dedent(
         pass
     import torch
     from transformers import AutoModelForSeq2SeqLM, LogitsProcessorList
-    model = AutoModelForSeq2SeqLM.from_pretrained(sys.argv[1], trust_remote_code=True).eval()
-    ids = torch.tensor(json.loads(sys.argv[3]))
-    kwargs = dict(input_ids=ids, attention_mask=(ids != 0).long(), max_new_tokens=10, min_new_tokens=10)
     STEP_RECORDER
 
-    def recorded(m, **more):  # common.recorded_generate, as JSON lists
-        recorder = StepRecorder()
-        with torch.no_grad():
-            out = m.generate(**kwargs, **more, logits_processor=LogitsProcessorList([recorder]), output_logits=True,
-                             return_dict_in_generate=True)
-        return {"sequences": out.sequences.tolist(), "ids": [x.tolist() for x in recorder.ids],
-                "scores": [x.tolist() for x in recorder.scores], "logits": [x.float().tolist() for x in out.logits]}
+    def check(folder, ids):
+        model = AutoModelForSeq2SeqLM.from_pretrained(folder, trust_remote_code=True).eval()
+        ids = torch.tensor(ids)
+        kwargs = dict(input_ids=ids, attention_mask=(ids != 0).long(), max_new_tokens=10, min_new_tokens=10)
 
-    model64 = copy.deepcopy(model).double()
-    result = {"class": type(model).__module__, "greedy64": model64.generate(**kwargs, do_sample=False).tolist(),
-              "beam64": model64.generate(**kwargs, num_beams=4).tolist(), "beam": recorded(model, num_beams=4)}
-    # the CPU decoding option travels with the remote code; it needs oneDNN's prepacked linear in this torch build
-    packing = importlib.import_module(type(model).__module__.rsplit(".", 1)[0] + ".packed_linear")
-    result["packing_available"] = packing.packing_available()
-    if result["packing_available"]:
-        result["packed_beam"] = recorded(model.pack_linears(), num_beams=4)
-    print("RESULT" + json.dumps(result))
+        def recorded(m, **more):  # common.recorded_generate, as JSON lists
+            recorder = StepRecorder()
+            with torch.no_grad():
+                out = m.generate(**kwargs, **more, logits_processor=LogitsProcessorList([recorder]),
+                                 output_logits=True, return_dict_in_generate=True)
+            return {"sequences": out.sequences.tolist(), "ids": [x.tolist() for x in recorder.ids],
+                    "scores": [x.tolist() for x in recorder.scores], "logits": [x.float().tolist() for x in out.logits]}
+
+        model64 = copy.deepcopy(model).double()
+        result = {"class": type(model).__module__, "greedy64": model64.generate(**kwargs, do_sample=False).tolist(),
+                  "beam64": model64.generate(**kwargs, num_beams=4).tolist(), "beam": recorded(model, num_beams=4)}
+        # the CPU decoding option travels with the remote code; it needs oneDNN's prepacked linear in this torch build
+        packing = importlib.import_module(type(model).__module__.rsplit(".", 1)[0] + ".packed_linear")
+        result["packing_available"] = packing.packing_available()
+        if result["packing_available"]:
+            result["packed_beam"] = recorded(model.pack_linears(), num_beams=4)
+        return result
+
+    for line in sys.stdin:  # one request a line, {"folder", "ids"}; one answer a line
+        request = json.loads(line)
+        try:
+            answer = "RESULT" + json.dumps(check(request["folder"], request["ids"]))
+        except Exception:
+            answer = "ERROR" + json.dumps(traceback.format_exc())
+        print(answer, flush=True)
     """
 )
 
 
-def check_remote_code(model, tmp_path):
-    """Save, then load in a fresh process where hf_hardattn is not importable, offline, with trust_remote_code. There
-    and here the float64 model gives the same greedy and beam tokens (see `as_float64`). The fp32 model's beam search,
-    and (where this torch build has oneDNN's prepacked linear, as `pack_linears` needs) the packed one's, decode as
-    here: the fresh process may pick other threads and kernels, so exact tokens only where margins allow (of the 80
-    decisions of `decoding_batch()`, at least half clear)."""
-    import inspect
+class RemoteCodeProcess:
+    """The fresh process of `check_remote_code`: hf_hardattn not importable, offline, run from an empty folder, started
+    once and kept for the test session (importing torch and transformers is most of a fresh process's time; each check
+    used to pay it). Each check loads its own saved folder with trust_remote_code: transformers copies the folder's
+    code under a module path named after the folder (and its files' hash), so no check runs another's code. A folder
+    name already loaded in this process (which could reuse that code) starts a new process."""
 
+    current = None
+
+    def __init__(self):
+        import inspect
+        import queue
+        import tempfile
+        import threading
+
+        self.root = tempfile.mkdtemp(prefix="remote_code_")
+        repo_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH="",
+                   HF_MODULES_CACHE=os.path.join(self.root, "modules_cache"))
+        script = os.path.join(self.root, "remote_load.py")
+        with open(script, "w") as handle:
+            handle.write(REMOTE_SCRIPT.replace("STEP_RECORDER", inspect.getsource(StepRecorder)))
+        workdir = os.path.join(self.root, "fresh")  # an empty folder; the script drops the project's path
+        os.mkdir(workdir)
+        self.stderr = open(os.path.join(self.root, "stderr.txt"), "w+")
+        self.process = subprocess.Popen([sys.executable, script, repo_root], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, stderr=self.stderr, text=True, env=env, cwd=workdir)
+        self.lines, self.folders = queue.Queue(), set()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.process.stdout:
+            self.lines.put(line)
+        self.lines.put(None)  # the process ended
+
+    def output(self):
+        self.stderr.flush()
+        self.stderr.seek(0)
+        return self.stderr.read()[-3000:]
+
+    def close(self):
+        import shutil
+
+        if self.process.poll() is None:
+            self.process.stdin.close()
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.stderr.close()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    @classmethod
+    def check(cls, folder, ids, timeout=300):
+        """The script's result for the saved ``folder`` and the source ``ids`` (a list of rows)."""
+        import atexit
+        import queue
+
+        name = os.path.basename(os.path.normpath(folder))
+        if cls.current is not None and (name in cls.current.folders or cls.current.process.poll() is not None):
+            cls.current.close()
+            cls.current = None
+        if cls.current is None:
+            cls.current = cls()
+            atexit.register(cls.current.close)
+        process = cls.current
+        process.folders.add(name)
+        process.process.stdin.write(json.dumps({"folder": str(folder), "ids": ids}) + "\n")
+        process.process.stdin.flush()
+        while True:
+            try:
+                line = process.lines.get(timeout=timeout)
+            except queue.Empty:
+                output = process.output()
+                process.close()  # (its late answer must not be read as the next check's)
+                cls.current = None
+                raise AssertionError(f"no answer from the fresh process in {timeout} s:\n{output}")
+            assert line is not None, f"the fresh process ended:\n{process.output()}"
+            if line.startswith("RESULT"):
+                return json.loads(line[len("RESULT"):])
+            assert not line.startswith("ERROR"), json.loads(line[len("ERROR"):])[-3000:] + process.output()
+
+
+def check_remote_code(model, tmp_path):
+    """Save, then load in a fresh process where hf_hardattn is not importable, offline, with trust_remote_code (one
+    process serves the checks of a test session: `RemoteCodeProcess`). There and here the float64 model gives the same
+    greedy and beam tokens (see `as_float64`). The fp32 model's beam search, and (where this torch build has oneDNN's
+    prepacked linear, as `pack_linears` needs) the packed one's, decode as here: the fresh process may pick other
+    threads and kernels, so exact tokens only where margins allow (of the 80 decisions of `decoding_batch()`, at least
+    half clear)."""
     from hf_hardattn.packed_linear import packing_available
 
     model.save_pretrained(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     assert "auto_map" in config and "AutoModelForSeq2SeqLM" in config["auto_map"]
     ids, mask = decoding_batch()
-    repo_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH="", HF_MODULES_CACHE=str(tmp_path / "modules_cache"))
-    script = tmp_path / "remote_load.py"
-    script.write_text(REMOTE_SCRIPT.replace("STEP_RECORDER", inspect.getsource(StepRecorder)))
-    # run from an empty folder; the script removes the project path and the editable-install finder
-    workdir = tmp_path / "fresh"
-    workdir.mkdir()
-    proc = subprocess.run(
-        [sys.executable, str(script), str(tmp_path), repo_root, json.dumps(ids.tolist())],
-        capture_output=True, text=True, env=env, cwd=workdir, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-2000:]
-    result = json.loads(proc.stdout.split("RESULT", 1)[1])
+    result = RemoteCodeProcess.check(tmp_path, ids.tolist())
     assert result["class"].startswith("transformers_modules"), result["class"]
     kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=10, min_new_tokens=10)
     model64 = as_float64(model)

@@ -47,13 +47,18 @@ def test_dry_run_builds_and_validates_the_folder(saved, tmp_path, capsys):
 def test_push_is_one_commit_of_the_validated_files(saved, hub, monkeypatch, tmp_path):  # noqa: F811
     _, folder, score = saved
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    # validate_folder is recorded, not run: its fresh process on this folder and sentence is the dry run's above (the
+    # same call before the push / dry-run branch); a failing one refuses the push (test_refusals_...)
+    validated = []
+    monkeypatch.setattr(cli, "validate_folder", lambda staging, model, tokenizer, sentence: validated.append(
+        (sorted(os.listdir(staging)), sentence)))
     assert cli.main(["publish", str(folder), "me/tiny", "--results", str(score), "--commit-message", "v1",
                      "--private", "--sentence", "t5 t6 t7"]) == 0
     assert [repo["repo_id"] for repo in hub.repos] == ["me/tiny"] and hub.repos[0]["private"] is True
     (commit,) = hub.commits
     assert commit["commit_message"] == "v1"
+    assert validated == [(sorted(commit["files"]), "t5 t6 t7")]  # validated before the push: what it committed
     out = tmp_path / "same"
-    monkeypatch.setattr(cli, "validate_folder", lambda *args: None)  # (validated above; the folder only)
     cli.main(["publish", str(folder), "me/tiny", "--results", str(score), "--dry-run", str(out)])
     assert set(commit["files"]) == set(os.listdir(out))
     assert commit["files"]["README.md"] == (out / "README.md").read_bytes()

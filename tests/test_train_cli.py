@@ -124,19 +124,26 @@ def test_sigkill_mid_run_then_resume_ends_with_the_uninterrupted_weights(data, t
                 "--tokenizer", str(data / "tok"), "--max-steps", "24", "--save-steps", "2", *extra]
 
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    straight = subprocess.run(command(tmp_path / "straight"), capture_output=True, text=True, env=env, timeout=600)
-    assert straight.returncode == 0, straight.stderr[-2000:]
-    out = tmp_path / "killed"
-    child = subprocess.Popen(command(out), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-    deadline = time.time() + 300
-    while not (out / "trainer" / "checkpoint-6" / "trainer_state.json").exists() and child.poll() is None:
-        assert time.time() < deadline
-        time.sleep(0.05)
-    child.send_signal(signal.SIGKILL)
-    child.wait()
-    assert not (out / "model").exists()  # killed before the end
-    resumed = subprocess.run(command(out, "--resume"), capture_output=True, text=True, env=env, timeout=600)
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    # the uninterrupted run beside the killed one (one thread each; its output is only read at the end)
+    with open(tmp_path / "straight.log", "w") as log:
+        straight = subprocess.Popen(command(tmp_path / "straight"), stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        out = tmp_path / "killed"
+        child = subprocess.Popen(command(out), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+        deadline = time.time() + 300
+        while not (out / "trainer" / "checkpoint-6" / "trainer_state.json").exists() and child.poll() is None:
+            assert time.time() < deadline
+            time.sleep(0.05)
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+        assert not (out / "model").exists()  # killed before the end
+        resumed = subprocess.run(command(out, "--resume"), capture_output=True, text=True, env=env, timeout=600)
+        assert resumed.returncode == 0, resumed.stderr[-2000:]
+        assert straight.wait(timeout=600) == 0, (tmp_path / "straight.log").read_text()[-2000:]
+    finally:
+        if straight.poll() is None:  # (a failure above: not left running)
+            straight.kill()
+            straight.wait()
     want = load_file(tmp_path / "straight" / "model" / "model.safetensors")
     got = load_file(out / "model" / "model.safetensors")
     assert all(torch.equal(got[key], want[key]) for key in want)
