@@ -157,6 +157,7 @@ def test_init_std_reaches_every_hf_hardattn_row_and_is_recorded(tmp_path):
                                      "--output-dir", str(tmp_path / init)])
         reproduce.main(common + ["--rows", "soft", "marian", "--init-std", "xavier", "--embed-init-std", "0.01",
                                  "--output-dir", str(tmp_path / "embed")])
+        reproduce.main(common + ["--rows", "soft", "hybrid_dot", "--output-dir", str(tmp_path / "default")])
     finally:
         reproduce.run_row = build
     for row in ("soft", "hc_sa"):
@@ -171,6 +172,17 @@ def test_init_std_reaches_every_hf_hardattn_row_and_is_recorded(tmp_path):
     rows = load_results(tmp_path / "embed")["rows"]
     assert rows["soft"]["embed_init_std"] == 0.01 and rows["soft"]["init_std"] is None
     assert "--embed-init-std 0.01" in rows["soft"]["command"]
+    # no flag: each model type's default (Transformer decoders 0.02, RNN decoders N(0, d^-1/2)), recorded
+    assert seen[(None, "soft")] == pytest.approx(0.02, rel=0.1) and seen[(None, "hybrid_dot")] == pytest.approx(32 ** -0.5, rel=0.1)
+    rows = load_results(tmp_path / "default")["rows"]
+    assert rows["soft"]["embed_init_std"] == 0.02 and rows["hybrid_dot"]["embed_init_std"] is None
+    # the nouns recipes keep N(0, d^-1/2) embeddings for every type (0.02 measured lower there), recorded in the recipe
+    assert all(recipe.embed_init_std is None for recipe in reproduce.PRESETS["nouns"].values())
+    assert rows["soft"]["recipe"]["embed_init_std"] == "model"
+    nouns = dict(recipe=reproduce.PRESETS["nouns"]["cpu"])
+    nouns["tokenizer"] = type("Tok", (list,), dict(pad_token_id=0, bos_token_id=1, eos_token_id=2))(["x"] * 50)
+    assert reproduce._common(nouns)["embed_init_std"] is None
+    assert "embed_init_std" not in reproduce._common(dict(nouns, recipe=reproduce.PRESETS["multi30k"]["cpu"]))
     for flag, value in (("--init-std", "-1"), ("--embed-init-std", "0"), ("--embed-init-std", "xavier")):
         with pytest.raises(SystemExit):
             reproduce.main(common + [flag, value, "--output-dir", str(tmp_path / "bad")])

@@ -10,6 +10,7 @@ from transformers.modeling_outputs import BaseModelOutput
 from common import (CONTRACT_MODELS, EOS, GROUPED_MODES, check_grouped_memory, check_trainer, collate,
                     contract_model, copy_task, decode_step_by_step, fitted, randomize, source_batch, tiny_kwargs,
                     toy_tokenizer)
+from hf_hardattn import registry
 from hf_hardattn import (BeamJointRNNConfig, BeamJointRNNForConditionalGeneration, BeamJointTransformerConfig,
                          BeamJointTransformerForConditionalGeneration, GaussianConfig,
                          GaussianForConditionalGeneration, HardAttnCache, HardRetrievalConfig,
@@ -469,6 +470,23 @@ def test_init_std_sets_every_linear_and_embedding(name, init_std, embed_init_std
         if init_std is None:
             assert layer.weight.abs().max() <= bound
         assert layer.bias is None or not layer.bias.any()
+
+
+@pytest.mark.parametrize("model_type", sorted(registry.MODEL_TYPES))
+def test_default_embedding_init_is_chosen_per_decoder(model_type):
+    """Issue #53's measured default: N(0, 0.02) embeddings under Xavier linears for the Transformer decoders, the
+    earlier N(0, d^-1/2) for the RNN decoders (registry's ``rnn_decoder``); a saved config keeps its value and an
+    explicit None brings back the earlier init for any type."""
+    config_class, model_class = registry.model_classes(model_type)
+    rnn = registry.MODEL_TYPES[model_type].rnn_decoder
+    config = config_class(**tiny_kwargs(d_model=64, encoder_attention_heads=4, decoder_attention_heads=4))
+    assert config.init_std is None and config.embed_init_std == (None if rnn else 0.02)
+    for value, expected in ((config.embed_init_std, 64**-0.5 if rnn else 0.02), (None, 64**-0.5)):
+        config.embed_init_std = value
+        torch.manual_seed(0)
+        weight = model_class(config).get_input_embeddings().weight
+        assert abs(weight.std().item() / expected - 1) < 0.1, (value, weight.std().item(), expected)
+    assert config_class.from_dict(config_class(**tiny_kwargs(embed_init_std=0.05)).to_dict()).embed_init_std == 0.05
 
 
 @pytest.mark.parametrize("value", [0, -0.02, float("nan"), float("inf"), True, "0.02"])

@@ -94,6 +94,9 @@ class Recipe:
     eval_size: int | None = None  # test examples scored (None = the whole test set)
     max_length: int = 128
     max_examples: int | None = None  # nouns: examples taken before the split by lemma
+    # the embeddings' init (config embed_init_std): "model" = each model type's default (0.02 for the Transformer
+    # decoders, None for the RNN ones); None = as init_std says. Nouns keeps None: 0.02 measured 1-8 points lower there
+    embed_init_std: float | str | None = "model"
 
 
 PRESETS = {
@@ -118,14 +121,14 @@ PRESETS = {
             rnn=dict(rnn_hidden_size=128, rnn_embedding_size=128),
             tokenizer=dict(kind="char", vocab_size=300, min_frequency=2), minutes=3.0, max_steps=None,
             max_tokens=1024, learning_rate=2e-3, warmup_steps=200, eval_batch_size=250, eval_size=2000,
-            max_length=64, max_examples=60_000),
+            max_length=64, max_examples=60_000, embed_init_std=None),
         "base": Recipe(
             dims=dict(d_model=512, encoder_layers=6, decoder_layers=6, encoder_attention_heads=8,
                       decoder_attention_heads=8, encoder_ffn_dim=2048, decoder_ffn_dim=2048, dropout=0.1),
             rnn=dict(rnn_hidden_size=1024, rnn_embedding_size=512),
             tokenizer=dict(kind="char", vocab_size=300, min_frequency=2), minutes=None, max_steps=20000,
             max_tokens=4096, learning_rate=5e-4, warmup_steps=4000, eval_batch_size=250, eval_size=None,
-            max_length=64),
+            max_length=64, embed_init_std=None),
     },
 }
 TINY = Recipe(dims=dict(d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
@@ -140,7 +143,8 @@ PRESETS["multi30k"]["small"] = dataclasses.replace(
     PRESETS["multi30k"]["cpu"], dims=dict(PRESETS["nouns"]["cpu"].dims), rnn=dict(PRESETS["nouns"]["cpu"].rnn),
     minutes=20.0, max_tokens=1024, learning_rate=1e-3, warmup_steps=200, bf16=False)
 PRESETS["nouns"]["small"] = PRESETS["nouns"]["cpu"]  # already that size
-PRESETS["nouns"]["tiny"] = dataclasses.replace(TINY, tokenizer=dict(kind="char", vocab_size=300, min_frequency=1))
+PRESETS["nouns"]["tiny"] = dataclasses.replace(TINY, tokenizer=dict(kind="char", vocab_size=300, min_frequency=1),
+                                               embed_init_std=None)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -174,9 +178,11 @@ def _common(ctx, **extra):
     recipe = ctx["recipe"]
     common = dict(**recipe.dims, **_special(ctx["tokenizer"]), label_smoothing=recipe.label_smoothing,
                   max_position_embeddings=max(256, recipe.max_length))
+    if recipe.embed_init_std != "model":  # the recipe's embeddings init (nouns: None)
+        common["embed_init_std"] = recipe.embed_init_std
     if "init_std" in ctx:  # --init-std: every hf_hardattn row's initialisation (marian keeps its own, N(0, 0.02))
         common["init_std"] = ctx["init_std"]
-    if "embed_init_std" in ctx:  # --embed-init-std: the embeddings' std alone
+    if "embed_init_std" in ctx:  # --embed-init-std (or None under --init-std alone): the embeddings' std
         common["embed_init_std"] = ctx["embed_init_std"]
     common.update(extra)
     return common
@@ -649,13 +655,14 @@ def add_arguments(parser: argparse.ArgumentParser):
     parser.add_argument("--learning-rate", type=float, default=None, help="override the preset's peak learning rate")
     parser.add_argument("--eval-size", type=int, default=None, help="override the preset's number of test examples")
     parser.add_argument("--init-std", type=_init_std, default=None, metavar="{xavier,STD}",
-                        help="initialisation of every hf_hardattn row (config init_std): 'xavier' (Xavier-uniform "
-                             "linears, N(0, d_model^-1/2) embeddings) or a positive std (every linear and embedding "
-                             "N(0, STD)); default: the config's default")
+                        help="initialisation of every hf_hardattn row (config init_std; embed_init_std None unless "
+                             "--embed-init-std is given): 'xavier' (Xavier-uniform linears, N(0, d_model^-1/2) "
+                             "embeddings: the default before issue #53) or a positive std (every linear and embedding "
+                             "N(0, STD)); default: the model type's and recipe's default")
     parser.add_argument("--embed-init-std", type=_embed_init_std, default=None, metavar="{follow,STD}",
                         help="initialisation of every hf_hardattn row's embeddings alone (config embed_init_std): "
-                             "'follow' (as --init-std says) or a positive std (N(0, STD)); default: the config's "
-                             "default")
+                             "'follow' (as --init-std says) or a positive std (N(0, STD)); default: the recipe's "
+                             "(nouns: follow) or else the model type's (Transformer decoders 0.02, RNN decoders follow)")
     parser.add_argument("--precision", choices=("bf16", "fp32"), default=None,
                         help="override the preset's training precision (bf16 autocast needs a CPU with AVX512 or "
                              "AMX, or a GPU)")
@@ -719,6 +726,8 @@ def run(args) -> dict:
         ctx["init_std"] = None if args.init_std == "xavier" else args.init_std
     if args.embed_init_std is not None:
         ctx["embed_init_std"] = None if args.embed_init_std == "follow" else args.embed_init_std
+    elif args.init_std is not None:  # --init-std alone sets every weight, the embeddings included
+        ctx["embed_init_std"] = None
     print(f"reproduce {args.task}/{args.preset}: {len(train)} training examples, {len(test)} test, vocabulary "
           f"{len(tokenizer)}, {per_sentence:.1f} tokens/sentence -> {ctx['batch_size']} sentences per batch; "
           f"output {out}", flush=True)
