@@ -97,12 +97,13 @@ class HardAttnConfig(PreTrainedConfig):
             never re-initialised.
         embed_init_std: the initialisation of a new model's embeddings (token embeddings, tied to the output layer,
             and learned positions). A number: N(0, embed_init_std). None: as ``init_std`` says (N(0, d_model^-1/2)
-            under Xavier, the default before issue #53; N(0, init_std) otherwise). Default 0.02 for the Transformer
-            decoders (soft, hard retrieval, Gaussian, recurrent, beam-joint Transformer); the RNN decoders (hybrid,
-            beam-joint RNN) default to None. Chosen by measurement (issue #53, benchmarks/README.md
-            "Initialisation"): on Multi30k (subword, 1500 steps, two seeds, test and val) 0.02 lifts every
-            Transformer decoder by 0.6 to 1.3 BLEU over None and costs the LSTM decoders 8 to 11; on the
-            character-level nouns task it costs 1 to 8 points, so that recipe keeps None.
+            under Xavier, the default before issue #53; N(0, init_std) otherwise). Default 0.02 for soft, hard
+            retrieval, recurrent and beam-joint Transformer models; None for the Gaussian, hybrid and beam-joint RNN
+            models. Chosen per model type by measurement (issue #53, benchmarks/README.md "Initialisation"): on
+            Multi30k (subword BPE, 1500 steps, two seeds, test and val sets) 0.02 lifts soft, hard retrieval,
+            recurrent and beam-joint Transformer by 0.6 to 1.3 BLEU over None, lowers hc-sa by 0.85 and the LSTM
+            decoders by 8 to 11; on the character-level nouns task it is lower for every type, so that recipe (and
+            the demo) keep None.
         encoder_attention / decoder_attention / cross_attention: the attention kind of each role, one of
             ``ATTENTION_KINDS``, either a single kind for every layer or a list with one kind per layer.
     """
