@@ -266,7 +266,21 @@ def trained_on(path, payload, rows):
         budget = "fixed steps per row (`--max-steps`, the steps column)"
     seed = (f"seed {seeds.pop()} (one seed)" if len(seeds) == 1
             else "seeds " + ", ".join(str(s) for s in sorted(seeds)))
-    return f"Trained on: {machines}{''.join(notes)}. Budget: {budget}; {seed}."
+    inits = sorted({init_of(row) for name, row in rows.items() if name != "marian"})
+    return f"Trained on: {machines}{''.join(notes)}. Budget: {budget}; {seed}. Init: {'; '.join(inits)}."
+
+
+def init_of(row):
+    """A row's initialisation, from its ``init_std`` / ``embed_init_std`` (rows from before issue #53 store neither:
+    they ran the default of then, Xavier linears and N(0, d^-1/2) embeddings)."""
+    init_std, embed = row.get("init_std"), row.get("embed_init_std")
+    linears = "Xavier linears" if init_std is None else f"N(0, {init_std:g}) linears"
+    if embed is None:
+        embed = "d^-1/2" if init_std is None else f"{init_std:g}"
+    else:
+        embed = f"{embed:g}"
+    earlier = " (the default before issue #53)" if init_std is None and embed == "d^-1/2" else ""
+    return f"{linears}, N(0, {embed}) embeddings{earlier}"
 
 
 def reproduction_tables(model_type):
