@@ -128,8 +128,8 @@ class HybridConfig(HardAttnConfig):
             beam-joint paper's decoder). See the module docstring.
         rnn_cell: ``"gru"`` (default; the hybrid paper's) or ``"lstm"`` (the beam-joint paper's).
         embed_init_std: default None here (embeddings N(0, d_model^-1/2) under Xavier linears), not the Transformer
-            decoders' 0.02: with 0.02 the LSTM decoders lost 8 to 11 BLEU on Multi30k and hybrid_dot learned nothing
-            on the nouns task (issue #53).
+            decoders' 0.02: with 0.02 the LSTM decoders lost 8 to 11 BLEU on Multi30k and hybrid_dot scored 0.00 and
+            65.35 on the nouns task against 88.50 and 87.45 (two seeds, issue #53).
         decoder_attention / cross_attention: must stay ``"none"`` (there are no Transformer decoder layers).
     """
 

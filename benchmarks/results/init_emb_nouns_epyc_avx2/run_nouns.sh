@@ -1,5 +1,5 @@
 #!/bin/bash
-# Issue #53 item 1 on the nouns task (2026-11-27, 2-core AVX2 AMD EPYC, 2 rows at a time, 1 thread each): the
+# Issue #53 item 1 on the nouns task (2026-11-27, as run; 2-core AVX2 AMD EPYC, 2 rows at a time, 1 thread each): the
 # embeddings-only init (embed 0.02: config embed_init_std 0.02, Xavier linears) against the default (xavier: Xavier
 # linears, N(0, d^-1/2) embeddings), every model type, seeds 0 and 1, cpu preset, fp32, 2000 steps.
 # code = a snapshot of the working tree (main 2026-11-27 + embed_init_std); the Xavier seed-0 rows of soft,
