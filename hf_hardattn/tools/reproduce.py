@@ -94,8 +94,9 @@ class Recipe:
     eval_size: int | None = None  # test examples scored (None = the whole test set)
     max_length: int = 128
     max_examples: int | None = None  # nouns: examples taken before the split by lemma
-    # the embeddings' init (config embed_init_std): "model" = each model type's default (0.02 for the Transformer
-    # decoders, None for the RNN ones); None = as init_std says. Nouns keeps None: 0.02 measured 1-8 points lower there
+    # the embeddings' init (config embed_init_std): "model" = each model type's default (0.02: soft, hard retrieval,
+    # recurrent, beam-joint Transformer; None: Gaussian, hybrid, beam-joint RNN); None = as init_std says. Nouns keeps
+    # None: 0.02 measured lower there for every type (issue #53)
     embed_init_std: float | str | None = "model"
 
 
@@ -662,7 +663,8 @@ def add_arguments(parser: argparse.ArgumentParser):
     parser.add_argument("--embed-init-std", type=_embed_init_std, default=None, metavar="{follow,STD}",
                         help="initialisation of every hf_hardattn row's embeddings alone (config embed_init_std): "
                              "'follow' (as --init-std says) or a positive std (N(0, STD)); default: the recipe's "
-                             "(nouns: follow) or else the model type's (Transformer decoders 0.02, RNN decoders follow)")
+                             "(nouns: follow) or else the model type's (0.02 for soft, hard retrieval, recurrent, beam-joint "
+                             "Transformer; follow for Gaussian, hybrid, beam-joint RNN)")
     parser.add_argument("--precision", choices=("bf16", "fp32"), default=None,
                         help="override the preset's training precision (bf16 autocast needs a CPU with AVX512 or "
                              "AMX, or a GPU)")
