@@ -617,30 +617,20 @@ def row_command(ctx, name) -> str:
 RECIPE_OVERRIDES = ("minutes", "max_steps", "learning_rate", "eval_size")  # flags that replace a preset's value
 
 
-def _init_std(text: str):
-    """--init-std: "xavier" (config init_std None) or a positive finite std."""
-    if text == "xavier":
-        return "xavier"
-    try:
-        value = float(text)
-    except ValueError:
-        value = None
-    if value is None or not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be 'xavier' or a positive number, got {text!r}")
-    return value
-
-
-def _embed_init_std(text: str):
-    """--embed-init-std: "follow" (config embed_init_std None: as init_std says) or a positive finite std."""
-    if text == "follow":
-        return "follow"
-    try:
-        value = float(text)
-    except ValueError:
-        value = None
-    if value is None or not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be 'follow' or a positive number, got {text!r}")
-    return value
+def _std_or(word: str):
+    """An argparse type: ``word`` (kept as the string) or a positive finite std. --init-std takes "xavier" (config
+    init_std None), --embed-init-std "follow" (config embed_init_std None: as init_std says)."""
+    def parse(text: str):
+        if text == word:
+            return word
+        try:
+            value = float(text)
+        except ValueError:
+            value = None
+        if value is None or not 0 < value < float("inf"):
+            raise argparse.ArgumentTypeError(f"must be '{word}' or a positive number, got {text!r}")
+        return value
+    return parse
 
 
 def add_arguments(parser: argparse.ArgumentParser):
@@ -655,12 +645,12 @@ def add_arguments(parser: argparse.ArgumentParser):
     parser.add_argument("--max-steps", type=int, default=None, help="override the preset's steps per row")
     parser.add_argument("--learning-rate", type=float, default=None, help="override the preset's peak learning rate")
     parser.add_argument("--eval-size", type=int, default=None, help="override the preset's number of test examples")
-    parser.add_argument("--init-std", type=_init_std, default=None, metavar="{xavier,STD}",
+    parser.add_argument("--init-std", type=_std_or("xavier"), default=None, metavar="{xavier,STD}",
                         help="initialisation of every hf_hardattn row (config init_std; embed_init_std None unless "
                              "--embed-init-std is given): 'xavier' (Xavier-uniform linears, N(0, d_model^-1/2) "
                              "embeddings: the default before issue #53) or a positive std (every linear and embedding "
                              "N(0, STD)); default: the model type's and recipe's default")
-    parser.add_argument("--embed-init-std", type=_embed_init_std, default=None, metavar="{follow,STD}",
+    parser.add_argument("--embed-init-std", type=_std_or("follow"), default=None, metavar="{follow,STD}",
                         help="initialisation of every hf_hardattn row's embeddings alone (config embed_init_std): "
                              "'follow' (as --init-std says) or a positive std (N(0, STD)); default: the recipe's "
                              "(nouns: follow) or else the model type's (0.02 for soft, hard retrieval, recurrent, beam-joint "
