@@ -141,6 +141,41 @@ def test_soft_is_exact(family):
             assert expected[:, 1:5].tolist() == [[25, 21, 17, 13], [23, 19, 11, 7]]  # memorised: source-dependent
 
 
+def test_soft_trains_as_marian_does():
+    """The reproduce tables' `marian` reference row and `soft` are one model (issue #53): a MarianMTModel with the
+    recipe's settings (relu, scaled embeddings, shared and tied embeddings), converted to soft with label smoothing
+    0.1, trained side by side on the same batches (float64, no dropout), has at every step the loss MarianMTModel's
+    logits give under transformers' LabelSmoother (how the `marian` row trains), and the same logits after the steps.
+    So what differs between those two rows is the initialisation and the random draw alone. (Our loss is computed in
+    fp32 arithmetic whatever the logits' dtype: equal to fp32 rounding. Plain SGD: Adam's first step, g / |g|, would
+    turn that rounding of near-zero gradients into whole steps.)"""
+    from transformers.trainer_pt_utils import LabelSmoother
+
+    torch.manual_seed(0)
+    theirs = marian(activation_function="relu", decoder_start_token_id=1, share_encoder_decoder_embeddings=True)
+    theirs = theirs.double().train()
+    ours = hf_hardattn.convert(theirs, "soft_transformer", label_smoothing=0.1, dropout=0.0).train()
+    smoother = LabelSmoother(epsilon=0.1)
+    optimizers = [torch.optim.SGD(model.parameters(), lr=0.5) for model in (theirs, ours)]
+    rows = copy_task(64, seed=4)
+    first = collate(rows[:16])
+    for step in range(4):
+        batch = collate(rows[16 * step : 16 * (step + 1)])
+        expected = smoother(theirs(**batch), batch["labels"])
+        loss = ours(**batch).loss
+        assert abs(loss.item() - expected.item()) <= 1e-6 * expected.item(), (step, loss.item(), expected.item())
+        if step == 0:
+            start = expected.item()
+        for optimizer, value in zip(optimizers, (expected, loss)):
+            optimizer.zero_grad()
+            value.backward()
+            optimizer.step()
+    assert smoother(theirs(**first), first["labels"]).item() < 0.95 * start  # the steps changed the model
+    theirs.eval(), ours.eval()
+    expected = logits(theirs, torch.float64)
+    assert (logits(ours, torch.float64) - expected).abs().max().item() <= 1e-5 * expected.abs().max().item()
+
+
 def test_m2m100_left_padding_is_exact():
     """fairseq positions count from each row's first real token, as ours do for a left-padded source: M2M100's logits
     are reproduced on a left-padded batch too (fp32 within 1e-4, float64 within 1e-10), and so are its beam-4 tokens
