@@ -125,25 +125,30 @@ def int8_probability_sigma(reference, int8_layers, ids, mask, decoder_ids, chunk
     """The standard deviation [B, T, V] of every next-token probability of the int8 model around the fp32 model's, to
     first order, under the rounding model above: the input of each layer named in ``int8_layers`` gets an error of
     variance s_x^2 / 12 per element (s_x = (max(x, 0) - min(x, 0)) / 127 of that call's whole input, as fbgemm's 7-bit
-    per-tensor quantisation), its weight one of variance s_w_j^2 / 12 (s_w_j = max|w_j| / 127.5, per output row).
-    The full forward's steps: a cached step quantises a subset of those rows, so its steps are no larger."""
+    per-tensor quantisation), its weight one of variance s_w_j^2 / 12 (s_w_j = max|w_j| / 127.5, per output row),
+    the same for all of the layer's calls (an RNN's steps). The full forward's steps: a cached step quantises a
+    subset of those rows, so its steps are no larger. For types whose output is differentiable in every layer's
+    (not hard retrieval's argmax or beam-joint's top-K: CHOOSING)."""
     model = copy.deepcopy(reference).double()
-    errors, variances = [], []
+    errors, variances, weight_errors = [], [], {}
 
     def input_and_weight_errors(module, args):
         x = args[0]
         low, high = x.detach().min().clamp(max=0), x.detach().max().clamp(min=0)
         step_x = (high - low) / 127
         step_x = torch.where(step_x == 0, 0.1, step_x)  # fbgemm's scale for an all-zero input
-        step_w = module.weight.detach().abs().amax(1, keepdim=True) / 127.5
-        error_x = torch.zeros_like(x, requires_grad=True)
-        module.weight_error = torch.zeros_like(module.weight, requires_grad=True)
-        errors.extend([error_x, module.weight_error])
-        variances.extend([step_x**2 / 12, (step_w**2 / 12).expand_as(module.weight)])
+        if module not in weight_errors:  # one rounded weight for all of a layer's calls (an RNN's steps)
+            step_w = module.weight.detach().abs().amax(1, keepdim=True) / 127.5
+            weight_errors[module] = torch.zeros_like(module.weight, requires_grad=True)
+            errors.append(weight_errors[module])
+            variances.append((step_w**2 / 12).expand_as(module.weight))
+        error_x = torch.zeros_like(x, requires_grad=True)  # each call quantises its own input
+        errors.append(error_x)
+        variances.append(step_x**2 / 12)
         return (x + error_x,)
 
     def add_weight_error(module, args, out):  # the rounded weight's share alone (a tied weight's other uses stay)
-        return out + nn.functional.linear(args[0], module.weight_error)
+        return out + nn.functional.linear(args[0], weight_errors[module])
 
     hooks = [hook for name, module in model.named_modules() if name in int8_layers
              for hook in (module.register_forward_pre_hook(input_and_weight_errors),
@@ -151,15 +156,16 @@ def int8_probability_sigma(reference, int8_layers, ids, mask, decoder_ids, chunk
     probabilities = model(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder_ids).logits.softmax(-1)
     for hook in hooks:
         hook.remove()
-    assert len(errors) == 2 * len(int8_layers), "every int8 layer runs in the forward pass"
+    assert len(weight_errors) == len(int8_layers), "every int8 layer runs in the forward pass"
     flat = probabilities.reshape(-1)
     one_hot = torch.eye(flat.numel(), dtype=flat.dtype)
     variance = torch.zeros_like(flat)
     for start in range(0, flat.numel(), chunk):
         grads = torch.autograd.grad(flat, errors, grad_outputs=one_hot[start : start + chunk], retain_graph=True,
-                                    is_grads_batched=True)  # one gradient per probability, batched
-        for grad, var in zip(grads, variances):
-            variance[start : start + chunk] += (grad.square() * var).flatten(1).sum(1)
+                                    is_grads_batched=True, allow_unused=True)  # one gradient per probability
+        for grad, var in zip(grads, variances):  # (None: a call whose output no logit uses, an RNN's last gates)
+            if grad is not None:
+                variance[start : start + chunk] += (grad.square() * var).flatten(1).sum(1)
     return variance.sqrt().reshape(probabilities.shape).float()
 
 
@@ -268,20 +274,33 @@ def test_int8_decoding_with_the_cache_follows_the_full_forward(name):
     assert torch.allclose(beam.sequences_scores, chosen.sum(1), atol=CACHE_MEAN_TV * 6), (beam.sequences_scores, chosen)
 
 
+# Types whose output chooses (hard retrieval's argmax over keys, beam-joint's top-K): a small score change may pick
+# another key, a jump that no first-order model of the rounding describes (|dp| / sigma rms 9 on hard retrieval).
+CHOOSING = ("hard_retrieval", "beam_joint_transformer", "beam_joint_rnn", "beam_joint_rnn_bahdanau")
+
+
 @pytest.mark.parametrize("name", CONTRACT_MODELS)
 def test_every_type_decodes_in_int8_close_to_fp32(name):
+    """Every type's int8 next-token probabilities against fp32 on a teacher-forced batch. Smooth types (every output
+    a differentiable function of every int8 layer): within SIGMAS sigma of the quantisation-step model, errors of its
+    size (rms of |dp| / sigma in CALIBRATED; measured 0.88-1.14 over the nine). Choosing types: a broken layer (wrong
+    weights, wrong kept list) moves probabilities by ~1 and the argmax to chance, while int8 rounding moved them by at
+    most 0.14 and kept 10 of 12 argmax tokens on these tiny fitted models (an observed bound: see CHOOSING)."""
     reference = contract_model(name).eval()
     model = copy.deepcopy(reference).quantize_int8()
     ids, mask = source_batch()
     decoder = torch.tensor([[model.config.decoder_start_token_id, 5, 9, 7, 12, 6]] * ids.shape[0])
     expected, got = log_probs(reference, ids, mask, decoder), log_probs(model, ids, mask, decoder)
-    # next-token probabilities (log-probabilities of unlikely tokens, as beam-joint's mixture returns, are far apart
-    # in absolute terms without mattering); seen on these tiny fitted models: at most 0.14 and 10 of 12 argmax tokens
-    # kept (hard retrieval and beam-joint, whose argmax / top-K choices turn small score changes into other keys,
-    # deviate most). A broken layer (wrong weights, wrong kept list) moves probabilities by ~1 and the argmax to chance.
-    error = (got.exp() - expected.exp()).abs().max().item()
+    error = (got.exp() - expected.exp()).abs()
+    if name not in CHOOSING:
+        sigma = int8_probability_sigma(reference, set(quantized_linears(model)), ids, mask, decoder)
+        assert (error <= SIGMAS * sigma + 1e-6).all(), (error / sigma).max().item()
+        counted = sigma > 1e-4
+        rms = (error[counted] / sigma[counted]).square().mean().sqrt().item()
+        assert CALIBRATED[0] <= rms <= CALIBRATED[1], rms
+        return
     agreement = (got.argmax(-1) == expected.argmax(-1)).float().mean().item()
-    assert error < 0.3 and agreement >= 0.75, (error, agreement)
+    assert error.max().item() < 0.3 and agreement >= 0.75, (error.max().item(), agreement)
 
 
 def test_layers_read_by_weight_must_stay_fp32():
