@@ -356,8 +356,9 @@ def varied(model):
 @pytest.mark.parametrize("target", OTHER_TYPES)
 def test_other_types(target, tmp_path):
     """Each Transformer type gets the source's shared weights, reports what it initialised or dropped, and generates
-    (greedy and beam 4) as one full forward of its output scores it, varied tokens, before and after one training
-    step; the hard-retrieval one (Marian's positions and logits bias in another type) also saves and reloads."""
+    (greedy and beam 4) as one full forward of its output scores it, varied tokens (fitted first where its output
+    repeats one: `varied`), before and after one training step; the hard-retrieval one (Marian's positions and logits
+    bias in another type) also saves and reloads."""
     source = source_model("marian")
     overrides, initialised = OTHER_TYPES[target]
     model_type = target if target.endswith("transformer") else "recurrent_transformer"

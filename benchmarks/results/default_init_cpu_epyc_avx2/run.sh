@@ -1,5 +1,5 @@
 #!/bin/bash
-# As run on 2026-11-27 (stop 58), from /work/cpu_rows; outputs and logs there (not kept). Seed 1: SEED=1 ./run.sh.
+# As run on 2026-11-27: seed 0 (stop 58) and SEED=1 (stop 59), from /work/cpu_rows; outputs and logs there (not kept). Seed 1: SEED=1 ./run.sh.
 # #53 item 2: the CPU rows of soft and hard_cross with the new default init (embed_init_std per type = 0.02),
 # Multi30k cpu preset, fp32, 1500 steps, seed $SEED, --threads 1, the two rows side by side on this 2-core CPU.
 cd /work/main
