@@ -70,6 +70,18 @@ def memorised_margins(model):
     return (target - other)[labels != -100]
 
 
+def memorise_reversals(model, what):
+    """``model`` (float64, trained in place) after float64 Adam on the reversals until each memorised token wins by
+    MARGIN, which is asserted (the margins read with the weights rounded to fp32); returned in fp32, eval mode."""
+    step = memorise(model, collate(memorised_rows()), memorised_margins, MARGIN, max_steps=300)
+    model = model.float().eval()
+    margins = memorised_margins(model)
+    assert margins.min() >= MARGIN, (f"{what} did not memorise the reversals of source_batch() in {step} float64 Adam "
+                                     f"steps (smallest margin {margins.min():.3g} < {MARGIN}): the token checks need "
+                                     f"its varied, source-dependent output")
+    return model
+
+
 def source_model(family):
     """The family's tiny source with a random final_logits_bias where the family has one (a buffer that training
     leaves alone), drawn and fitted in float64 (the same weights on every CPU, to rounding) until it has memorised
@@ -86,13 +98,7 @@ def source_model(family):
             if hasattr(model, "final_logits_bias"):
                 model.final_logits_bias.copy_(torch.randn(model.final_logits_bias.shape, generator=generator,
                                                           dtype=torch.float64) * 0.5)
-        step = memorise(model, collate(memorised_rows()), memorised_margins, MARGIN, max_steps=300)
-        model = model.float().eval()
-        margins = memorised_margins(model)
-        assert margins.min() >= MARGIN, (f"the tiny {family} model did not memorise the reversals of source_batch() "
-                                         f"in {step} float64 Adam steps (smallest margin {margins.min():.3g} < "
-                                         f"{MARGIN}): the token checks need its varied, source-dependent output")
-        _FITTED[family] = model
+        _FITTED[family] = memorise_reversals(model, f"the tiny {family} model")
     return _FITTED[family]
 
 
@@ -340,17 +346,13 @@ def varied(model):
     source's function (beam-joint mixes K attentions and drops the bias; a training step in float32) may repeat one
     token, and which one the CPU's rounding decides. Guards the generate checks, which a repeated token could pass."""
     ids, mask = source_batch()
+    model64 = float64(model).eval()
     with torch.no_grad():
-        tokens = float64(model).eval().generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+        tokens = model64.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
     if is_nontrivial(tokens):
         return model
-    fitted_model = float64(model)
-    step = memorise(fitted_model, collate(memorised_rows()), memorised_margins, MARGIN, max_steps=300)
-    margins = memorised_margins(fitted_model)
-    assert margins.min() >= MARGIN, (
-        f"the converted {model.config.model_type} repeated one token ({tokens.tolist()}) and did not memorise the "
-        f"reversals in {step} float64 Adam steps (smallest margin {margins.min():.3g} < {MARGIN})")
-    return fitted_model.float().eval()
+    return memorise_reversals(model64, f"the converted {model.config.model_type} (it repeated one token: "
+                                       f"{tokens.tolist()})")
 
 
 @pytest.mark.parametrize("target", OTHER_TYPES)
