@@ -255,44 +255,52 @@ def decode_forgetting_the_past(model, decoder_ids, **inputs):
     return torch.cat(steps, 1)
 
 
-def past_dependent_batch(model, size=2, candidates=16, rounds=3):
-    """Sources whose int8 output depends on the past, by construction: of `decoding_batch()`'s first ``candidates``
-    sentences, the ``size`` where a cache that forgets the past moves the mean total variation most (greedy prefix, full
-    forward as reference), each above 4 x CACHE_MEAN_TV, padding columns trimmed (as many sentences as
-    `source_batch()`: the smooth types' sigma costs time per sentence). Dropping sentences changes the others' int8
-    activation scales (shared by the batch), so the choice is repeated on the batch left until every sentence of it
-    passes. A model fitted on the reversal task can nearly ignore the past on some sources (the next token follows
-    from the current one when the source has no repeats): on `source_batch()` the hard-retrieval model's forgetful
-    cache read a mean total variation of 0.17 (AVX2 EPYC) and 0.06 under MKL's and oneDNN's SSE kernels, against the
-    check's own threshold of 0.05."""
+def forgetful_tv(model, ids, mask):
+    """Per source: the mean total variation between a forgetful cache's next-token distributions and the full
+    forward's, on the model's greedy output."""
+    decoder_ids = fp32_greedy(model, ids, mask)[:, :-1]
+    with torch.no_grad():
+        forgetful = decode_forgetting_the_past(model, decoder_ids, input_ids=ids, attention_mask=mask).float()
+    return total_variation(forgetful.log_softmax(-1), log_probs(model, ids, mask, decoder_ids)).mean(-1)
+
+
+def past_dependent_batch(model, size=2, candidates=16, tries=6):
+    """``size`` sources whose int8 output depends on the past, by construction: of `decoding_batch()`'s first
+    ``candidates`` sentences, the longest where a cache that forgets the past moves the mean total variation
+    (`forgetful_tv`) above 4 x CACHE_MEAN_TV, checked again as the batch that is returned (a sentence's int8 outputs
+    depend on the others', which share the activation scales: one failing there gives way to the next candidate).
+    As many sentences as `source_batch()` (the smooth types' sigma costs time per sentence); the longest, as the
+    fitted model is surest while it reverses the source. A model fitted on the reversal task can nearly ignore the
+    past on some sources (the next token follows from the current one when the source has no repeats): on
+    `source_batch()` the hard-retrieval model's forgetful cache read a mean total variation of 0.17 (AVX2 EPYC) and
+    0.06 under MKL's and oneDNN's SSE kernels, against the check's own threshold of 0.05."""
     ids, mask = decoding_batch(extra=candidates - 2)
-    for _ in range(rounds):
-        decoder_ids = fp32_greedy(model, ids, mask)[:, :-1]
-        with torch.no_grad():
-            forgetful = decode_forgetting_the_past(model, decoder_ids, input_ids=ids, attention_mask=mask).float()
-        tv = total_variation(forgetful.log_softmax(-1), log_probs(model, ids, mask, decoder_ids)).mean(-1)
-        keep = tv > 4 * CACHE_MEAN_TV
-        if keep.all() and len(keep) <= size:
-            return ids, mask
-        assert keep.sum() >= size, (f"only {int(keep.sum())} of {len(keep)} sources make the fitted model's output "
-                                    f"depend on the past (per-source mean total variation of a forgetful cache: "
-                                    f"{[round(x, 3) for x in tv.tolist()]}; needed {size} above "
-                                    f"{4 * CACHE_MEAN_TV}): raise `candidates`")
-        keep = torch.zeros_like(keep).index_fill(0, tv.topk(size).indices, True)
-        width = int(mask[keep].sum(1).max())
-        ids, mask = ids[keep, :width], mask[keep, :width]
-    raise AssertionError(f"the choice of past-dependent sources did not settle in {rounds} rounds (last: "
-                         f"{[round(x, 3) for x in tv.tolist()]}): raise `rounds`")
+    tv, lengths = forgetful_tv(model, ids, mask), mask.sum(1)
+    ranked = [i for i in sorted(range(len(tv)), key=lambda i: (-lengths[i], -tv[i])) if tv[i] > 4 * CACHE_MEAN_TV]
+    for _ in range(tries):
+        assert len(ranked) >= size, (f"fewer than {size} of {candidates} sources make the fitted model's output depend "
+                                     f"on the past (per-source mean total variation of a forgetful cache, all "
+                                     f"{candidates} together: {[round(x, 3) for x in tv.tolist()]}; needed above "
+                                     f"{4 * CACHE_MEAN_TV}): raise `candidates`")
+        rows = ranked[:size]
+        width = int(lengths[rows].max())
+        chosen = ids[rows, :width], mask[rows, :width]
+        passes = forgetful_tv(model, *chosen) > 4 * CACHE_MEAN_TV
+        if passes.all():
+            return chosen
+        ranked = [row for row, ok in zip(rows, passes.tolist()) if ok] + ranked[size:]
+    raise AssertionError(f"no {size} past-dependent sources in {tries} tries: raise `tries` or `candidates`")
 
 
 @pytest.mark.parametrize("name", CONTRACT_MODELS)
 def test_int8_decoding_with_the_cache_follows_the_full_forward(name):
     """int8 cached steps against the int8 full forward: mean total variation within CACHE_MEAN_TV (a forgetful cache
     is caught), and for smooth types every probability within SIGMAS sqrt(2) sigma of the inputs' rounding (the
-    weights' is the same in both paths; the forgetful cache breaks it too); generate()'s greedy tokens (cached) are
-    the full forward's argmax wherever its top-2 margin exceeds twice the logit difference of that step between the
-    two paths (at least half the steps); int8 beam search returns its best beam's score as the int8 model's own
-    log-probability of that output. Sources: `past_dependent_batch`, where the negative control can fail."""
+    weights' is the same in both paths; the forgetful cache breaks it too); generate()'s greedy tokens are the argmax
+    of the cached steps, exactly (the same computation; against the full forward, tokens may flip where int8 noise
+    exceeds a margin, and the total variation bounds that); int8 beam search returns its best beam's score as the
+    int8 model's own log-probability of that output. Sources: `past_dependent_batch`, where the negative control can
+    fail."""
     model = copy.deepcopy(contract_model(name)).eval().quantize_int8()
     ids, mask = past_dependent_batch(model)
     decoder_ids = fp32_greedy(model, ids, mask)[:, :-1]
@@ -308,13 +316,9 @@ def test_int8_decoding_with_the_cache_follows_the_full_forward(name):
         gap = (stepped.softmax(-1) - full.exp()).abs()
         assert (gap <= SIGMAS * 2**0.5 * sigma + FLOOR).all(), (gap / sigma).max().item()
         assert ((forgetful.softmax(-1) - full.exp()).abs() > SIGMAS * 2**0.5 * sigma + FLOOR).any()
-    delta = (stepped.log_softmax(-1) - full).abs().amax(-1)
-    allowed = full.clone()
+    allowed = stepped.clone()  # generate()'s greedy steps are these cached steps (same batch, same cache contents)
     allowed[..., model.config.eos_token_id] = float("-inf")  # min_new_tokens keeps generate() from choosing EOS
-    top = allowed.topk(2, -1).values
-    clear = (top[..., 0] - top[..., 1] > 2 * delta)[:, :-1]
-    assert clear.float().mean() >= 0.5, clear
-    assert torch.equal(decoder_ids[:, 1:][clear], allowed.argmax(-1)[:, :-1][clear])
+    assert torch.equal(decoder_ids[:, 1:], allowed.argmax(-1)[:, :-1])
     with torch.no_grad():  # beam search: the returned score is the length-normalised log-probability of the output
         beam = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, min_new_tokens=6, num_beams=3,
                               length_penalty=0.0, return_dict_in_generate=True, output_scores=True)
