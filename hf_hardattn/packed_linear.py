@@ -120,7 +120,10 @@ class Int8Linear(torch.ao.nn.quantized.dynamic.Linear):
     packed int8 weight, ``reduce_range=True``), without the per-call checks of a layer that may hold fp16 weights
     or an old serialization version. Decoding calls ~40 linear layers per step, so at batch 1 those checks cost
     about a tenth of the step (2-core AMD EPYC, AVX2, greedy, Transformer-base: 239 -> 214 ms for 30 tokens; the
-    outputs are bit for bit the same). Made by class swap in ``quantize_int8``, so state dict and repr are torch's."""
+    outputs are bit for bit the same), and it calls the operator's C++ entry (``OpOverload._op``) directly, without
+    the Python check for traced script objects that an operator taking packed weights runs at every call (~6 us, 3%
+    of that greedy step; torch.compile cannot trace the packed weights either way, as with torch's own layer). Made
+    by class swap in ``quantize_int8``, so state dict and repr are torch's."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = _LINEAR_DYNAMIC(x, self._packed_params._packed_params, True)
@@ -135,4 +138,4 @@ class Int8Linear(torch.ao.nn.quantized.dynamic.Linear):
         return module
 
 
-_LINEAR_DYNAMIC = torch.ops.quantized.linear_dynamic.default
+_LINEAR_DYNAMIC = torch.ops.quantized.linear_dynamic.default._op  # the C++ entry of the operator

@@ -71,6 +71,32 @@ def hand_int8_linear(x, weight, bias):
     return out + bias, scale_x.double(), scale_w.double(), slack
 
 
+@pytest.mark.parametrize("bias", [True, False])
+def test_int8_linear_is_torchs_dynamic_linear_bit_for_bit(bias):
+    """`Int8Linear` (the shorter call path quantize_int8 swaps in) returns what torch's dynamic int8 Linear returns for
+    the same packed weights, bit for bit, on [N, d] and [B, T, d] inputs; it takes only that layer."""
+    import warnings
+
+    from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
+
+    engine = torch.backends.quantized.engine
+    torch.backends.quantized.engine = "fbgemm"  # as quantize_int8
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torchs = quantize_dynamic(nn.Sequential(nn.Linear(48, 20, bias=bias)),
+                                      {nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8)[0]
+    finally:
+        torch.backends.quantized.engine = engine
+    ours = Int8Linear.swap_into(copy.deepcopy(torchs))
+    assert type(torchs) is torch.ao.nn.quantized.dynamic.Linear and type(ours) is Int8Linear
+    for x in (torch.randn(5, 48), 3 * torch.randn(2, 7, 48)):
+        expected = torchs(x)
+        assert torch.equal(ours(x), expected) and expected.shape == (*x.shape[:-1], 20)
+    with pytest.raises(TypeError, match="takes torch's dynamic int8 Linear"):
+        Int8Linear.swap_into(nn.Linear(4, 4))
+
+
 @pytest.mark.parametrize("name", CONTRACT_MODELS)
 def test_every_layer_computes_the_hand_quantisation(name):
     """Each int8 layer of every type, on the inputs it sees in a forward pass, equals the quantisation by hand (so the
