@@ -301,15 +301,15 @@ def past_dependent_batch(model, size=2, candidates=16, tries=6):
     `source_batch()` the hard-retrieval model's forgetful cache read a mean total variation of 0.17 (AVX2 EPYC) and
     0.06 under MKL's and oneDNN's SSE kernels, against the check's own threshold of 0.05."""
     ids, mask = decoding_batch(extra=candidates - 2)
-    tv, lengths = forgetful_tv(model, ids, mask), mask.sum(1)
+    tv, lengths = forgetful_tv(model, ids, mask).tolist(), mask.sum(1).tolist()
     ranked = [i for i in sorted(range(len(tv)), key=lambda i: (-lengths[i], -tv[i])) if tv[i] > 4 * CACHE_MEAN_TV]
     for _ in range(tries):
         assert len(ranked) >= size, (f"fewer than {size} of {candidates} sources make the fitted model's output depend "
                                      f"on the past (per-source mean total variation of a forgetful cache, all "
-                                     f"{candidates} together: {[round(x, 3) for x in tv.tolist()]}; needed above "
+                                     f"{candidates} together: {[round(x, 3) for x in tv]}; needed above "
                                      f"{4 * CACHE_MEAN_TV}): raise `candidates`")
         rows = ranked[:size]
-        width = int(lengths[rows].max())
+        width = max(lengths[row] for row in rows)
         chosen = ids[rows, :width], mask[rows, :width]
         passes = forgetful_tv(model, *chosen) > 4 * CACHE_MEAN_TV
         if passes.all():
