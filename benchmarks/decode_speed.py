@@ -28,6 +28,10 @@ alike.
   ``soft_int8`` is the MarianMTModel that CTranslate2 decodes (same seed, same weights), converted to a soft model
   with ``hf_hardattn.convert`` and quantised: the same architecture and weights as ``ct2_int8``.
   ``soft_int8_expanded``: with transformers' one encoder row per beam (the grouped memory's share of the gain).
+  ``soft_int8_onednn``: ``soft_int8`` with its int8 layers packed for torch's oneDNN engine instead of fbgemm (what
+  torch's own "x86" engine picks on CPUs with VNNI / AMX; ``quantize_int8`` packs for fbgemm everywhere): measured
+  to choose the int8 kernel per CPU (issue #50; on the AVX2 EPYC 0.58 / 0.69 / 0.45 / 0.85x fbgemm's speed,
+  2026-11-27, ``decode_speed_int8_engines_epyc_avx2.json``).
 * ``ct2_float32`` / ``ct2_int8``: the same MarianMTModel converted with ``ctranslate2`` (what a user would pick for
   fast CPU decoding), ``intra_threads`` = --threads; the reference, not a model of this package. Measured in a
   second process (its OpenMP threads keep spinning after each call and would slow down the next torch model in the
@@ -125,6 +129,28 @@ def int8(model):
     return model.eval().quantize_int8()
 
 
+def int8_onednn(model):
+    """``model``'s linear layers as int8 ``Int8Linear`` s packed for torch's oneDNN quantized engine (benchmark only)."""
+    import warnings
+
+    from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
+
+    from hf_hardattn.packed_linear import Int8Linear
+
+    model = model.eval()
+    names = [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
+    engine, torch.backends.quantized.engine = torch.backends.quantized.engine, "onednn"
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            quantize_dynamic(model, dict.fromkeys(names, per_channel_dynamic_qconfig), dtype=torch.qint8, inplace=True)
+    finally:
+        torch.backends.quantized.engine = engine
+    for name in names:
+        Int8Linear.swap_into(model.get_submodule(name))
+    return model
+
+
 def expanded_memory(model):
     """``model`` decoding with transformers' expansion of the encoder output to one row per beam instead of the
     grouped memory (one row per sentence; ``HardAttnForConditionalGeneration._expand_inputs_for_generation``)."""
@@ -156,6 +182,7 @@ for _name in ("soft", "marian", "hard_retrieval", "attention_removed", "sh_x", "
 for _name in ("soft", "soft_packed", "hybrid_dot"):  # encoder output expanded to one row per beam, as in transformers
     BUILDERS[f"{_name}_expanded"] = lambda _name=_name: expanded_memory(BUILDERS[_name]())
 BUILDERS["soft_int8"] = lambda: int8(build_soft_from_marian())  # ct2_int8's weights
+BUILDERS["soft_int8_onednn"] = lambda: int8_onednn(build_soft_from_marian())
 for _name in ("hard_retrieval", "sh_x", "hybrid_dot", "recurrent_expand_1", "beam_joint_k6"):
     BUILDERS[f"{_name}_int8"] = lambda _name=_name: int8(BUILDERS[_name]())
 BUILDERS["soft_int8_expanded"] = lambda: expanded_memory(BUILDERS["soft_int8"]())
@@ -182,6 +209,8 @@ RATIOS = [  # label, numerator, denominator
     ("hybrid_dot_packed / soft_packed", "hybrid_dot_packed", "soft_packed"),
     ("sh_x_packed / soft_packed", "sh_x_packed", "soft_packed"),
     ("soft_int8 / ct2_int8", "soft_int8", "ct2_int8"),
+    ("soft_int8_onednn / ct2_int8", "soft_int8_onednn", "ct2_int8"),
+    ("soft_int8_onednn / soft_int8", "soft_int8_onednn", "soft_int8"),
     ("hard_retrieval_int8 / ct2_int8", "hard_retrieval_int8", "ct2_int8"),
     ("sh_x_int8 / ct2_int8", "sh_x_int8", "ct2_int8"),
     ("hybrid_dot_int8 / ct2_int8", "hybrid_dot_int8", "ct2_int8"),
