@@ -37,8 +37,9 @@ class BufferedLayer(DynamicLayer):
     that doubles when full. ``keys``/``values`` are [B, H, T, D] views of its filled part.
 
     ``DynamicLayer`` copies the whole cache at every step (``torch.cat``) and again at every beam reorder
-    (``index_select``); here a step writes one time slot, and a reorder gathers the filled part into a second
-    buffer in one pass (``index_select(out=...)``) and swaps the two. Other batch edits (repeat, select, crop) are
+    (``index_select``); here a step writes one time slot, and a reorder copies only the rows that take another row's
+    past (in place, when at most half do) or gathers the filled part into a second buffer in one pass
+    (``index_select(out=...)``) and swaps the two. Other batch edits (repeat, select, crop) are
     rare and rebuild the buffer from the current keys/values. While autograd tracks the cache (a loss over
     step-by-step decoding), steps and reorders go out of place instead, as in ``DynamicLayer``: an in-place write
     would change keys that earlier steps saved for backward, and ``out=`` records no gradient."""
@@ -95,12 +96,17 @@ class BufferedLayer(DynamicLayer):
         if self._tracked():
             self._k, self._v, self._spare = keys.index_select(1, beam_idx), values.index_select(1, beam_idx), None
         else:
-            if self._spare is None:
-                self._spare = (torch.empty_like(self._k), torch.empty_like(self._v))
-            spare_k, spare_v = self._spare
-            torch.index_select(keys, 1, beam_idx, out=spare_k[: self.length])
-            torch.index_select(values, 1, beam_idx, out=spare_v[: self.length])
-            self._spare, self._k, self._v = (self._k, self._v), spare_k, spare_v
+            moved = (beam_idx != torch.arange(len(beam_idx), device=self.device)).nonzero().squeeze(1)
+            if 2 * len(moved) <= len(beam_idx):  # few rows take another row's past (~30% a step in beam search):
+                for buffer in (keys, values):  # gather just those (all read before any is written), in place
+                    buffer.index_copy_(1, moved, buffer.index_select(1, beam_idx[moved]))
+            else:
+                if self._spare is None:
+                    self._spare = (torch.empty_like(self._k), torch.empty_like(self._v))
+                spare_k, spare_v = self._spare
+                torch.index_select(keys, 1, beam_idx, out=spare_k[: self.length])
+                torch.index_select(values, 1, beam_idx, out=spare_v[: self.length])
+                self._spare, self._k, self._v = (self._k, self._v), spare_k, spare_v
         self._views()
 
     def _rebuild(self, keys, values):

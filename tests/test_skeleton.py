@@ -162,7 +162,8 @@ def test_seq2seq_trainer_lowers_loss_and_reports_bleu(name, tmp_path):
 
 def test_buffered_cache_layer_equals_dynamic_layer():
     """BufferedLayer (preallocated, time-major) against transformers' DynamicLayer (torch.cat) over a sequence of
-    appends, beam reorders past the first doubling of the buffer, repeat, select and crop."""
+    appends, beam reorders (random ones, one that moves one row: copied in place, one that moves all four: gathered
+    into the spare buffer, the identity) past the first doubling of the buffer, repeat, select and crop."""
     from transformers.cache_utils import DynamicLayer
 
     from hf_hardattn.modeling_hardattn import BufferedLayer
@@ -180,11 +181,13 @@ def test_buffered_cache_layer_equals_dynamic_layer():
         assert buffered.get_seq_length() == dynamic.get_seq_length()
         assert torch.equal(buffered.keys, dynamic.keys) and torch.equal(buffered.values, dynamic.values)
 
-    step(4, length=5)  # a prompt of several positions
+    reorders = [None, torch.tensor([0, 1, 1, 3]), torch.tensor([3, 3, 0, 1]), torch.arange(4)]  # None: random;
+    step(4, length=5)  # a prompt of several positions         # one row moved (in place), all four (gathered), none
     for t in range(40):  # crosses the initial capacity (32) once
         step(4)
         if t % 3 == 0:
-            beam_idx = torch.randint(0, 4, (4,), generator=generator)
+            beam_idx = reorders[t // 3 % 4]
+            beam_idx = torch.randint(0, 4, (4,), generator=generator) if beam_idx is None else beam_idx
             buffered.reorder_cache(beam_idx)
             dynamic.reorder_cache(beam_idx)
         same()
