@@ -38,11 +38,11 @@ class BufferedLayer(DynamicLayer):
 
     ``DynamicLayer`` copies the whole cache at every step (``torch.cat``) and again at every beam reorder
     (``index_select``); here a step writes one time slot, and a reorder copies only the rows that take another row's
-    past (in place, when at most half do) or gathers the filled part into a second buffer in one pass
-    (``index_select(out=...)``) and swaps the two. Other batch edits (repeat, select, crop) are
-    rare and rebuild the buffer from the current keys/values. While autograd tracks the cache (a loss over
-    step-by-step decoding), steps and reorders go out of place instead, as in ``DynamicLayer``: an in-place write
-    would change keys that earlier steps saved for backward, and ``out=`` records no gradient."""
+    past (in place, on the CPU when at most half do) or gathers the filled part into a second buffer in one pass
+    (``index_select(out=...)``) and swaps the two. Other batch edits (repeat, select, crop) are rare and rebuild the
+    buffer from the current keys/values. While autograd tracks the cache (a loss over step-by-step decoding), steps
+    and reorders go out of place instead, as in ``DynamicLayer``: an in-place write would change keys that earlier
+    steps saved for backward, and ``out=`` records no gradient."""
 
     def lazy_initialization(self, key_states, value_states):
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -96,9 +96,11 @@ class BufferedLayer(DynamicLayer):
         if self._tracked():
             self._k, self._v, self._spare = keys.index_select(1, beam_idx), values.index_select(1, beam_idx), None
         else:
-            moved = (beam_idx != torch.arange(len(beam_idx), device=self.device)).nonzero().squeeze(1)
-            if 2 * len(moved) <= len(beam_idx):  # few rows take another row's past (~30% a step in beam search):
-                for buffer in (keys, values):  # gather just those (all read before any is written), in place
+            moved = None  # on the CPU (elsewhere the row count would cost a device sync per layer and step)
+            if self.device.type == "cpu":
+                moved = (beam_idx != torch.arange(len(beam_idx), device=self.device)).nonzero().squeeze(1)
+            if moved is not None and 2 * len(moved) <= len(beam_idx):  # few rows take another row's past (~30% a
+                for buffer in (keys, values):  # step in beam search): just those, all read before any is written
                     buffer.index_copy_(1, moved, buffer.index_select(1, beam_idx[moved]))
             else:
                 if self._spare is None:
