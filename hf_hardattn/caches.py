@@ -97,7 +97,7 @@ class BufferedLayer(DynamicLayer):
             self._k, self._v, self._spare = keys.index_select(1, beam_idx), values.index_select(1, beam_idx), None
         else:
             moved = None  # on the CPU (elsewhere the row count would cost a device sync per layer and step)
-            if self.device.type == "cpu":
+            if self.device.type == "cpu" and len(beam_idx) == keys.shape[1]:
                 moved = (beam_idx != torch.arange(len(beam_idx), device=self.device)).nonzero().squeeze(1)
             if moved is not None and 2 * len(moved) <= len(beam_idx):  # few rows take another row's past (~30% a
                 for buffer in (keys, values):  # step in beam search): just those, all read before any is written
