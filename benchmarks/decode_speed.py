@@ -131,24 +131,10 @@ def int8(model):
 
 def int8_onednn(model):
     """``model``'s linear layers as int8 ``Int8Linear`` s packed for torch's oneDNN quantized engine (benchmark only)."""
-    import warnings
-
-    from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
-
-    from hf_hardattn.packed_linear import Int8Linear
+    from hf_hardattn.int8 import int8_linears
 
     model = model.eval()
-    names = [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
-    engine, torch.backends.quantized.engine = torch.backends.quantized.engine, "onednn"
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            quantize_dynamic(model, dict.fromkeys(names, per_channel_dynamic_qconfig), dtype=torch.qint8, inplace=True)
-    finally:
-        torch.backends.quantized.engine = engine
-    for name in names:
-        Int8Linear.swap_into(model.get_submodule(name))
-    return model
+    return int8_linears(model, [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)], "onednn")
 
 
 def expanded_memory(model):

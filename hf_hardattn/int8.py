@@ -51,20 +51,7 @@ class Int8Mixin:
                 plain = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None)
                 plain.weight, plain.bias = module.weight, module.bias
                 self.set_submodule(name, plain)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # torch.ao.quantization's deprecation notice (still shipped in 2.13)
-            from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
-
-            engine = torch.backends.quantized.engine  # the packed weights keep the engine they were packed with:
-            if "fbgemm" in torch.backends.quantized.supported_engines:  # fbgemm on every x86 CPU, not "x86"'s
-                torch.backends.quantized.engine = "fbgemm"  # per-CPU choice (oneDNN, other rounding, on VNNI CPUs)
-            try:
-                quantize_dynamic(self, dict.fromkeys(names, per_channel_dynamic_qconfig), dtype=torch.qint8,
-                                 inplace=True)
-            finally:
-                torch.backends.quantized.engine = engine
-        for name in names:  # the same kernel on a shorter call path (packed_linear.Int8Linear)
-            Int8Linear.swap_into(self.get_submodule(name))
+        int8_linears(self, names)
         self.is_int8 = True
         return self
 
@@ -84,6 +71,27 @@ class Int8Mixin:
             raise ValueError("this model was quantized with quantize_int8() for inference; reload the fp32 checkpoint "
                              "to train it.")
         return super().train(mode)
+
+
+def int8_linears(model: nn.Module, names: list, engine: str = "fbgemm") -> nn.Module:
+    """The ``nn.Linear`` layers ``names`` of ``model`` (in place) as torch's dynamic int8 linears packed for ``engine``
+    (fbgemm on every x86 CPU by default, not the "x86" engine's per-CPU choice: oneDNN, other rounding, on VNNI CPUs;
+    the benchmarks also measure "onednn"), each as an :class:`~packed_linear.Int8Linear` (the same kernel on a shorter
+    call path). Returns ``model``."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.ao.quantization's deprecation notice (still shipped in 2.13)
+        from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
+
+        previous = torch.backends.quantized.engine  # the packed weights keep the engine they were packed with
+        if engine in torch.backends.quantized.supported_engines:
+            torch.backends.quantized.engine = engine
+        try:
+            quantize_dynamic(model, dict.fromkeys(names, per_channel_dynamic_qconfig), dtype=torch.qint8, inplace=True)
+        finally:
+            torch.backends.quantized.engine = previous
+    for name in names:
+        Int8Linear.swap_into(model.get_submodule(name))
+    return model
 
 
 __all__ = ["Int8Mixin"]
