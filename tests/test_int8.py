@@ -71,23 +71,42 @@ def hand_int8_linear(x, weight, bias):
     return out + bias, scale_x.double(), scale_w.double(), slack
 
 
-@pytest.mark.parametrize("bias", [True, False])
-def test_int8_linear_is_torchs_dynamic_linear_bit_for_bit(bias):
-    """`Int8Linear` (the shorter call path quantize_int8 swaps in) returns what torch's dynamic int8 Linear returns for
-    the same packed weights, bit for bit, on [N, d] and [B, T, d] inputs; it takes only that layer."""
+def fbgemm_dynamic_linear(linear):
+    """torch's own dynamic int8 Linear for an fp32 ``linear``, packed for fbgemm (the reference of the tests below)."""
     import warnings
 
     from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
 
     engine = torch.backends.quantized.engine
-    torch.backends.quantized.engine = "fbgemm"  # as quantize_int8
+    torch.backends.quantized.engine = "fbgemm"
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            torchs = quantize_dynamic(nn.Sequential(nn.Linear(48, 20, bias=bias)),
-                                      {nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8)[0]
+            return quantize_dynamic(nn.Sequential(linear), {nn.Linear: per_channel_dynamic_qconfig},
+                                    dtype=torch.qint8)[0]
     finally:
         torch.backends.quantized.engine = engine
+
+
+def test_quantize_int8_packs_for_fbgemm_on_every_cpu():
+    """Every layer quantize_int8 makes returns, bit for bit, what torch's dynamic Linear packed for fbgemm returns from
+    the same fp32 layer, whatever `torch.backends.quantized.engine` says (oneDNN, the "x86" engine's choice on VNNI
+    CPUs, rounds otherwise: the tests' emulation is fbgemm's)."""
+    reference = contract_model("soft").eval()
+    model = copy.deepcopy(reference).quantize_int8()
+    layers = quantized_linears(model)
+    assert layers
+    for name, layer in layers.items():
+        torchs = fbgemm_dynamic_linear(copy.deepcopy(reference.get_submodule(name)))
+        x = 3 * torch.randn(2, 5, layer.in_features)
+        assert torch.equal(layer(x), torchs(x)), name
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_int8_linear_is_torchs_dynamic_linear_bit_for_bit(bias):
+    """`Int8Linear` (the shorter call path quantize_int8 swaps in) returns what torch's dynamic int8 Linear returns for
+    the same packed weights, bit for bit, on [N, d] and [B, T, d] inputs; it takes only that layer."""
+    torchs = fbgemm_dynamic_linear(nn.Linear(48, 20, bias=bias))
     ours = Int8Linear.swap_into(copy.deepcopy(torchs))
     assert type(torchs) is torch.ao.nn.quantized.dynamic.Linear and type(ours) is Int8Linear
     for x in (torch.randn(5, 48), 3 * torch.randn(2, 7, 48)):
