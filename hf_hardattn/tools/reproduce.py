@@ -479,6 +479,8 @@ def kd_data(ctx):
     ("reference"), as strings (resumable, cached in the output folder)."""
     if "kd_data" not in ctx:
         teacher = load_model(ctx, "soft")
+        if torch.cuda.is_available():  # the 29k training sources: on CPU this took the whole of a GPU call (stop 61)
+            teacher = teacher.cuda()
         ctx["kd_data"] = distill.translate_dataset(teacher, ctx["tokenizer"], ctx["train"], os.path.join(ctx["out"], "kd_data"),
                                            num_beams=4, batch_size=ctx["recipe"].eval_batch_size,
                                            max_length=ctx["recipe"].max_length, progress=not ctx["args"].quiet)

@@ -14,6 +14,12 @@
 #   init, 1500 fp32 steps: its folder with models/soft, reproduce_multi30k_cpu.json and tokenizer, ~31 MB) to
 #   .devdata/teacher before the call (one teacher at a time: the carry limit is 64 MiB). Without it the row trains
 #   its own teacher first and is likely cut off.
+# GROUP=E (added 2026-11-27, stop 61, after GROUP=C's eq1 row ran out of time translating the 29k training sources on
+#   the host CPU: `reproduce` now moves the teacher to the GPU): hybrid_additive_kd_eq1 for seeds 0 and 1, each seed
+#   in its own reproduce run; seed TEACHER_SEED uses the carried .devdata/teacher (as in GROUP=C), the other trains
+#   its own soft teacher on the GPU first (its soft row is stored beside it: teacher and student from one machine).
+# Ran 2026-11-27 (stop 61, one H200, host Intel Xeon, 16 cores): GROUP=A, all 16 rows in 405 s; GROUP=C with
+#   DEADLINE=370: the four LSTM rows done, the eq1 row cut off (its teacher was still translating on one CPU thread).
 # Compare afterwards with benchmarks/compare_rows.py over these rows and ../init_emb_h200/ (seeds 0-1 of soft and
 # marian): --compare "soft@xavier, emb N(0,0.02):marian@N(0,0.02)".
 # Training minutes are NOT comparable between rows (16 processes share 16 cores and one GPU). Results are packed into
@@ -51,8 +57,14 @@ elif [ $GROUP = C ]; then
   else echo "no .devdata/teacher: the eq1 row trains its own soft teacher first"; fi
   launch 0 $S hybrid_additive_kd_eq1
   for s in 0 1; do for r in rnn_luong_soft beam_joint_rnn_k6; do launch 5 $s $r; done; done
+elif [ $GROUP = E ]; then
+  S=${TEACHER_SEED:-0}; E=$P/multi30k-default-s$S-hybrid_additive_kd_eq1
+  if [ -f .devdata/teacher/models/soft/model.safetensors ]; then mkdir -p $E; cp -r .devdata/teacher/. $E/
+    $PY -c "import json; r = json.load(open('$E/reproduce_multi30k_cpu.json'))['rows']['soft']; print('teacher: soft seed', r['seed'], r['scores'], r['steps'], 'steps'); assert r['seed'] == $S"  || exit 1
+  fi
+  for s in 0 1; do launch 0 $s hybrid_additive_kd_eq1; done
 else
-  echo "GROUP must be A or C, got '$GROUP'"; exit 2
+  echo "GROUP must be A, C or E, got '$GROUP'"; exit 2
 fi
 pack() {  # row JSON + logs (small files) into $OUT/res.tgz
   rm -rf /tmp/res; mkdir -p /tmp/res; cp $L/*.log /tmp/res/
