@@ -130,11 +130,7 @@ def int8(model):
 
 
 def int8_onednn(model):
-    """``model``'s linear layers as int8 ``Int8Linear`` s packed for torch's oneDNN quantized engine (benchmark only)."""
-    from hf_hardattn.int8 import int8_linears
-
-    model = model.eval()
-    return int8_linears(model, [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)], "onednn")
+    return model.eval().quantize_int8(engine="onednn")
 
 
 def expanded_memory(model):

@@ -20,18 +20,25 @@ class Int8Mixin:
     INT8_KEEP: tuple = ()
     is_int8: bool = False  # set by quantize_int8
 
-    def quantize_int8(self):
+    def quantize_int8(self, engine: str = "fbgemm"):
         """int8 inference on CPU (issue #44): every linear layer (the vocabulary projection and the hybrid's GRU/LSTM
-        gate projections included) becomes torch's dynamic int8 linear (``torch.ao.quantization.quantize_dynamic``,
-        packed for fbgemm on every x86 CPU, whatever ``torch.backends.quantized.engine`` says): int8 weights with one scale per output channel (symmetric, w ~ s_j * round(w / s_j), s_j =
-        max|w_j| / 127.5), activations quantised at every call to 7-bit unsigned integers with one scale and zero
-        point for the whole input tensor (its min and max), int32 accumulation, fp32 output. Because the activation
-        scale is shared by the rows of a call, an int8 output depends slightly on the other sentences of the batch
-        and on whether earlier positions are cached (the fp32 model's do not). Layers whose weight the model reads
+        gate projections included) becomes torch's dynamic int8 linear (``torch.ao.quantization.quantize_dynamic``),
+        its weights packed for ``engine``, whatever ``torch.backends.quantized.engine`` says: "fbgemm" (default; where
+        measured the faster: oneDNN ran at 0.45-0.85x its speed on a 2-core AVX2 AMD EPYC) or "onednn" (the
+        same quantisation, other kernels: VNNI / AMX where the CPU has them). int8 weights with one scale per output
+        channel (symmetric, w ~ s_j * round(w / s_j), s_j = max|w_j| / 127.5), activations quantised at every call to
+        7-bit unsigned integers with one scale and zero point for the whole input tensor (its min and max), int32
+        accumulation, fp32 output. Because the activation scale is shared by the rows of a call, an int8 output
+        depends slightly on the other sentences of the batch and on whether earlier positions are cached (the fp32
+        model's do not). Layers whose weight the model reads
         directly stay fp32 (``INT8_KEEP``: beam-joint's vocabulary mixture and candidate readout, the additive
         attention's score vector); attention kernels, embeddings, norms and the gate arithmetic stay fp32. Packed
         linears are unpacked first (int8 replaces them). Inference only: afterwards ``train()`` and
         ``save_pretrained`` raise; reload the fp32 checkpoint to undo. Returns the model."""
+        engines = [name for name in INT8_ENGINES if name in torch.backends.quantized.supported_engines]
+        if engine not in engines:
+            raise ValueError(f"quantize_int8(): `engine`={engine!r} is not an int8 engine of this torch build; allowed: "
+                             f"{engines}.")
         if self.training:
             raise ValueError("quantize_int8() is for inference: call model.eval() first (int8 layers have no gradient).")
         if self.is_int8:
@@ -51,7 +58,7 @@ class Int8Mixin:
                 plain = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None)
                 plain.weight, plain.bias = module.weight, module.bias
                 self.set_submodule(name, plain)
-        int8_linears(self, names)
+        int8_linears(self, names, engine)
         self.is_int8 = True
         return self
 
@@ -73,18 +80,19 @@ class Int8Mixin:
         return super().train(mode)
 
 
+INT8_ENGINES = ("fbgemm", "onednn")  # torch's quantized engines that quantize_int8 packs for (x86)
+
+
 def int8_linears(model: nn.Module, names: list, engine: str = "fbgemm") -> nn.Module:
     """The ``nn.Linear`` layers ``names`` of ``model`` (in place) as torch's dynamic int8 linears packed for ``engine``
-    (fbgemm on every x86 CPU by default, not the "x86" engine's per-CPU choice: oneDNN, other rounding, on VNNI CPUs;
-    the benchmarks also measure "onednn"), each as an :class:`~packed_linear.Int8Linear` (the same kernel on a shorter
-    call path). Returns ``model``."""
+    (one of ``INT8_ENGINES``, named explicitly: not the "x86" engine's per-CPU choice), each as an
+    :class:`~packed_linear.Int8Linear` (the same kernel on a shorter call path). Returns ``model``."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch.ao.quantization's deprecation notice (still shipped in 2.13)
         from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
 
         previous = torch.backends.quantized.engine  # the packed weights keep the engine they were packed with
-        if engine in torch.backends.quantized.supported_engines:
-            torch.backends.quantized.engine = engine
+        torch.backends.quantized.engine = engine
         try:
             quantize_dynamic(model, dict.fromkeys(names, per_channel_dynamic_qconfig), dtype=torch.qint8, inplace=True)
         finally:

@@ -11,6 +11,7 @@ from torch import nn
 
 from common import CONTRACT_MODELS, contract_model, decode_step_by_step, decoding_batch, source_batch, tiny_kwargs
 from hf_hardattn import SoftTransformerConfig, SoftTransformerForConditionalGeneration
+from hf_hardattn.int8 import INT8_ENGINES
 from hf_hardattn.packed_linear import Int8Linear
 
 
@@ -71,42 +72,73 @@ def hand_int8_linear(x, weight, bias):
     return out + bias, scale_x.double(), scale_w.double(), slack
 
 
-def fbgemm_dynamic_linear(linear):
-    """torch's own dynamic int8 Linear for an fp32 ``linear``, packed for fbgemm (the reference of the tests below)."""
+ENGINES = [name for name in INT8_ENGINES if name in torch.backends.quantized.supported_engines]
+
+
+def torchs_dynamic_linear(linear, engine="fbgemm"):
+    """torch's own dynamic int8 Linear for an fp32 ``linear``, packed for ``engine`` (the reference of the tests
+    below)."""
     import warnings
 
     from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
 
-    engine = torch.backends.quantized.engine
-    torch.backends.quantized.engine = "fbgemm"
+    previous = torch.backends.quantized.engine
+    torch.backends.quantized.engine = engine
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             return quantize_dynamic(nn.Sequential(linear), {nn.Linear: per_channel_dynamic_qconfig},
                                     dtype=torch.qint8)[0]
     finally:
-        torch.backends.quantized.engine = engine
+        torch.backends.quantized.engine = previous
 
 
-def test_quantize_int8_packs_for_fbgemm_on_every_cpu():
-    """Every layer quantize_int8 makes returns, bit for bit, what torch's dynamic Linear packed for fbgemm returns from
-    the same fp32 layer, whatever `torch.backends.quantized.engine` says (oneDNN, the "x86" engine's choice on VNNI
-    CPUs, rounds otherwise: the tests' emulation is fbgemm's)."""
+def test_both_int8_engines_are_there_and_round_apart():
+    """fbgemm and oneDNN ship in torch's x86 builds, and their outputs for the same layer differ in the last bits (so
+    the bit-for-bit test below tells which engine a layer was packed for)."""
+    assert ENGINES == list(INT8_ENGINES), torch.backends.quantized.supported_engines
+    torch.manual_seed(0)
+    linear, x = nn.Linear(256, 64), 3 * torch.randn(8, 256)
+    fbgemm, onednn = (torchs_dynamic_linear(copy.deepcopy(linear), engine)(x) for engine in ENGINES)
+    assert not torch.equal(fbgemm, onednn) and torch.allclose(fbgemm, onednn, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("engine", [None, *ENGINES])
+def test_quantize_int8_packs_for_the_named_engine_on_every_cpu(engine):
+    """Every layer quantize_int8 makes returns, bit for bit, what torch's dynamic Linear packed for the named engine
+    (fbgemm when none is named) returns from the same fp32 layer, whatever `torch.backends.quantized.engine` says
+    (set to the other engine here; the "x86" engine would choose per CPU), which it leaves as it was."""
     reference = contract_model("soft").eval()
-    model = copy.deepcopy(reference).quantize_int8()
+    expected_engine = engine or "fbgemm"
+    previous = torch.backends.quantized.engine
+    torch.backends.quantized.engine = next(name for name in ENGINES if name != expected_engine)
+    try:
+        model = copy.deepcopy(reference)
+        model = model.quantize_int8() if engine is None else model.quantize_int8(engine=engine)
+        assert torch.backends.quantized.engine != expected_engine
+    finally:
+        torch.backends.quantized.engine = previous
     layers = quantized_linears(model)
     assert layers
     for name, layer in layers.items():
-        torchs = fbgemm_dynamic_linear(copy.deepcopy(reference.get_submodule(name)))
+        torchs = torchs_dynamic_linear(copy.deepcopy(reference.get_submodule(name)), expected_engine)
         x = 3 * torch.randn(2, 5, layer.in_features)
         assert torch.equal(layer(x), torchs(x)), name
+
+
+@pytest.mark.parametrize("engine", ["x86", "qnnpack", "FBGEMM", None])
+def test_quantize_int8_names_the_engines_it_takes(engine):
+    model = contract_model("soft").eval()
+    with pytest.raises(ValueError, match=r"`engine`=.*allowed: \['fbgemm', 'onednn'\]"):
+        model.quantize_int8(engine=engine)
+    assert not model.is_int8 and not quantized_linears(model)
 
 
 @pytest.mark.parametrize("bias", [True, False])
 def test_int8_linear_is_torchs_dynamic_linear_bit_for_bit(bias):
     """`Int8Linear` (the shorter call path quantize_int8 swaps in) returns what torch's dynamic int8 Linear returns for
     the same packed weights, bit for bit, on [N, d] and [B, T, d] inputs; it takes only that layer."""
-    torchs = fbgemm_dynamic_linear(nn.Linear(48, 20, bias=bias))
+    torchs = torchs_dynamic_linear(nn.Linear(48, 20, bias=bias))
     ours = Int8Linear.swap_into(copy.deepcopy(torchs))
     assert type(torchs) is torch.ao.nn.quantized.dynamic.Linear and type(ours) is Int8Linear
     for x in (torch.randn(5, 48), 3 * torch.randn(2, 7, 48)):
@@ -116,17 +148,19 @@ def test_int8_linear_is_torchs_dynamic_linear_bit_for_bit(bias):
         Int8Linear.swap_into(nn.Linear(4, 4))
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("name", CONTRACT_MODELS)
-def test_every_layer_computes_the_hand_quantisation(name):
-    """Each int8 layer of every type, on the inputs it sees in a forward pass, equals the quantisation by hand (so the
-    weights are per output channel, the activation 7-bit per tensor, nothing else is approximated), and its error
+def test_every_layer_computes_the_hand_quantisation(name, engine):
+    """Each int8 layer of every type, packed for either engine, on the inputs it sees in a forward pass, equals the
+    quantisation by hand (so the weights are per output channel, the activation 7-bit per tensor, nothing else is
+    approximated: fbgemm and oneDNN quantise alike and differ in rounding only), and its error
     against the fp32 layer is inside what rounding allows: |x.w - x~.w~| <= s_x |w|_1 + (s_w / 2) |x|_1
     + K s_x s_w / 2 (activation rounding, clipping included, <= s_x; weight rounding <= s_w / 2). Every linear layer
     is int8 except the declared ones (the hybrid's GRU/LSTM gate projections, an nn.Linear subclass, included)."""
     reference = contract_model(name).eval()
     model = copy.deepcopy(reference)
     before = fp32_linears(model)
-    assert model.quantize_int8() is model
+    assert model.quantize_int8(engine=engine) is model
     kept, quantized = fp32_linears(model), quantized_linears(model)
     assert set(kept) == {n for n in before if n.endswith(model.INT8_KEEP)} and set(kept) | set(quantized) == set(before)
     seen = {}
