@@ -189,6 +189,23 @@ def test_two_processes_equal_one_process_with_the_doubled_batch(data, tmp_path, 
     assert results["steps"] == 3 and results["processes"] == 2
 
 
+def test_end_processes_destroys_the_process_group(tmp_path):
+    """The last step of `train` in every process: a barrier, then the group's destruction (a no-op without one)."""
+    import torch.distributed as dist
+
+    from hf_hardattn.training import end_processes
+
+    end_processes()
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        end_processes()
+        assert not dist.is_initialized()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 def launcher_env(monkeypatch, *flags):
     """The environment accelerate's own launcher gives its child for ``accelerate launch FLAGS -m hf_hardattn train``
     (its argument parser, checks and env preparation, no default config file read)."""

@@ -273,6 +273,7 @@ def run_train(args) -> dict:
         write_model_card(model, folder)
         write_json_atomic(os.path.join(args.output_dir, "results.json"), results)
         print(json.dumps(results, indent=1), flush=True)
+    training.end_processes()
     return results
 
 

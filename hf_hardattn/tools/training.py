@@ -393,6 +393,16 @@ def check_processes_started(environ=None) -> None:
         "leave out --num_processes (or unset MASTER_ADDR if your shell exports it).")
 
 
+def end_processes() -> None:
+    """End a multi-process run (no-op otherwise): every process waits at a barrier until process 0 has saved, then
+    the process group is destroyed, torch's documented shutdown. Left to interpreter exit, a gloo process that finished
+    first aborted at random ("terminate called without an active exception", SIGABRT: 1 of ~8 two-process runs of
+    the tests on a 2-core AVX2 EPYC, 2026-11-27)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
 def train_seq2seq(
     model,
     tokenizer,
