@@ -155,13 +155,19 @@ def test_translate_pack_linears_gives_the_same_output(saved, tmp_path):
     assert outputs[1] == outputs[0]
 
 
-def test_translate_int8_writes_one_line_per_source(saved, tmp_path):
+@pytest.mark.parametrize("engine", [None, "fbgemm", "onednn"])
+def test_translate_int8_quantizes_for_the_engine_and_writes_one_line_per_source(saved, tmp_path, monkeypatch, engine):
+    from hf_hardattn.int8 import Int8Mixin
+
+    calls, quantize = [], Int8Mixin.quantize_int8
+    monkeypatch.setattr(Int8Mixin, "quantize_int8", lambda self, **kw: calls.append(kw) or quantize(self, **kw))
     folder, _ = saved
     source = tmp_path / "in.txt"
     source.write_text("\n".join(SOURCES), encoding="utf-8")
     out = tmp_path / "int8.txt"  # int8 layers: one line per source (the outputs may differ from fp32)
     assert main(["translate", str(folder / "hard"), "-i", str(source), "-o", str(out), "--quiet", "--threads", "1",
-                 "--int8"]) == 0
+                 "--int8", *(["--int8-engine", engine] if engine else [])]) == 0
+    assert calls == [dict(engine=engine or "fbgemm")]
     assert len(out.read_text().splitlines()) == len(SOURCES)
 
 
@@ -181,7 +187,7 @@ def test_pack_linears_without_onednn_packing_is_one_line_error(saved, tmp_path, 
 
 
 @pytest.mark.parametrize("case", ["missing input", "not a model", "too long", "pack marian", "beyond positions",
-                                  "int8 packed", "int8 bf16", "bad beams", "bad top-p"])
+                                  "int8 packed", "int8 bf16", "engine without int8", "bad beams", "bad top-p"])
 def test_translate_bad_input_is_one_line_error(saved, tmp_path, case, capsys):
     folder, _ = saved
     good = tmp_path / "in.txt"
@@ -193,6 +199,7 @@ def test_translate_bad_input_is_one_line_error(saved, tmp_path, case, capsys):
             "beyond positions": ["translate", str(folder / "hard"), "-i", str(good), "--max-source-tokens", "100000"],
             "int8 packed": ["translate", str(folder / "hard"), "-i", str(good), "--int8", "--pack-linears"],
             "int8 bf16": ["translate", str(folder / "hard"), "-i", str(good), "--int8", "--dtype", "bfloat16"],
+            "engine without int8": ["translate", str(folder / "hard"), "-i", str(good), "--int8-engine", "onednn"],
             "bad beams": ["translate", str(folder / "hard"), "--num-beams", "0"],
             "bad top-p": ["translate", str(folder / "hard"), "--top-p", "-1"]}[case]
     out = tmp_path / "out.txt"
@@ -207,7 +214,8 @@ def test_translate_bad_input_is_one_line_error(saved, tmp_path, case, capsys):
     assert err.startswith("hf-hardattn translate: error:")
     expected = {"missing input": "--input=", "not a model": "MODEL=", "too long": "line 2",
                 "pack marian": "--pack-linears", "beyond positions": "max_position_embeddings=",
-                "int8 packed": "--int8 and --pack-linears exclude", "int8 bf16": "--int8 and --dtype bfloat16"}[case]
+                "int8 packed": "--int8 and --pack-linears exclude", "int8 bf16": "--int8 and --dtype bfloat16",
+                "engine without int8": "--int8-engine=onednn needs --int8"}[case]
     assert expected in err
     assert not out.exists()  # nothing written
 

@@ -317,6 +317,8 @@ def source_limit(model) -> int | None:
 
 
 def run_translate(args):
+    if args.int8_engine and not args.int8:
+        raise CommandError(f"--int8-engine={args.int8_engine} needs --int8 (it picks the kernels of the int8 layers).")
     if args.int8 and (args.pack_linears or args.dtype != "float32"):
         other = "--pack-linears" if args.pack_linears else f"--dtype {args.dtype}"
         raise CommandError(f"--int8 and {other} exclude each other: int8 layers replace the packed fp32 ones and run "
@@ -335,7 +337,7 @@ def run_translate(args):
     if args.int8:
         if not hasattr(model, "quantize_int8"):
             raise CommandError(f"--int8 needs an hf_hardattn model; {args.model!r} is a {type(model).__name__}.")
-        model.eval().quantize_int8()
+        model.eval().quantize_int8(engine=args.int8_engine or "fbgemm")
     if args.dtype == "bfloat16":
         model = model.to(torch.bfloat16)
     positions = source_limit(model)
@@ -638,6 +640,9 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--int8", action="store_true",
                     help="int8 linear layers (model.quantize_int8(): torch's dynamic int8, CPU; hf_hardattn models; "
                          "not with --pack-linears or --dtype bfloat16)")
+    tr.add_argument("--int8-engine", choices=("fbgemm", "onednn"), default=None,
+                    help="with --int8: the int8 kernels (default fbgemm; onednn: VNNI / AMX kernels where the CPU "
+                         "has them, slower on the AVX2 CPU measured)")
     tr.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                     help="weights' dtype while decoding (bfloat16: CPUs with native bf16)")
     tr.add_argument("--threads", type=positive_int, default=max(1, min(os.cpu_count() or 1, 8)),
