@@ -15,9 +15,11 @@
 #   .devdata/teacher before the call (one teacher at a time: the carry limit is 64 MiB). Without it the row trains
 #   its own teacher first and is likely cut off.
 # GROUP=E (added 2026-11-27, stop 61, after GROUP=C's eq1 row ran out of time translating the 29k training sources on
-#   the host CPU: `reproduce` now moves the teacher to the GPU): hybrid_additive_kd_eq1 for seeds 0 and 1, each seed
-#   in its own reproduce run; seed TEACHER_SEED uses the carried .devdata/teacher (as in GROUP=C), the other trains
-#   its own soft teacher on the GPU first (its soft row is stored beside it: teacher and student from one machine).
+#   the host CPU: `reproduce` now moves the teacher to the GPU): hybrid_additive_kd_eq1 for each seed of E_SEEDS
+#   (default "0 1"), each in its own reproduce run; seed TEACHER_SEED uses the carried .devdata/teacher (as in
+#   GROUP=C), another trains its own soft teacher on the GPU first (its soft row is stored beside it). Seed 0 ran on
+#   the AVX2 EPYC (stop 61, teacher: its CPU soft row): E_SEEDS=1 TEACHER_SEED=1 with the CPU soft row of seed 1 as
+#   .devdata/teacher is what is left.
 # Ran 2026-11-27 (stop 61, one H200, host Intel Xeon, 16 cores): GROUP=A, all 16 rows in 405 s; GROUP=C with
 #   DEADLINE=370: the four LSTM rows done, the eq1 row cut off (its teacher was still translating on one CPU thread).
 # Compare afterwards with benchmarks/compare_rows.py over these rows and ../init_emb_h200/ (seeds 0-1 of soft and
@@ -62,7 +64,7 @@ elif [ $GROUP = E ]; then
   if [ -f .devdata/teacher/models/soft/model.safetensors ]; then mkdir -p $E; cp -r .devdata/teacher/. $E/
     $PY -c "import json; r = json.load(open('$E/reproduce_multi30k_cpu.json'))['rows']['soft']; print('teacher: soft seed', r['seed'], r['scores'], r['steps'], 'steps'); assert r['seed'] == $S"  || exit 1
   fi
-  for s in 0 1; do launch 0 $s hybrid_additive_kd_eq1; done
+  for s in ${E_SEEDS:-0 1}; do launch 0 $s hybrid_additive_kd_eq1; done
 else
   echo "GROUP must be A, C or E, got '$GROUP'"; exit 2
 fi
