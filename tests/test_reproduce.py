@@ -41,8 +41,13 @@ def run_dir(tmp_path_factory):
     argv = ["--task", "multi30k", "--preset", "tiny", "--data", str(data), "--output-dir", str(out), "--quiet",
             "--rows", "soft_decoded_hard", "hybrid_dot_kd", "hybrid_dot_kd_eq1", "beam_joint_k6_decoded_k1", "marian"]
     torch.manual_seed(0)
-    reproduce.main(argv)
-    return dict(root=root, data=data, out=out, argv=argv)
+    moved, on_accelerator = [], reproduce.on_accelerator  # which loaded models would go to a GPU
+    reproduce.on_accelerator = lambda model: moved.append(model.config.model_type) or on_accelerator(model)
+    try:
+        reproduce.main(argv)
+    finally:
+        reproduce.on_accelerator = on_accelerator
+    return dict(root=root, data=data, out=out, argv=argv, moved=moved)
 
 
 def load_results(out):
@@ -70,6 +75,18 @@ def test_dependencies_run_first_and_every_row_is_recorded(run_dir):
     assert rows["marian"]["model_type"] == "marian"
     table = (run_dir["out"] / "reproduce_multi30k_tiny.md").read_text()
     assert "| soft_decoded_hard |" in table and "| marian |" in table
+    # every model loaded from disk decodes where the trained ones do: the soft teacher (once, for both KD rows) and
+    # the two derived rows (soft decoded hard, beam-joint decoded K=1)
+    assert sorted(run_dir["moved"]) == ["beam_joint_transformer", "soft_transformer", "soft_transformer"]
+
+
+def test_on_accelerator_moves_a_model_to_the_gpu_where_there_is_one(monkeypatch):
+    model = torch.nn.Linear(2, 2)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert reproduce.on_accelerator(model) is model
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(model, "cuda", lambda: "on the GPU")
+    assert reproduce.on_accelerator(model) == "on the GPU"
 
 
 @pytest.mark.parametrize("name, kinds", [

@@ -478,9 +478,7 @@ def kd_data(ctx):
     """The soft teacher's beam-4 translations of the training sources ("target") beside the references
     ("reference"), as strings (resumable, cached in the output folder)."""
     if "kd_data" not in ctx:
-        teacher = load_model(ctx, "soft")
-        if torch.cuda.is_available():  # the 29k training sources: on CPU this took the whole of a GPU call (stop 61)
-            teacher = teacher.cuda()
+        teacher = on_accelerator(load_model(ctx, "soft"))
         ctx["kd_data"] = distill.translate_dataset(teacher, ctx["tokenizer"], ctx["train"], os.path.join(ctx["out"], "kd_data"),
                                            num_beams=4, batch_size=ctx["recipe"].eval_batch_size,
                                            max_length=ctx["recipe"].max_length, progress=not ctx["args"].quiet)
@@ -495,13 +493,20 @@ def load_model(ctx, name):
     return AutoModelForSeq2SeqLM.from_pretrained(model_dir(ctx, name)).eval()
 
 
+def on_accelerator(model):
+    """``model`` on the GPU where there is one (as a trained row's model is after training), so that a loaded teacher
+    or a derived row decodes there too: on one host CPU thread the teacher's 29k training translations outlasted a
+    whole GPU call (2026-11-27)."""
+    return model.cuda() if torch.cuda.is_available() else model
+
+
 def run_row(row: Row, ctx) -> dict:
     args, recipe = ctx["args"], ctx["recipe"]
     result = dict(row=row.name, paper=row.paper, expect=row.expect, seed=args.seed, command=row_command(ctx, row.name),
                   recipe=dataclasses.asdict(recipe),  # per row too: rows of one table may come from different runs
                   machine=training.machine())  # and machines: minutes of training only compare on the same one
     if row.source is not None:
-        model = row.derive(load_model(ctx, row.source)).eval()
+        model = on_accelerator(row.derive(load_model(ctx, row.source)).eval())
         result.update(decoded_from=row.source, train_minutes=ctx["results"][row.source]["train_minutes"],
                       steps=ctx["results"][row.source]["steps"])
     else:
