@@ -30,11 +30,11 @@ class Int8Mixin:
         7-bit unsigned integers with one scale and zero point for the whole input tensor (its min and max), int32
         accumulation, fp32 output. Because the activation scale is shared by the rows of a call, an int8 output
         depends slightly on the other sentences of the batch and on whether earlier positions are cached (the fp32
-        model's do not). Layers whose weight the model reads
-        directly stay fp32 (``INT8_KEEP``: beam-joint's vocabulary mixture and candidate readout, the additive
-        attention's score vector); attention kernels, embeddings, norms and the gate arithmetic stay fp32. Packed
-        linears are unpacked first (int8 replaces them). Inference only: afterwards ``train()`` and
-        ``save_pretrained`` raise; reload the fp32 checkpoint to undo. Returns the model."""
+        model's do not). Layers whose weight the model reads directly stay fp32 (``INT8_KEEP``: beam-joint's
+        vocabulary mixture and candidate readout, the additive attention's score vector); attention kernels,
+        embeddings, norms and the gate arithmetic stay fp32. Packed linears are unpacked first (int8 replaces them).
+        Inference only: afterwards ``train()`` and ``save_pretrained`` raise; reload the fp32 checkpoint to undo.
+        Returns the model."""
         engines = [name for name in INT8_ENGINES if name in torch.backends.quantized.supported_engines]
         if engine not in engines:
             raise ValueError(f"quantize_int8(): `engine`={engine!r} is not an int8 engine of this torch build; allowed: "
