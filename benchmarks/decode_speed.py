@@ -29,8 +29,8 @@ alike.
   with ``hf_hardattn.convert`` and quantised: the same architecture and weights as ``ct2_int8``.
   ``soft_int8_expanded``: with transformers' one encoder row per beam (the grouped memory's share of the gain).
   ``soft_int8_onednn``: ``soft_int8`` with its int8 layers packed for torch's oneDNN engine instead of fbgemm (what
-  torch's own "x86" engine picks on CPUs with VNNI / AMX; ``quantize_int8`` packs for fbgemm everywhere): measured
-  to choose the int8 kernel per CPU (issue #50; on the AVX2 EPYC 0.58 / 0.69 / 0.45 / 0.85x fbgemm's speed,
+  torch's own "x86" engine picks on CPUs with VNNI / AMX; ``quantize_int8(engine="onednn")``, its default packs for
+  fbgemm everywhere): measured to choose the int8 kernel per CPU (issue #50; on the AVX2 EPYC 0.58 / 0.69 / 0.45 / 0.85x fbgemm's speed,
   2026-11-27, ``decode_speed_int8_engines_epyc_avx2.json``).
 * ``ct2_float32`` / ``ct2_int8``: the same MarianMTModel converted with ``ctranslate2`` (what a user would pick for
   fast CPU decoding), ``intra_threads`` = --threads; the reference, not a model of this package. Measured in a
@@ -129,10 +129,6 @@ def int8(model):
     return model.eval().quantize_int8()
 
 
-def int8_onednn(model):
-    return model.eval().quantize_int8(engine="onednn")
-
-
 def expanded_memory(model):
     """``model`` decoding with transformers' expansion of the encoder output to one row per beam instead of the
     grouped memory (one row per sentence; ``HardAttnForConditionalGeneration._expand_inputs_for_generation``)."""
@@ -164,7 +160,7 @@ for _name in ("soft", "marian", "hard_retrieval", "attention_removed", "sh_x", "
 for _name in ("soft", "soft_packed", "hybrid_dot"):  # encoder output expanded to one row per beam, as in transformers
     BUILDERS[f"{_name}_expanded"] = lambda _name=_name: expanded_memory(BUILDERS[_name]())
 BUILDERS["soft_int8"] = lambda: int8(build_soft_from_marian())  # ct2_int8's weights
-BUILDERS["soft_int8_onednn"] = lambda: int8_onednn(build_soft_from_marian())
+BUILDERS["soft_int8_onednn"] = lambda: build_soft_from_marian().eval().quantize_int8(engine="onednn")
 for _name in ("hard_retrieval", "sh_x", "hybrid_dot", "recurrent_expand_1", "beam_joint_k6"):
     BUILDERS[f"{_name}_int8"] = lambda _name=_name: int8(BUILDERS[_name]())
 BUILDERS["soft_int8_expanded"] = lambda: expanded_memory(BUILDERS["soft_int8"]())

@@ -83,7 +83,7 @@ class Int8Mixin:
 INT8_ENGINES = ("fbgemm", "onednn")  # torch's quantized engines that quantize_int8 packs for (x86)
 
 
-def int8_linears(model: nn.Module, names: list, engine: str = "fbgemm") -> nn.Module:
+def int8_linears(model: nn.Module, names: list, engine: str) -> nn.Module:
     """The ``nn.Linear`` layers ``names`` of ``model`` (in place) as torch's dynamic int8 linears packed for ``engine``
     (one of ``INT8_ENGINES``, named explicitly: not the "x86" engine's per-CPU choice), each as an
     :class:`~packed_linear.Int8Linear` (the same kernel on a shorter call path). Returns ``model``."""
