@@ -80,6 +80,18 @@ def test_multi30k_root_and_env(tmp_path, monkeypatch):
         multi30k("val", root=tmp_path / "absent")
 
 
+def test_multi30k_default_root_is_shared_beside_the_checkout(monkeypatch):
+    """Without $HF_HARDATTN_MULTI30K the data is read from ../shared/data/multi30k beside the repository root (the
+    project's layout); the default pointed inside the checkout after the tooling moved to hf_hardattn/tools/."""
+    from pathlib import Path
+
+    from hf_hardattn.tools.data import default_multi30k_root
+
+    monkeypatch.delenv("HF_HARDATTN_MULTI30K", raising=False)
+    checkout = Path(__file__).resolve().parent.parent  # tests/ is at the repository root
+    assert Path(default_multi30k_root()) == checkout.parent / "shared" / "data" / "multi30k"
+
+
 def test_noun_paradigm_by_hand():
     """Haus (neuter): Haus, Häuser, Hauses, Häuser, Haus, Häusern, Haus, Häuser (German grammar, by hand)."""
     paradigms = {lemma: (gender, cells) for lemma, gender, cells in _noun_paradigms(True)}
