@@ -9,6 +9,7 @@ import math
 import os
 import platform
 import sys
+from pathlib import Path
 
 import pytest
 import sacrebleu
@@ -21,7 +22,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from transformers import AutoTokenizer, TrainerCallback  # noqa: E402
 
 from hf_hardattn import SoftTransformerConfig, SoftTransformerForConditionalGeneration  # noqa: E402
-from hf_hardattn.data import _noun_paradigms, german_nouns, load_parallel, multi30k  # noqa: E402
+from hf_hardattn.data import _noun_paradigms, default_multi30k_root, german_nouns, load_parallel, multi30k  # noqa: E402
 from hf_hardattn.model_card import MIN_TRANSFORMERS  # noqa: E402
 from hf_hardattn.tokenization import train_tokenizer  # noqa: E402
 from hf_hardattn.training import (  # noqa: E402
@@ -83,10 +84,6 @@ def test_multi30k_root_and_env(tmp_path, monkeypatch):
 def test_multi30k_default_root_is_shared_beside_the_checkout(monkeypatch):
     """Without $HF_HARDATTN_MULTI30K the data is read from ../shared/data/multi30k beside the repository root (the
     project's layout); the default pointed inside the checkout after the tooling moved to hf_hardattn/tools/."""
-    from pathlib import Path
-
-    from hf_hardattn.tools.data import default_multi30k_root
-
     monkeypatch.delenv("HF_HARDATTN_MULTI30K", raising=False)
     checkout = Path(__file__).resolve().parent.parent  # tests/ is at the repository root
     assert Path(default_multi30k_root()) == checkout.parent / "shared" / "data" / "multi30k"

@@ -166,7 +166,7 @@ def default_multi30k_root() -> str:
     """$HF_HARDATTN_MULTI30K, else ``../shared/data/multi30k`` beside the repository root."""
     if os.environ.get(MULTI30K_ENV):
         return os.environ[MULTI30K_ENV]
-    repo_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # hf_hardattn/tools/ up
+    repo_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # .../hf_hardattn/tools/data.py
     return os.path.join(os.path.dirname(repo_root), "shared", "data", "multi30k")
 
 
