@@ -17,7 +17,7 @@ speed (default)
 quality (``--quality``)
     soft vs beam-joint K=6 vs the same beam-joint model decoded with K=1 (the paper's Table 2), and full-joint on
     german-nouns (character-level inflection, exact-match accuracy, greedy) and Multi30k en-de (BLEU, beam 4),
-    through ``hf_hardattn.data`` / ``tokenization`` / ``training``. Real numbers need hours of CPU training; run with
+    through ``hf_hardattn.tools.data`` / ``tokenization`` / ``training``. Real numbers need hours of CPU training; run with
     ``--tiny`` it only proves the path works (a few steps on a few hundred examples).
 
     python benchmarks/beam_joint_bench.py                     # speed -> benchmarks/results/beam_joint_speed.json
@@ -38,7 +38,7 @@ import torch
 from hf_hardattn import (BeamJointRNNConfig, BeamJointRNNForConditionalGeneration, BeamJointTransformerConfig,
                          BeamJointTransformerForConditionalGeneration, HybridConfig, HybridForConditionalGeneration,
                          SoftTransformerConfig, SoftTransformerForConditionalGeneration)
-from hf_hardattn.training import machine
+from hf_hardattn.tools.training import machine
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 DIMS = dict(vocab_size=8000, d_model=256, encoder_layers=3, decoder_layers=3, encoder_attention_heads=4,
@@ -172,9 +172,9 @@ def memory(args):
 # Quality
 # ----------------------------------------------------------------------------------------------------------------
 def quality(args):
-    from hf_hardattn.data import german_nouns, multi30k
-    from hf_hardattn.tokenization import train_tokenizer
-    from hf_hardattn.training import accuracy, bleu, tokenize_dataset, train_seq2seq
+    from hf_hardattn.tools.data import german_nouns, multi30k
+    from hf_hardattn.tools.tokenization import train_tokenizer
+    from hf_hardattn.tools.training import accuracy, bleu, tokenize_dataset, train_seq2seq
 
     torch.set_num_threads(2)
     tiny = args.tiny

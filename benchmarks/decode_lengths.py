@@ -23,8 +23,8 @@ import torch
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
 import hf_hardattn  # noqa: F401  (registers the model types)
-from hf_hardattn.data import multi30k
-from hf_hardattn.training import default_max_new_tokens, length_sorted_batches, machine
+from hf_hardattn.tools.data import multi30k
+from hf_hardattn.tools.training import default_max_new_tokens, length_sorted_batches, machine
 from trained_models import check_trained_args
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")

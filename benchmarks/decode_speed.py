@@ -26,7 +26,7 @@ alike.
   keys/values are projected, cached and read once per sentence). Only beam 4 differs.
 * ``*_int8``: the same model after ``quantize_int8()`` (torch's dynamic int8 linear layers, issue #44);
   ``soft_int8`` is the MarianMTModel that CTranslate2 decodes (same seed, same weights), converted to a soft model
-  with ``hf_hardattn.convert`` and quantised: the same architecture and weights as ``ct2_int8``.
+  with ``hf_hardattn.tools.convert`` and quantised: the same architecture and weights as ``ct2_int8``.
   ``soft_int8_expanded``: with transformers' one encoder row per beam (the grouped memory's share of the gain).
   ``soft_int8_onednn``: ``soft_int8`` with its int8 layers packed for torch's oneDNN engine instead of fbgemm (what
   torch's own "x86" engine picks on CPUs with VNNI / AMX; ``quantize_int8(engine="onednn")``, its default packs for
@@ -69,9 +69,9 @@ from hf_hardattn import (BeamJointTransformerConfig, BeamJointTransformerForCond
                          HybridConfig, HybridForConditionalGeneration, RecurrentConfig,
                          RecurrentForConditionalGeneration, SoftTransformerConfig,
                          SoftTransformerForConditionalGeneration)
-from hf_hardattn.modeling_hardattn import SoftAttention
+from hf_hardattn.layers import SoftAttention
 from hf_hardattn.packed_linear import pack_linears
-from hf_hardattn.training import cpu_has_bf16_matmul, machine
+from hf_hardattn.tools.training import cpu_has_bf16_matmul, machine
 
 DIMS = dict(vocab_size=8000, d_model=512, encoder_layers=6, decoder_layers=6, encoder_attention_heads=8,
             decoder_attention_heads=8, encoder_ffn_dim=2048, decoder_ffn_dim=2048)

@@ -22,7 +22,7 @@ from common import (CONTRACT_MODELS, EOS, VOCAB, contract_model, generate_kwargs
                     toy_tokenizer)
 import hf_hardattn as h
 print("package", h.__file__, "transformers", transformers.__version__)
-from hf_hardattn.training import train_seq2seq
+from hf_hardattn.tools.training import train_seq2seq
 
 rows = []
 def record(group, case, outcome, detail=""):
@@ -143,7 +143,7 @@ for name in CONTRACT_MODELS:
         g = [p.grad for p in m.parameters() if p.grad is not None]
         return None if loss.item() == 0 and all(torch.equal(x, torch.zeros_like(x)) for x in g) else f"loss {loss.item()}"
     record("ignored", f"{name} all labels -100", *classify(run, ["labels"], bad))
-from hf_hardattn.distill import kd_loss
+from hf_hardattn.tools.distill import kd_loss
 def kd():
     s = torch.randn(2, 5, VOCAB, requires_grad=True)
     loss = kd_loss(s, torch.randn(2, 5, VOCAB), torch.full((2, 5), -100), 1.0); loss.backward(); return loss, s

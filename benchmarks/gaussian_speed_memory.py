@@ -45,7 +45,7 @@ import torch
 
 from hf_hardattn import GaussianConfig, GaussianForConditionalGeneration
 from hf_hardattn.soft import SoftTransformerConfig, SoftTransformerForConditionalGeneration
-from hf_hardattn.training import decode_speed, machine
+from hf_hardattn.tools.training import decode_speed, machine
 
 DIMS = dict(vocab_size=8000, d_model=512, encoder_layers=6, decoder_layers=6, encoder_attention_heads=8,
             decoder_attention_heads=8, encoder_ffn_dim=2048, decoder_ffn_dim=2048)

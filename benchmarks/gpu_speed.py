@@ -61,7 +61,7 @@ from hf_hardattn import (BeamJointRNNConfig, BeamJointRNNForConditionalGeneratio
                          HybridConfig, HybridForConditionalGeneration, RecurrentConfig,
                          RecurrentForConditionalGeneration, SoftTransformerConfig,
                          SoftTransformerForConditionalGeneration)
-from hf_hardattn.modeling_hardattn import SoftAttention
+from hf_hardattn.layers import SoftAttention
 
 BASE = dict(dims=dict(vocab_size=32000, d_model=512, encoder_layers=6, decoder_layers=6, encoder_attention_heads=8,
                       decoder_attention_heads=8, encoder_ffn_dim=2048, decoder_ffn_dim=2048),

@@ -2,7 +2,7 @@
 sentence reading one row of the encoder output (our default) and with transformers' expansion to one row per beam.
 
 Reads models trained by ``benchmarks/reproduce.py``. For each, decodes Multi30k test_2016_flickr with beam 4,
-batches of 64 sorted by length and max_new_tokens = 1.5 x source + 10 (``hf_hardattn.training.translate``), on both
+batches of 64 sorted by length and max_new_tokens = 1.5 x source + 10 (``hf_hardattn.tools.training.translate``), on both
 paths, alternating round by round; reports how many translations differ between the paths (expected: none), the
 BLEU of each, and the time of a whole test-set decode (median over rounds) with the speed ratio grouped / expanded.
 ``--packed`` adds the same two paths after ``pack_linears()``.
@@ -25,8 +25,8 @@ import torch
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
 import hf_hardattn  # noqa: F401  (registers the model types)
-from hf_hardattn.data import multi30k
-from hf_hardattn.training import machine, translate
+from hf_hardattn.tools.data import multi30k
+from hf_hardattn.tools.training import machine, translate
 from decode_speed import expanded_memory
 from trained_models import check_trained_args
 

@@ -1,5 +1,5 @@
 """Cost of the numerical guards of issue #41 when they do not fire: the NaN/+inf check of the logits at inference
-(``modeling_hardattn.check_finite_logits``, every model type) and the bound on recurrent cross-attention's carried
+(``inputs.check_finite_logits``, every model type) and the bound on recurrent cross-attention's carried
 context (``RecurrentCrossAttention.check_bounded``, expand_1/2/3).
 
 Models: d_model 256, 3+3 layers, 4 heads, FFN 1024, vocab 8000 (the ``cpu`` preset's sizes), random weights.

@@ -25,7 +25,7 @@ import torch
 
 from hf_hardattn import HybridConfig, HybridForConditionalGeneration, SoftTransformerConfig, \
     SoftTransformerForConditionalGeneration
-from hf_hardattn.training import machine
+from hf_hardattn.tools.training import machine
 
 COMMON = dict(vocab_size=8000, d_model=512, encoder_layers=6, encoder_attention_heads=8, encoder_ffn_dim=2048,
               dropout=0.0)

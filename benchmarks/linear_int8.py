@@ -27,7 +27,7 @@ import warnings
 import torch
 
 from hf_hardattn.packed_linear import pack_linears
-from hf_hardattn.training import machine
+from hf_hardattn.tools.training import machine
 from linear_kernels import per_call  # (benchmarks/: the same timing loop)
 
 SHAPES = [(512, 512), (1536, 512), (2048, 512), (512, 2048), (8000, 512)]  # o-proj, qkv, ffn1, ffn2, vocab

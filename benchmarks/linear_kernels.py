@@ -19,7 +19,7 @@ import time
 import torch
 
 from hf_hardattn.packed_linear import pack_linears
-from hf_hardattn.training import machine
+from hf_hardattn.tools.training import machine
 
 SHAPES = [(512, 512), (1536, 512), (2048, 512), (512, 2048), (8000, 512)]  # out x in: o-proj, qkv, ffn1, ffn2, vocab
 ROWS = [1, 4, 32, 128, 768]

@@ -1,11 +1,11 @@
 """What int8 and bf16 decoding cost in quality (issue #44): models trained by ``benchmarks/reproduce.py`` decoded in
 fp32, after ``model.quantize_int8()`` and after ``model.to(torch.bfloat16)``, scored exactly as the reproduction
 table scores them (its stored task and recipe: Multi30k BLEU of beam 4 on test_2016_flickr, or noun-inflection exact
-match; ``hf_hardattn.reproduce.evaluate``).
+match; ``hf_hardattn.tools.reproduce.evaluate``).
 
 Reads the rows' models (folders under ``--folder``/models), the folder's tokenizer and its
 ``reproduce_TASK_PRESET.json``; a ``MarianMTModel`` folder given with ``--marian`` (e.g. the source row of
-``benchmarks/pretrained_hard.py``) is decoded too, converted to a soft model (``hf_hardattn.convert``). Reports the
+``benchmarks/pretrained_hard.py``) is decoded too, converted to a soft model (``hf_hardattn.tools.convert``). Reports the
 score, its change from fp32, the share of outputs identical to fp32's, and the test set's sentences/s (one
 free-decoding timing each: a rough figure; the speed comparison is ``benchmarks/decode_speed.py``).
 
@@ -26,8 +26,8 @@ import torch
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
 import hf_hardattn  # noqa: F401  (registers the model types)
-from hf_hardattn.reproduce import Recipe, evaluate, load_task
-from hf_hardattn.training import cpu_has_bf16_matmul, machine
+from hf_hardattn.tools.reproduce import Recipe, evaluate, load_task
+from hf_hardattn.tools.training import cpu_has_bf16_matmul, machine
 from trained_models import check_trained_args
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")

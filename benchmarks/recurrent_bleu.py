@@ -20,10 +20,10 @@ import torch
 
 from hf_hardattn import RecurrentConfig, RecurrentForConditionalGeneration, SoftTransformerConfig
 from hf_hardattn import SoftTransformerForConditionalGeneration
-from hf_hardattn.data import multi30k
+from hf_hardattn.tools.data import multi30k
 from hf_hardattn.recurrent import RECURRENT_VARIANTS
-from hf_hardattn.tokenization import train_tokenizer
-from hf_hardattn.training import bleu, machine, tokenize_dataset, train_seq2seq
+from hf_hardattn.tools.tokenization import train_tokenizer
+from hf_hardattn.tools.training import bleu, machine, tokenize_dataset, train_seq2seq
 
 DIMS = dict(d_model=256, encoder_layers=3, decoder_layers=3, encoder_attention_heads=4, decoder_attention_heads=4,
             encoder_ffn_dim=1024, decoder_ffn_dim=1024, dropout=0.1)

@@ -11,7 +11,7 @@ processes hits every model alike; the median over rounds is reported. ``--sequen
 one variant: the whole decoder run one target position at a time through the cache, with gradients.
 
 Decoding: 30 forced tokens (min_new_tokens = max_new_tokens), greedy and beam 4, batch 1 and 32, sentences/s via
-``hf_hardattn.training.decode_speed`` (median of repeats), same models in eval mode.
+``hf_hardattn.tools.training.decode_speed`` (median of repeats), same models in eval mode.
 
     python benchmarks/recurrent_speed.py                      # writes benchmarks/results/recurrent_speed.json
     python benchmarks/recurrent_speed.py --rounds 3 --no-decode   # quick look
@@ -27,9 +27,9 @@ import torch
 
 from hf_hardattn import RecurrentConfig, RecurrentForConditionalGeneration, SoftTransformerConfig
 from hf_hardattn import SoftTransformerForConditionalGeneration
-from hf_hardattn.modeling_hardattn import CACHE_FIELD, HardAttnCache
+from hf_hardattn.caches import CACHE_FIELD, HardAttnCache
 from hf_hardattn.recurrent import RECURRENT_VARIANTS
-from hf_hardattn.training import decode_speed, machine
+from hf_hardattn.tools.training import decode_speed, machine
 
 DIMS = dict(vocab_size=8000, d_model=256, encoder_layers=3, decoder_layers=3, encoder_attention_heads=4,
             decoder_attention_heads=4, encoder_ffn_dim=1024, decoder_ffn_dim=1024, dropout=0.1,

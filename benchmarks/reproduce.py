@@ -12,7 +12,7 @@ cards, KD data, results) and, unless --output-dir is given, benchmarks/results/r
 import os
 import sys
 
-from hf_hardattn.reproduce import main
+from hf_hardattn.tools.reproduce import main
 
 if __name__ == "__main__":
     argv = sys.argv[1:]

@@ -24,7 +24,7 @@ import torch
 from train_speed import (TRAINED, add_step_arguments, build_models, check_counts, forward_loss, output_path,
                          synthetic_batch)
 
-from hf_hardattn.training import machine
+from hf_hardattn.tools.training import machine
 
 MATRIX = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
 GROUPS = {

@@ -1,6 +1,6 @@
 """Training throughput of every variant against the soft Transformer of the same size (issue #7).
 
-The models are exactly those of the reproduction table (``hf_hardattn.reproduce.ROWS``, preset ``cpu`` of
+The models are exactly those of the reproduction table (``hf_hardattn.tools.reproduce.ROWS``, preset ``cpu`` of
 Multi30k: d_model 256, 3+3 layers, 4 heads, FFN 1024, vocab 8000, dropout 0.1; hybrids and the beam-joint RNN have a
 3-layer encoder and a 1-layer GRU of 256); rows that only decode another row's model or train on other data (KD) are
 the same architecture as a listed row and are left out. One training step = forward + loss (label smoothing 0.1) +
@@ -25,8 +25,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from hf_hardattn.reproduce import PRESETS, ROWS
-from hf_hardattn.training import machine
+from hf_hardattn.tools.reproduce import PRESETS, ROWS
+from hf_hardattn.tools.training import machine
 
 
 class VocabOnly:

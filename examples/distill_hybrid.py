@@ -6,7 +6,7 @@ Stages:
 2. hybrid student pre-trained with MLE on the original data (the paper's first stage);
 3. sequence-level KD data: the teacher translates the training sources (beam search, resumable shards); the
    original targets are kept as references;
-4. the MLE student is fine-tuned with the stage-2 objective of each ``--kd-scheme`` (``hf_hardattn.distill``),
+4. the MLE student is fine-tuned with the stage-2 objective of each ``--kd-scheme`` (``hf_hardattn.tools.distill``),
    each from the same MLE checkpoint and with the same budget: ``eq1_sequence`` (default, the paper's Eq. 1:
    reference NLL + lambda * NLL of the teacher's beam output, Kim & Rush's sequence-level KL), ``eq1_word`` (Eq. 1
    with the per-token KL along the reference), ``sequence_word`` (not Eq. 1: the teacher's output replaces the
@@ -21,8 +21,8 @@ Stages:
     python examples/distill_hybrid.py --kd-scheme sequence_word eq1_sequence --kd-steps 200   # side by side
     python examples/distill_hybrid.py --data my_data --test-split test --size tiny --max-steps 5   # other data
 
-Reads Multi30k (``hf_hardattn.data.multi30k``: $HF_HARDATTN_MULTI30K or ../shared/data/multi30k), or ``--data
-FOLDER`` holding ``train.en`` / ``train.de`` and the ``--test-split`` files alike (``hf_hardattn.data.load_parallel``).
+Reads Multi30k (``hf_hardattn.tools.data.multi30k``: $HF_HARDATTN_MULTI30K or ../shared/data/multi30k), or ``--data
+FOLDER`` holding ``train.en`` / ``train.de`` and the ``--test-split`` files alike (``hf_hardattn.tools.data.load_parallel``).
 """
 
 from __future__ import annotations
@@ -36,10 +36,10 @@ import torch
 
 from hf_hardattn import (HybridConfig, HybridForConditionalGeneration, SoftTransformerConfig,
                          SoftTransformerForConditionalGeneration)
-from hf_hardattn.data import default_multi30k_root, load_parallel
-from hf_hardattn.distill import KD_SCHEME_LABELS, KD_SCHEMES, train_kd_stage, translate_dataset
-from hf_hardattn.tokenization import train_tokenizer
-from hf_hardattn.training import bleu, decode_speed, machine, tokenize_dataset, train_seq2seq
+from hf_hardattn.tools.data import default_multi30k_root, load_parallel
+from hf_hardattn.tools.distill import KD_SCHEME_LABELS, KD_SCHEMES, train_kd_stage, translate_dataset
+from hf_hardattn.tools.tokenization import train_tokenizer
+from hf_hardattn.tools.training import bleu, decode_speed, machine, tokenize_dataset, train_seq2seq
 
 SIZES = {
     # small: trains visibly in minutes on 2 CPU cores
@@ -71,7 +71,7 @@ def special_ids(tokenizer):
 
 
 def kd_finetune(student, teacher, tokenizer, distilled, scheme, args, output_dir):
-    """Stage 2 with ``scheme`` (hf_hardattn.distill.train_kd_stage), the same optimiser recipe for every scheme:
+    """Stage 2 with ``scheme`` (hf_hardattn.tools.distill.train_kd_stage), the same optimiser recipe for every scheme:
     constant learning rate after a short warm-up, ``--kd-minutes`` and/or ``--kd-steps``."""
     steps = args.kd_steps if args.kd_steps is not None else args.max_steps
     runs_teacher, has_lambda = KD_SCHEMES[scheme][2:]
@@ -101,7 +101,7 @@ def main(argv=None):
     parser.add_argument("--kd-learning-rate", type=float, default=3e-4)
     parser.add_argument("--kd-lambda", type=float, default=1.0, help="lambda of Eq. 1 (paper: 1)")
     parser.add_argument("--kd-scheme", nargs="+", default=["eq1_sequence"], choices=list(KD_SCHEMES),
-                        help="stage-2 objective(s), each fine-tuned from the same MLE student (hf_hardattn.distill)")
+                        help="stage-2 objective(s), each fine-tuned from the same MLE student (hf_hardattn.tools.distill)")
     parser.add_argument("--kd-steps", type=int, default=None, help="stage-2 steps (default: --max-steps)")
     parser.add_argument("--rnn-attention", default="additive", choices=["additive", "dot", "multihead"])
     parser.add_argument("--kd-beams", type=int, default=4, help="teacher beam for sequence-level KD")

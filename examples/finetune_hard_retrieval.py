@@ -1,6 +1,6 @@
 """Fine-tune a pretrained MarianMTModel into hard retrieval attention with ``Seq2SeqTrainer``.
 
-``hf_hardattn.convert`` maps the checkpoint's weights into a ``hard_retrieval_transformer`` (decoder self- and
+``hf_hardattn.tools.convert`` maps the checkpoint's weights into a ``hard_retrieval_transformer`` (decoder self- and
 cross-attention each read ONE key: sampled with straight-through gradients in training, the argmax at inference);
 converted, it is the soft-trained model decoded hard, which fine-tuning then adapts. The loss on the validation data
 (the training data when none is given) is measured before and after, and the result saved with its tokenizer and
@@ -11,7 +11,7 @@ model card.
         --max-steps 300 --learning-rate 1e-4 --output-dir opus-mt-en-de-hard
 
 Data files: ``PREFIX`` (``PREFIX.en`` / ``PREFIX.de``, one sentence a line, ``.gz`` allowed), ``FILE.tsv``,
-``FILE.jsonl`` or ``hf:NAME[:CONFIG]:SPLIT`` (``hf_hardattn.data.load_split``). BART / mBART / M2M100 checkpoints
+``FILE.jsonl`` or ``hf:NAME[:CONFIG]:SPLIT`` (``hf_hardattn.tools.data.load_split``). BART / mBART / M2M100 checkpoints
 convert too.
 """
 
@@ -23,7 +23,7 @@ from transformers import (AutoModelForSeq2SeqLM, AutoTokenizer, DataCollatorForS
                           Seq2SeqTrainingArguments)
 
 import hf_hardattn
-from hf_hardattn.data import load_split
+from hf_hardattn.tools.data import load_split
 
 
 def parse_args(argv=None):

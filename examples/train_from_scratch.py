@@ -1,8 +1,8 @@
 """Train a translation model of any hf_hardattn type from scratch on your parallel data.
 
-A joint tokenizer is trained on the training split (``hf_hardattn.tokenization.train_tokenizer``: byte-level BPE, or
+A joint tokenizer is trained on the training split (``hf_hardattn.tools.tokenization.train_tokenizer``: byte-level BPE, or
 characters), the model is built with ``AutoConfig.for_model`` / ``AutoModelForSeq2SeqLM.from_config`` and trained
-with the package's recipe (``hf_hardattn.training.train_seq2seq``: ``Seq2SeqTrainer``, Adam betas (0.9, 0.98),
+with the package's recipe (``hf_hardattn.tools.training.train_seq2seq``: ``Seq2SeqTrainer``, Adam betas (0.9, 0.98),
 warm-up then inverse square root decay, length-grouped batches). With validation data it reports BLEU (sacrebleu,
 beam 4). The folder it saves (weights, tokenizer, model card) loads with ``AutoModelForSeq2SeqLM.from_pretrained``.
 
@@ -13,7 +13,7 @@ beam 4). The folder it saves (weights, tokenizer, model card) loads with ``AutoM
         --set rnn_attention='"dot"' --train data/train --output-dir hybrid     # any config field with --set
 
 Data: ``PREFIX`` (``PREFIX.en`` / ``PREFIX.de``, one sentence a line, ``.gz`` allowed), ``FILE.tsv``, ``FILE.jsonl``
-or ``hf:NAME[:CONFIG]:SPLIT`` (``hf_hardattn.data.load_split``). ``hf-hardattn train`` is the full command (resume,
+or ``hf:NAME[:CONFIG]:SPLIT`` (``hf_hardattn.tools.data.load_split``). ``hf-hardattn train`` is the full command (resume,
 early stopping, several processes).
 """
 
@@ -25,10 +25,10 @@ import torch
 from transformers import AutoConfig, AutoModelForSeq2SeqLM
 
 import hf_hardattn
-from hf_hardattn.data import load_split
+from hf_hardattn.tools.data import load_split
 from hf_hardattn.gaussian import length_ratio_unless_given
-from hf_hardattn.tokenization import train_tokenizer
-from hf_hardattn.training import bleu, tokenize_dataset, train_seq2seq
+from hf_hardattn.tools.tokenization import train_tokenizer
+from hf_hardattn.tools.training import bleu, tokenize_dataset, train_seq2seq
 
 
 def key_value(text):

@@ -8,11 +8,9 @@ into any of these model types (``hf_hardattn/tools/convert.py``).
 
 Layout: the top level holds the runtime (what a saved model carries, flat: remote code copies a model file and its
 same-folder imports) and the two registrations with transformers (``pipelines``, ``attention_interface``);
-``hf_hardattn.tools`` holds the tooling (command line, training, reproduction, data, plots, conversion), importable by
-its old paths too (``hf_hardattn.training``, ...). ``registry.py`` lists the attention kinds and the model types.
+``hf_hardattn.tools`` holds the tooling (command line, training, reproduction, data, plots, conversion), imported by
+that path (``hf_hardattn.tools.training``, ...). ``registry.py`` lists the attention kinds and the model types.
 """
-
-import sys
 
 from transformers import AutoConfig, AutoModelForSeq2SeqLM
 
@@ -29,18 +27,11 @@ from .pipelines import register as _register_pipelines
 from .recurrent import RecurrentConfig, RecurrentForConditionalGeneration
 from .registry import MODEL_TYPES, model_classes
 from .soft import SoftTransformerConfig, SoftTransformerForConditionalGeneration
-from .tools import convert as _convert_module
-from .tools import keep_old_paths as _keep_old_paths
 from .tools.convert import ConversionReport, convert
 
 __version__ = "0.1.0"
 
 MODEL_CLASSES = dict(model_classes(model_type) for model_type in MODEL_TYPES)  # config class -> model class
-
-# the tool modules' old paths: hf_hardattn.training etc. import hf_hardattn.tools.training etc.; hf_hardattn.convert
-# stays the function above while `from hf_hardattn.convert import ...` finds the module
-sys.modules[f"{__name__}.convert"] = _convert_module
-_keep_old_paths(__name__)
 
 
 def _register():

@@ -26,7 +26,7 @@ from .registry import KINDS, ROLES, kinds_allowed, used_kinds
 ATTENTION_KINDS = {name: kind.roles for name, kind in KINDS.items()}
 KIND_SETTINGS = {name: tuple(kind.settings) for name, kind in KINDS.items() if kind.settings}
 POSITION_EMBEDDINGS = ("sinusoidal", "learned")
-# Feature layouts of the sinusoidal table (see modeling_hardattn.sinusoidal_table): ours (Vaswani et al.), Marian's
+# Feature layouts of the sinusoidal table (see layers.sinusoidal_table): ours (Vaswani et al.), Marian's
 # (transformers' MarianMTModel) and fairseq's / tensor2tensor's (M2M100, NLLB).
 SINUSOIDAL_LAYOUTS = ("interleaved", "marian", "fairseq")
 

@@ -560,7 +560,7 @@ class HybridForConditionalGeneration(HybridPreTrainedModel, HardAttnForCondition
         "query projection. The RNN state lives in the cache and is reordered for beam search. "
         "The paper trains it in two stages: MLE on the bilingual data, then Eq. 1 (the likelihood of "
         "the references minus lambda * KL(teacher || student), a fixed Transformer teacher, lambda = 1). "
-        "`hf_hardattn.distill.train_two_stage` runs both; its default `kd_scheme=\"eq1_sequence\"` approximates the "
+        "`hf_hardattn.tools.distill.train_two_stage` runs both; its default `kd_scheme=\"eq1_sequence\"` approximates the "
         "KL at sequence level (Kim & Rush: the NLL of the teacher's beam output), `\"eq1_word\"` per token along the "
         "reference; `\"sequence_only\"` (the teacher's outputs only, not Eq. 1) produced the reproduction "
         "table's `hybrid_*_kd` rows."

@@ -12,7 +12,7 @@ Written once; every variant plugs into it:
 
 The skeleton by concern: ``layers.py`` (attention, layers, encoder, decoder), ``caches.py``, ``inputs.py`` (input
 checks), ``loss.py``, ``int8.py`` (``quantize_int8``), ``saving.py`` (atomic save, checksums, Hub upload) and this
-file, the models themselves. Its names stay importable from here.
+file, the models themselves. Each name is imported from the file that defines it.
 
 Runtime code shipped with saved models (``trust_remote_code``): keep it flat, same-folder relative imports only.
 """
@@ -27,14 +27,12 @@ from transformers import initialization as init
 from transformers.modeling_outputs import BaseModelOutput, Seq2SeqLMOutput
 from transformers.utils import logging
 
-from .caches import CACHE_FIELD, BufferedCache, BufferedLayer, HardAttnCache, cropped_length
+from .caches import CACHE_FIELD, HardAttnCache
 from .configuration_hardattn import HardAttnConfig
 from .inputs import (check_finite_logits, check_generated_length, check_generation_config, check_ids, check_labels,
                      check_labels_match, check_mask, check_one_of, is_tracing, shift_tokens_right)
 from .int8 import Int8Mixin
-from .layers import (WRITTEN_OUT_MIN_QUERIES, WRITTEN_OUT_QUERIES, DecoderResult, HardAttnDecoder,
-                     HardAttnEncoder, PositionEmbedding, SoftAttention, attention_classes, build_attention,
-                     causal_mask, check_memory_rows, full_mask, sinusoidal_table)
+from .layers import DecoderResult, HardAttnDecoder, HardAttnEncoder, PositionEmbedding, SoftAttention
 from .loss import smoothed_cross_entropy, token_mean
 from .packed_linear import DEFAULT_MAX_ROWS, pack_linears, unpack_linears
 from .registry import ROLES
@@ -453,18 +451,10 @@ class HardAttnForConditionalGeneration(HardAttnPreTrainedModel, GenerationMixin)
 
 
 __all__ = [
-    "HardAttnCache",
-    "SoftAttention",
     "HardAttnModel",
     "HardAttnPreTrainedModel",
     "HardAttnForConditionalGeneration",
     "TRANSLATION_MAX_LENGTH",
     "TRANSLATION_NUM_BEAMS",
     "set_translation_generation_defaults",
-    "attention_classes",
-    "build_attention",
-    # the skeleton's other names, defined in its files by concern and importable from here as before
-    "CACHE_FIELD", "BufferedCache", "BufferedLayer", "DecoderResult", "WRITTEN_OUT_MIN_QUERIES", "WRITTEN_OUT_QUERIES",
-    "causal_mask", "check_finite_logits", "check_memory_rows", "cropped_length", "full_mask", "is_tracing",
-    "sinusoidal_table", "smoothed_cross_entropy",
 ]

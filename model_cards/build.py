@@ -25,7 +25,7 @@ import torch
 
 import hf_hardattn
 from hf_hardattn.model_card import render_model_card
-from hf_hardattn.reproduce import ROWS, row_table
+from hf_hardattn.tools.reproduce import ROWS, row_table
 
 FOLDER = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "results")
@@ -373,7 +373,7 @@ def draw_pictures(models_folder, folder):
     """images/TYPE.png for every type whose row's trained model is in ``models_folder``."""
     from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
-    from hf_hardattn.plot import attention_maps, plot_layers
+    from hf_hardattn.tools.plot import attention_maps, plot_layers
 
     for model_type, (row, _, _) in CAPTIONS.items():
         path = os.path.join(models_folder, row)

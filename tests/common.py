@@ -285,7 +285,7 @@ def check_grouped_memory(model, mode):
     cached once per sentence); the reference is the same model on transformers' expansion to one row per beam.
     Tokens equal, step scores as `assert_step_scores_close`, and the cached source keys have one row per sentence (per
     beam on the reference path). Both in float64 (see `as_float64`)."""
-    from hf_hardattn.modeling_hardattn import CACHE_FIELD
+    from hf_hardattn.caches import CACHE_FIELD
 
     assert model._memory_grouped_decoding()
     model = as_float64(model)
@@ -631,7 +631,7 @@ def decode_step_by_step(model, decoder_ids, cache_kwarg="cache", **inputs):
     """Logits of ``decoder_ids`` decoded one position per call through the KV cache (``inputs``: the source, or
     ``encoder_outputs``), concatenated over time; and the final cache. ``cache_kwarg``: the name forward() gets the
     cache under (``"past_key_values"`` before transformers 5.24)."""
-    from hf_hardattn.modeling_hardattn import CACHE_FIELD
+    from hf_hardattn.caches import CACHE_FIELD
 
     cache, logits = None, []
     for t in range(decoder_ids.shape[1]):

@@ -410,7 +410,7 @@ CONVERTED_TYPES = {"hard_retrieval": {}, "hard_retrieval_cross": {"decoder_atten
 @pytest.mark.parametrize("name", MODELS)
 def test_registered_implementation_equals_the_converted_model(name, variant, monkeypatch):
     """The same checkpoint run by transformers' model with the registered implementation and converted to
-    hard_retrieval_transformer (hf_hardattn.convert, hard in the same roles): the same logits at inference (float64),
+    hard_retrieval_transformer (hf_hardattn.tools.convert, hard in the same roles): the same logits at inference (float64),
     the same greedy and beam-4 tokens, and in training, with the converted model given the indices the stock model
     sampled (transformers' layer-drop draws move the random stream on some releases), the same loss and gradients."""
     import hf_hardattn.hard_retrieval as module

@@ -159,7 +159,7 @@ def test_hard_retrieval_training_on_a_row_without_visible_keys_is_finite():
 
 
 def test_translate_of_no_sources_is_empty_and_of_non_strings_an_error():
-    from hf_hardattn.training import translate
+    from hf_hardattn.tools.training import translate
     from common import toy_tokenizer
 
     model, tokenizer = contract_model("soft", fit=False), toy_tokenizer()

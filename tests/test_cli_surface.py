@@ -5,7 +5,7 @@ import argparse
 
 import pytest
 
-from hf_hardattn.cli import build_parser, main
+from hf_hardattn.tools.cli import build_parser, main
 
 
 def subparsers():

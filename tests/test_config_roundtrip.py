@@ -17,9 +17,9 @@ from transformers import AutoConfig, AutoModelForSeq2SeqLM, MarianConfig, Marian
 from transformers.testing_utils import set_config_for_less_flaky_test
 
 import hf_hardattn  # noqa: F401  (registers the model types with the Auto classes)
-from hf_hardattn import cli
+from hf_hardattn.tools import cli
 from hf_hardattn.registry import MODEL_TYPES, model_classes
-from hf_hardattn.tokenization import train_tokenizer
+from hf_hardattn.tools.tokenization import train_tokenizer
 
 MISSPELLED = r"`layer_norm_epsilon` is not a field of {name}.*did you mean `layer_norm_eps`\?"
 

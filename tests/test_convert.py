@@ -1,4 +1,4 @@
-"""hf_hardattn.convert and `hf-hardattn convert`: pretrained Marian / BART / mBART / M2M100 models mapped into every
+"""hf_hardattn.tools.convert and `hf-hardattn convert`: pretrained Marian / BART / mBART / M2M100 models mapped into every
 model type. The reference is the source transformers model itself, built tiny and briefly fitted here (no download):
 the converted soft model must give its logits (fp32 and float64) and its greedy / beam-search tokens on a padded
 batch; the other types must carry its shared weights, train and generate; every bad input is refused by name."""
@@ -16,8 +16,8 @@ from transformers import (BartConfig, BartForConditionalGeneration, BertConfig, 
                           MBartForConditionalGeneration)
 
 import hf_hardattn
-from hf_hardattn import cli
-from hf_hardattn.convert import ConversionReport
+from hf_hardattn.tools import cli
+from hf_hardattn.tools.convert import ConversionReport
 
 SIZES = dict(vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
              decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,

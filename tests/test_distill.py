@@ -14,8 +14,8 @@ from transformers import DataCollatorForSeq2Seq, Seq2SeqTrainingArguments
 from common import EOS, collate, copy_task, fitted, tiny_kwargs, toy_tokenizer
 from hf_hardattn import (HybridConfig, HybridForConditionalGeneration, SoftTransformerConfig,
                          SoftTransformerForConditionalGeneration)
-from hf_hardattn import distill
-from hf_hardattn.distill import (DistillationTrainer, kd_loss, sequence_kd_loss, tokenize_kd_dataset,
+from hf_hardattn.tools import distill
+from hf_hardattn.tools.distill import (DistillationTrainer, kd_loss, sequence_kd_loss, tokenize_kd_dataset,
                                  train_two_stage, translate_dataset)
 
 
@@ -336,7 +336,7 @@ def test_mismatched_teacher_raises(tmp_path):
 def test_sequence_level_kd_is_resumable(tmp_path, monkeypatch):
     import datasets
 
-    from hf_hardattn.training import translate
+    from hf_hardattn.tools.training import translate
 
     teacher = fitted(soft(), steps=60)
     tokenizer = toy_tokenizer()
@@ -361,7 +361,7 @@ def test_sequence_level_kd_is_resumable(tmp_path, monkeypatch):
         calls.append(len(sources))
         return translate(model, tok, sources, **kw)
 
-    monkeypatch.setattr("hf_hardattn.training.translate", counting_translate)
+    monkeypatch.setattr("hf_hardattn.tools.training.translate", counting_translate)
     again = translate_dataset(teacher, tokenizer, data, out, num_beams=3, batch_size=4, shard_size=4,
                               max_new_tokens=12, progress=False)
     assert calls == [4] and again["target"] == expected
@@ -399,7 +399,7 @@ def test_sequence_level_kd_is_resumable(tmp_path, monkeypatch):
 def test_cli_distill(tmp_path):
     import datasets
 
-    from hf_hardattn.cli import main
+    from hf_hardattn.tools.cli import main
 
     teacher = fitted(soft(), steps=20)
     teacher.save_pretrained(tmp_path / "teacher")

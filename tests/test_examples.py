@@ -21,7 +21,7 @@ from transformers import AutoConfig, AutoModelForSeq2SeqLM, AutoTokenizer, Maria
 
 import hf_hardattn
 from hf_hardattn.gaussian import length_ratio
-from hf_hardattn.tokenization import train_tokenizer
+from hf_hardattn.tools.tokenization import train_tokenizer
 
 from test_pipelines_hub import hub  # noqa: F401  (fixture: HfApi uploads recorded, nothing leaves)
 from test_reproduce import DE, EN

@@ -28,7 +28,7 @@ from hf_hardattn import (RecurrentConfig, RecurrentForConditionalGeneration, Sof
                          SoftTransformerForConditionalGeneration)
 from hf_hardattn import safe_io
 from hf_hardattn.safe_io import CHECKSUM_FILE, CorruptFileError
-from hf_hardattn.training import checkpoint_problem, last_complete_checkpoint, resolve_checkpoint, train_seq2seq
+from hf_hardattn.tools.training import checkpoint_problem, last_complete_checkpoint, resolve_checkpoint, train_seq2seq
 
 FORK = multiprocessing.get_context("fork")
 
@@ -98,7 +98,7 @@ def _train_and_die(point, out, tokenizer, data):
     import transformers.modeling_utils
     from transformers.trainer_callback import TrainerState
 
-    from hf_hardattn.training import Seq2SeqLengthTrainer
+    from hf_hardattn.tools.training import Seq2SeqLengthTrainer
 
     torch.set_num_threads(1)
 
@@ -192,7 +192,7 @@ def test_checkpoint_save_killed_then_resumed_equals_uninterrupted_run(training, 
 
 
 def _resume_from_4_and_die(out, tokenizer, data):
-    from hf_hardattn.training import Seq2SeqLengthTrainer
+    from hf_hardattn.tools.training import Seq2SeqLengthTrainer
 
     torch.set_num_threads(1)
     real = Seq2SeqLengthTrainer._save_optimizer_and_scheduler
@@ -483,7 +483,7 @@ def test_all_ignored_batch_gives_zero_loss_and_zero_gradients(name):
 
 
 def test_kd_loss_of_an_all_ignored_batch_is_zero():
-    from hf_hardattn.distill import kd_loss
+    from hf_hardattn.tools.distill import kd_loss
 
     student = torch.randn(2, 5, VOCAB, requires_grad=True)
     loss = kd_loss(student, torch.randn(2, 5, VOCAB), torch.full((2, 5), -100), 1.0)

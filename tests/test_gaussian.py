@@ -13,7 +13,7 @@ from common import (check_cache_equivalence, check_padded_batch, check_remote_co
                     collate, copy_task, decode_step_by_step, fitted, tiny_kwargs, toy_tokenizer)
 from hf_hardattn import GaussianConfig, GaussianForConditionalGeneration, fit_length_ratio
 from hf_hardattn.gaussian import GaussianAttention
-from hf_hardattn.modeling_hardattn import HardAttnCache
+from hf_hardattn.caches import HardAttnCache
 from hf_hardattn.soft import SoftTransformerConfig, SoftTransformerForConditionalGeneration
 
 

@@ -20,7 +20,7 @@ from huggingface_hub.repocard_data import model_index_to_eval_results
 from transformers import MarianConfig, MarianMTModel, Seq2SeqTrainer, Seq2SeqTrainingArguments, Trainer
 
 from common import randomize, tiny_kwargs, toy_tokenizer
-from hf_hardattn.cli import main
+from hf_hardattn.tools.cli import main
 from hf_hardattn.model_card import CARD_METADATA, RESULTS_FILE, render_model_card
 from hf_hardattn.saving import keep_card_through_trainer
 from test_pipelines_hub import MODELS, hub  # noqa: F401  (the recording HfApi fixture)

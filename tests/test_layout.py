@@ -7,6 +7,8 @@ import ast
 import json
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -318,22 +320,39 @@ def test_a_kind_outside_its_model_types_file_loads_as_remote_code(tmp_path):
     check_remote_code(fitted(tiny_model("soft_transformer", cross_attention="hard_retrieval")), tmp_path)
 
 
-def test_old_module_paths_are_the_moved_modules():
+def test_every_module_has_one_import_path():
+    """Each module imports by the path the tree shows, and only by it: no import hook, no module registered under a
+    second name, no old top-level path of a tool module, and no module exporting a class or function it only
+    imports (the package's ``__init__``, the public surface, excepted)."""
     import importlib
+    import inspect
+    import sys
 
-    for name in hf_hardattn.tools.MODULES:
-        old = importlib.import_module(f"hf_hardattn.{name}")
-        assert old is importlib.import_module(f"hf_hardattn.tools.{name}"), name
-    assert callable(hf_hardattn.convert) and hf_hardattn.convert is hf_hardattn.tools.convert.convert
-    from hf_hardattn.training import train_seq2seq  # noqa: F401
+    code = ("import sys, hf_hardattn, hf_hardattn.tools.cli; "
+            "print([type(f).__module__ for f in sys.meta_path if 'hf_hardattn' in type(f).__module__]); "
+            "print([k for k, m in sys.modules.items() if k.startswith('hf_hardattn') and getattr(m, '__name__', k) != k])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert out.returncode == 0 and out.stdout.split() == ["[]", "[]"], out.stdout + out.stderr[-2000:]
+    tools = sorted(p.stem for p in (PACKAGE / "tools").glob("*.py") if p.stem != "__init__")
+    assert "training" in tools and "convert" in tools
+    for name in tools:
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module(f"hf_hardattn.{name}")
+    assert callable(hf_hardattn.convert) and hf_hardattn.convert is importlib.import_module(
+        "hf_hardattn.tools.convert").convert  # the function, a public name of the package
+    modules = [f"hf_hardattn.{p.stem}" for p in PACKAGE.glob("*.py") if p.stem not in ("__init__", "__main__")]
+    modules += [f"hf_hardattn.tools.{name}" for name in tools]
+    for name in modules:
+        module = importlib.import_module(name)
+        for exported in getattr(module, "__all__", ()):
+            value = getattr(module, exported)
+            if inspect.isclass(value) or inspect.isfunction(value):
+                assert value.__module__ == name, f"{name} exports {exported}, defined in {value.__module__}"
 
 
 def test_importing_the_command_line_leaves_the_environment_alone():
-    import subprocess
-    import sys
-
     env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
-    code = "import os, hf_hardattn.cli; print(os.environ.get('HF_HUB_OFFLINE'))"
+    code = "import os, hf_hardattn.tools.cli; print(os.environ.get('HF_HUB_OFFLINE'))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
     assert out.stdout.strip() == "None", out.stderr[-2000:]
 

@@ -25,7 +25,8 @@ from hf_hardattn import GaussianConfig, RecurrentConfig, SoftTransformerConfig
 from hf_hardattn.beam_joint import joint_log_probs, select_candidates
 from hf_hardattn.gaussian import GaussianAttention
 from hf_hardattn.hard_retrieval import HardRetrievalAttention
-from hf_hardattn.modeling_hardattn import CACHE_FIELD, HardAttnCache, SoftAttention
+from hf_hardattn.caches import CACHE_FIELD, HardAttnCache
+from hf_hardattn.layers import SoftAttention
 from hf_hardattn.recurrent import RECURRENT_VARIANTS, RecurrentCrossAttention
 from hf_hardattn.safe_io import CHECKSUM_FILE
 

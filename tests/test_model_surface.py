@@ -19,7 +19,8 @@ from hf_hardattn import (BeamJointRNNConfig, BeamJointRNNForConditionalGeneratio
                          HybridForConditionalGeneration, RecurrentConfig, RecurrentForConditionalGeneration,
                          SoftTransformerConfig, SoftTransformerForConditionalGeneration)
 from hf_hardattn.hybrid import HybridDecoder
-from hf_hardattn.modeling_hardattn import CACHE_FIELD, cropped_length, is_tracing
+from hf_hardattn.caches import CACHE_FIELD, cropped_length
+from hf_hardattn.inputs import is_tracing
 
 RNN_KW = dict(decoder_layers=2, rnn_hidden_size=32)  # two GRU layers: dropout between them is checkpointed too
 MODELS = {

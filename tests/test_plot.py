@@ -1,4 +1,4 @@
-"""``hf-hardattn plot`` / hf_hardattn.plot: the plotted matrices are the model's own output_attentions of the same
+"""``hf-hardattn plot`` / hf_hardattn.tools.plot: the plotted matrices are the model's own output_attentions of the same
 teacher-forced pass (computed here independently), beam-joint's boxed set is the top-K of the head-mean joint
 weights, and the PNG files are written with one panel per layer and head."""
 
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from common import contract_model, toy_tokenizer
-from hf_hardattn.cli import main
-from hf_hardattn.plot import attention_maps, plot_comparison, plot_layers
+from hf_hardattn.tools.cli import main
+from hf_hardattn.tools.plot import attention_maps, plot_comparison, plot_layers
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 SOURCE = "t5 t9 t7 t12 t6"
@@ -124,12 +124,12 @@ def assert_grid(panels, layers):
 
 
 def record_figures(monkeypatch):
-    """{path: figure} of every PNG that hf_hardattn.plot writes from now on."""
-    import hf_hardattn.plot
+    """{path: figure} of every PNG that hf_hardattn.tools.plot writes from now on."""
+    import hf_hardattn.tools.plot
 
     figures = {}
-    save = hf_hardattn.plot._save
-    monkeypatch.setattr(hf_hardattn.plot, "_save",
+    save = hf_hardattn.tools.plot._save
+    monkeypatch.setattr(hf_hardattn.tools.plot, "_save",
                         lambda figure, path: (figures.__setitem__(os.path.abspath(path), figure), save(figure, path)))
     return figures
 

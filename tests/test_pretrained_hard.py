@@ -16,9 +16,9 @@ from safetensors.torch import load_file
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, MarianConfig, MarianMTModel
 
 import hf_hardattn  # noqa: F401
-from hf_hardattn import cli, reproduce
-from hf_hardattn.tokenization import train_tokenizer
-from hf_hardattn.training import translate
+from hf_hardattn.tools import cli, reproduce
+from hf_hardattn.tools.tokenization import train_tokenizer
+from hf_hardattn.tools.training import translate
 
 from test_pipelines_hub import hub  # noqa: F401  (fixture: HfApi uploads recorded, nothing leaves)
 from test_reproduce import DE, EN, write_toy_multi30k

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import MarianConfig, MarianMTModel
 
-import hf_hardattn.cli as cli
+import hf_hardattn.tools.cli as cli
 from common import randomize, tiny_kwargs, toy_tokenizer
 from hf_hardattn import HardRetrievalConfig, HardRetrievalForConditionalGeneration
 from test_pipelines_hub import hub  # noqa: F401  (the recording HfApi fixture)

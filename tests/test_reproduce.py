@@ -1,4 +1,4 @@
-"""benchmarks/reproduce.py (hf_hardattn.reproduce): rows, dependencies, resumability, stored commands, scores that
+"""benchmarks/reproduce.py (hf_hardattn.tools.reproduce): rows, dependencies, resumability, stored commands, scores that
 match an independent evaluation of the saved models."""
 
 import argparse
@@ -11,8 +11,8 @@ import torch
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
 import hf_hardattn  # noqa: F401
-from hf_hardattn import reproduce
-from hf_hardattn.training import translate
+from hf_hardattn.tools import reproduce
+from hf_hardattn.tools.training import translate
 
 EN = ["a man is riding a bike .", "two dogs play in the snow .", "a woman is reading a book .",
       "children are running on the beach .", "a girl is eating an apple .", "the man is cooking dinner .",
@@ -277,7 +277,7 @@ class StopTraining(Exception):
 @pytest.fixture
 def training_kwargs(monkeypatch):
     """train_seq2seq replaced by a stub that records its keyword arguments and stops the run (StopTraining)."""
-    import hf_hardattn.training
+    import hf_hardattn.tools.training
 
     seen = {}
 
@@ -285,16 +285,16 @@ def training_kwargs(monkeypatch):
         seen.update(kwargs)
         raise StopTraining
 
-    monkeypatch.setattr(hf_hardattn.training, "train_seq2seq", capture)
+    monkeypatch.setattr(hf_hardattn.tools.training, "train_seq2seq", capture)
     return seen
 
 
 def test_learning_rate_override_reaches_training_and_the_stored_command(run_dir, tmp_path, monkeypatch,
                                                                         training_kwargs):
-    import hf_hardattn.training
+    import hf_hardattn.tools.training
 
     seen = training_kwargs
-    monkeypatch.setattr(hf_hardattn.training, "cpu_has_bf16_matmul", lambda: True)
+    monkeypatch.setattr(hf_hardattn.tools.training, "cpu_has_bf16_matmul", lambda: True)
     argv = ["--task", "multi30k", "--preset", "tiny", "--data", str(run_dir["data"]), "--output-dir", str(tmp_path),
             "--quiet", "--rows", "soft", "--learning-rate", "3e-4", "--precision", "bf16"]
     with pytest.raises(StopTraining):
@@ -312,10 +312,10 @@ def test_learning_rate_override_reaches_training_and_the_stored_command(run_dir,
 def test_bf16_preset_refused_without_bf16_matmul_unless_fp32(run_dir, tmp_path, monkeypatch, training_kwargs):
     """The Multi30k cpu preset trains in bf16: on a CPU without native bf16 GEMMs it stops before any work and names
     --precision fp32, which then trains in fp32."""
-    import hf_hardattn.training
+    import hf_hardattn.tools.training
 
     seen = training_kwargs
-    monkeypatch.setattr(hf_hardattn.training, "cpu_has_bf16_matmul", lambda: False)
+    monkeypatch.setattr(hf_hardattn.tools.training, "cpu_has_bf16_matmul", lambda: False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     argv = ["--task", "multi30k", "--preset", "cpu", "--data", str(run_dir["data"]), "--output-dir", str(tmp_path),
             "--quiet", "--rows", "soft"]
@@ -400,7 +400,7 @@ def test_every_row_builds_for_its_tasks():
     decoding it names, with the same weights, leaving the source model as it was."""
     import datasets
 
-    from hf_hardattn.tokenization import train_tokenizer
+    from hf_hardattn.tools.tokenization import train_tokenizer
 
     names = [row.name for row in reproduce.ROWS]
     assert len(names) == len(set(names))
@@ -453,7 +453,7 @@ def test_every_row_builds_for_its_tasks():
 
 
 def test_cli_entry():
-    from hf_hardattn.cli import build_parser
+    from hf_hardattn.tools.cli import build_parser
 
     args = build_parser().parse_args(["reproduce", "--task", "nouns", "--preset", "tiny", "--rows", "soft"])
     assert args.func is reproduce.run and args.task == "nouns" and args.rows == ["soft"]

@@ -16,7 +16,8 @@ from hf_hardattn import (BeamJointRNNConfig, BeamJointRNNForConditionalGeneratio
                          GaussianForConditionalGeneration, HardAttnCache, HardRetrievalConfig,
                          HardRetrievalForConditionalGeneration, RecurrentConfig, RecurrentForConditionalGeneration,
                          SoftTransformerConfig, SoftTransformerForConditionalGeneration)
-from hf_hardattn.modeling_hardattn import CACHE_FIELD, sinusoidal_table
+from hf_hardattn.caches import CACHE_FIELD
+from hf_hardattn.layers import sinusoidal_table
 
 
 @pytest.mark.parametrize(
@@ -166,7 +167,7 @@ def test_buffered_cache_layer_equals_dynamic_layer():
     into the spare buffer, the identity) past the first doubling of the buffer, repeat, select and crop."""
     from transformers.cache_utils import DynamicLayer
 
-    from hf_hardattn.modeling_hardattn import BufferedLayer
+    from hf_hardattn.caches import BufferedLayer
 
     generator = torch.Generator().manual_seed(0)
     buffered, dynamic = BufferedLayer(), DynamicLayer()
@@ -208,7 +209,7 @@ def test_buffered_cache_layer_gradients_equal_dynamic_layer():
     earlier steps saved for backward: values and gradients equal DynamicLayer's, beam reorders included."""
     from transformers.cache_utils import DynamicLayer
 
-    from hf_hardattn.modeling_hardattn import BufferedLayer
+    from hf_hardattn.caches import BufferedLayer
 
     generator = torch.Generator().manual_seed(0)
     steps = [torch.randn(2, 3, 2, 1, 4, generator=generator, requires_grad=True) for _ in range(6)]
@@ -266,7 +267,7 @@ def test_cache_is_read_under_its_old_name_past_key_values():
 
 
 def test_generate_uses_the_buffered_self_attention_cache():
-    from hf_hardattn.modeling_hardattn import BufferedLayer
+    from hf_hardattn.caches import BufferedLayer
 
     torch.manual_seed(0)
     model = SoftTransformerForConditionalGeneration(SoftTransformerConfig(**tiny_kwargs())).eval()
@@ -286,7 +287,7 @@ def test_generate_uses_the_buffered_self_attention_cache():
 def test_smoothed_cross_entropy_equals_torch(dtype, eps):
     """Values and gradients equal F.cross_entropy's (fp32 of the same logits), over several row chunks, with ignored
     tokens getting 0 loss and 0 gradient, and the logits left untouched."""
-    from hf_hardattn.modeling_hardattn import smoothed_cross_entropy
+    from hf_hardattn.loss import smoothed_cross_entropy
 
     generator = torch.Generator().manual_seed(0)
     logits = (3 * torch.randn(37, 50, generator=generator)).to(dtype)
@@ -310,7 +311,7 @@ def test_smoothed_cross_entropy_equals_torch(dtype, eps):
 
 
 def test_smoothed_cross_entropy_bad_input():
-    from hf_hardattn.modeling_hardattn import smoothed_cross_entropy
+    from hf_hardattn.loss import smoothed_cross_entropy
 
     logits = torch.zeros(4, 6)
     with pytest.raises(ValueError, match="`labels` must be -100"):
@@ -326,7 +327,7 @@ def test_smoothed_cross_entropy_bad_input():
 def test_attention_runs_in_fp32_under_cpu_autocast():
     """Training under CPU bf16 autocast: the attention itself is computed from fp32 q, k, v (equal to the fp32 result
     of the same bf16 inputs), then returned in the autocast dtype."""
-    from hf_hardattn.modeling_hardattn import SoftAttention
+    from hf_hardattn.layers import SoftAttention
 
     attention = SoftAttention(SoftTransformerConfig(**tiny_kwargs(dropout=0.0, attention_dropout=0.0)), role="decoder", layer_idx=0)
     generator = torch.Generator().manual_seed(0)
@@ -413,7 +414,7 @@ def test_batched_decoding_steps_attend_written_out_equal_to_the_fused_kernel(mon
     """A cached step of 16+ rows (the CPU decoding case where the written-out attention is faster) takes the written-out
     path, self- and cross-attention alike, and gives the logits of the full forward (fused kernel) to float rounding,
     padding included; a step of fewer rows keeps the fused kernel."""
-    from hf_hardattn.modeling_hardattn import WRITTEN_OUT_MIN_QUERIES, SoftAttention
+    from hf_hardattn.layers import WRITTEN_OUT_MIN_QUERIES, SoftAttention
 
     model = contract_model("soft").eval()
     generator = torch.Generator().manual_seed(0)

@@ -22,10 +22,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from transformers import AutoTokenizer, TrainerCallback  # noqa: E402
 
 from hf_hardattn import SoftTransformerConfig, SoftTransformerForConditionalGeneration  # noqa: E402
-from hf_hardattn.data import _noun_paradigms, default_multi30k_root, german_nouns, load_parallel, multi30k  # noqa: E402
+from hf_hardattn.tools.data import _noun_paradigms, default_multi30k_root, german_nouns, load_parallel, multi30k  # noqa: E402
 from hf_hardattn.model_card import MIN_TRANSFORMERS  # noqa: E402
-from hf_hardattn.tokenization import train_tokenizer  # noqa: E402
-from hf_hardattn.training import (  # noqa: E402
+from hf_hardattn.tools.tokenization import train_tokenizer  # noqa: E402
+from hf_hardattn.tools.training import (  # noqa: E402
     accuracy, bleu, decode_speed, tokenize_dataset, train_seq2seq, translate)
 
 EN = ["A man rides a bike.", "Two dogs play in the snow.", "A woman is reading a book."]
@@ -146,8 +146,8 @@ def test_a_vocab_size_below_what_the_kind_needs_is_refused_naming_the_minimum(tm
     below 260 is refused, and the sizes from 260 up are honoured exactly. char: the specials and one character."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-    from hf_hardattn.cli import main
-    from hf_hardattn.tokenization import SPECIAL_TOKENS, min_vocab_size
+    from hf_hardattn.tools.cli import main
+    from hf_hardattn.tools.tokenization import SPECIAL_TOKENS, min_vocab_size
 
     texts = CORPUS * 5 + DE * 5
     raw = Tokenizer(models.BPE(unk_token="<unk>"))  # the reference: the library alone, as train_tokenizer sets it up
@@ -199,7 +199,7 @@ def reversal_dataset(n=256, seed=0):
 
 
 class StepClock(TrainerCallback):
-    """``hf_hardattn.training``'s clock (its ``time.perf_counter``) made to advance ``seconds`` at the start of every
+    """``hf_hardattn.tools.training``'s clock (its ``time.perf_counter``) made to advance ``seconds`` at the start of every
     optimizer step, so that a time budget ends after a number of steps that does not depend on the CPU's speed. Pass
     it to train_seq2seq as a callback; it stops training itself after ``limit`` steps (a budget that never ends
     fails the test's step count instead of training forever)."""
@@ -219,10 +219,10 @@ class StepClock(TrainerCallback):
 
 
 def step_clock(monkeypatch, seconds):
-    import hf_hardattn.training
+    import hf_hardattn.tools.training
 
     clock = StepClock(seconds)
-    monkeypatch.setattr(hf_hardattn.training, "time", clock)
+    monkeypatch.setattr(hf_hardattn.tools.training, "time", clock)
     return clock
 
 
@@ -264,7 +264,7 @@ def test_tokenize_and_train_seq2seq(tmp_path, monkeypatch):
 
 def test_time_decay_schedule_by_hand():
     """Warm-up by steps, then linear / cosine decay over the share of the time budget left after the warm-up."""
-    from hf_hardattn.training import TimeBudget, time_decay_schedule
+    from hf_hardattn.tools.training import TimeBudget, time_decay_schedule
 
     class Clock(TimeBudget):
         now = 0.0
@@ -293,9 +293,9 @@ def test_bf16_time_decay_training_decays_to_zero(tmp_path, monkeypatch):
     over 5 steps, then linear from the time at the warm-up's end to 0 at the budget); the loss falls, the model's
     weights stay fp32, and the trained model decodes in fp32 again (accelerate's autocast wrapper of its forward is
     removed)."""
-    import hf_hardattn.training
+    import hf_hardattn.tools.training
 
-    monkeypatch.setattr(hf_hardattn.training, "cpu_has_bf16_matmul", lambda: True)  # tiny: fast enough on any CPU
+    monkeypatch.setattr(hf_hardattn.tools.training, "cpu_has_bf16_matmul", lambda: True)  # tiny: fast enough on any CPU
     raw = reversal_dataset()
     tok = train_tokenizer(raw, kind="char", min_frequency=1)
     data = tokenize_dataset(raw, tok, max_length=16)
@@ -327,9 +327,9 @@ def test_bf16_time_decay_training_decays_to_zero(tmp_path, monkeypatch):
 
 
 def test_bf16_refused_on_a_cpu_without_bf16_matmul(tmp_path, monkeypatch):
-    import hf_hardattn.training
+    import hf_hardattn.tools.training
 
-    monkeypatch.setattr(hf_hardattn.training, "cpu_has_bf16_matmul", lambda: False)
+    monkeypatch.setattr(hf_hardattn.tools.training, "cpu_has_bf16_matmul", lambda: False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     raw = reversal_dataset()
     tok = train_tokenizer(raw, kind="char", min_frequency=1)
@@ -337,13 +337,13 @@ def test_bf16_refused_on_a_cpu_without_bf16_matmul(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"`bf16`.*AVX512 or AMX.*bf16=False"):
         train_seq2seq(model, tok, tokenize_dataset(raw, tok, max_length=16), output_dir=tmp_path / "run",
                       max_steps=2, progress=False, bf16=True)
-    hf_hardattn.training.check_bf16(False)  # fp32 is always allowed
+    hf_hardattn.tools.training.check_bf16(False)  # fp32 is always allowed
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/cpuinfo") or platform.machine() != "x86_64", reason="x86 Linux only")
 def test_bf16_matmul_probe_matches_the_cpu_flags():
     """oneDNN runs bf16 GEMMs natively on x86 CPUs with AVX512 BW + VL + DQ (AVX512-BF16 / AMX make them faster)."""
-    from hf_hardattn.training import cpu_has_bf16_matmul
+    from hf_hardattn.tools.training import cpu_has_bf16_matmul
 
     with open("/proc/cpuinfo") as cpuinfo:
         flags = set(next(line for line in cpuinfo if line.startswith("flags")).split(":")[1].split())
@@ -355,7 +355,7 @@ def test_length_grouped_batches_group_by_source_and_target_length(tmp_path):
     transformers' source-length grouping leaves the targets unsorted (heavy padding); ours sorts them."""
     import datasets
 
-    from hf_hardattn.training import example_lengths
+    from hf_hardattn.tools.training import example_lengths
 
     generator = torch.Generator().manual_seed(0)
     target_lengths = torch.randint(1, 41, (800,), generator=generator).tolist()
@@ -460,17 +460,17 @@ def test_demo_end_to_end(tmp_path, capsys, monkeypatch):
     from safetensors.torch import load_file
     from transformers import AutoModelForSeq2SeqLM
 
-    import hf_hardattn.training
-    from hf_hardattn.cli import main
+    import hf_hardattn.tools.training
+    from hf_hardattn.tools.cli import main
 
     trainers = []
-    train = hf_hardattn.training.train_seq2seq
+    train = hf_hardattn.tools.training.train_seq2seq
 
     def recorded(*args, **kwargs):  # the demo's trainers, to compare the saved weights with the trained ones
         trainers.append(train(*args, **kwargs))
         return trainers[-1]
 
-    monkeypatch.setattr(hf_hardattn.training, "train_seq2seq", recorded)
+    monkeypatch.setattr(hf_hardattn.tools.training, "train_seq2seq", recorded)
     out = tmp_path / "demo"
     main(["demo", "--tiny", "--minutes", "10", "--max-steps", "50", "--max-examples", "2000", "--eval-examples", "40",
           "--speed-batch", "4", "--speed-tokens", "4", "--speed-rounds", "1", "--show", "3",

@@ -16,9 +16,9 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, MarianConfig, MarianMTModel
 
-from hf_hardattn.cli import main
-from hf_hardattn.tokenization import train_tokenizer
-from hf_hardattn.training import translate
+from hf_hardattn.tools.cli import main
+from hf_hardattn.tools.tokenization import train_tokenizer
+from hf_hardattn.tools.training import translate
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 SIZES = ["--d-model", "32", "--encoder-layers", "1", "--decoder-layers", "1", "--heads", "2", "--ffn-dim", "64"]
@@ -193,7 +193,7 @@ def test_end_processes_destroys_the_process_group(tmp_path):
     """The last step of `train` in every process: a barrier, then the group's destruction (a no-op without one)."""
     import torch.distributed as dist
 
-    from hf_hardattn.training import end_processes
+    from hf_hardattn.tools.training import end_processes
 
     end_processes()
     assert not dist.is_initialized()
@@ -231,7 +231,7 @@ def launcher_env(monkeypatch, *flags):
     (["--multi_gpu", "--num_processes", "2"], False),
 ])
 def test_an_accelerate_launch_that_starts_fewer_processes_is_refused(monkeypatch, flags, refused):
-    from hf_hardattn.training import check_processes_started
+    from hf_hardattn.tools.training import check_processes_started
 
     if "--multi_gpu" not in flags and torch.cuda.device_count() > 1:
         pytest.skip("accelerate turns on --multi_gpu itself where it sees several GPUs")

@@ -1,4 +1,4 @@
-"""hf_hardattn.data.load_split: every data format a user brings gives the same pairs as reading the files by hand,
+"""hf_hardattn.tools.data.load_split: every data format a user brings gives the same pairs as reading the files by hand,
 and every malformed input is refused naming the spec (nothing dropped or cut)."""
 
 import gzip
@@ -7,7 +7,7 @@ import json
 import datasets
 import pytest
 
-from hf_hardattn.data import load_split
+from hf_hardattn.tools.data import load_split
 
 PAIRS = [("A dog runs.", "Ein Hund läuft."), ("Two men\tsit.", "Zwei Männer sitzen."), ("Hi", "Hallo")]
 TSV_PAIRS = [(s.replace("\t", " "), t) for s, t in PAIRS]  # a TSV field cannot hold a tab

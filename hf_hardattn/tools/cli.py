@@ -5,16 +5,16 @@
   save both (weights, tokenizer, model card) and reload one through ``AutoModelForSeq2SeqLM``.
 * ``hf-hardattn tokenizer --files a.gz b.gz --vocab-size 8000 --out DIR``: train and save a joint tokenizer.
 * ``hf-hardattn distill --teacher DIR --data FOLDER --split train --out DIR``: sequence-level knowledge
-  distillation, translate a dataset with a teacher (see :mod:`hf_hardattn.distill`).
+  distillation, translate a dataset with a teacher (see :mod:`hf_hardattn.tools.distill`).
 * ``hf-hardattn convert SRC OUT --model-type T [--set key=value ...]``: map a pretrained Marian / BART / mBART /
-  M2M100 checkpoint into an hf_hardattn model type (see :mod:`hf_hardattn.convert`).
+  M2M100 checkpoint into an hf_hardattn model type (see :mod:`hf_hardattn.tools.convert`).
 * ``hf-hardattn translate MODEL [-i FILE] [-o FILE]``: translate a text file (or stdin) with any saved seq2seq model,
   one sentence a line, batched and length-sorted; prints sentences/s.
 * ``hf-hardattn score HYP REF [REF ...]``: BLEU and chrF of a hypothesis file with sacrebleu's signatures.
 * ``hf-hardattn publish MODEL REPO_ID``: build the upload folder (weights, tokenizer, code, card with the run's metrics
   and command), validate it by loading it as remote code in a fresh offline process, then push it in one commit.
 * ``hf-hardattn plot MODEL [MODEL ...] --source TEXT``: attention heat maps of one sentence (PNG), per model and side
-  by side (see :mod:`hf_hardattn.plot`).
+  by side (see :mod:`hf_hardattn.tools.plot`).
 
 Bad input (a missing file, a bad option value, files of different lengths) ends the command with a one-line error
 and exit status 2 (``HF_HARDATTN_TRACEBACK=1`` shows the traceback instead).
@@ -210,7 +210,7 @@ def run_tokenizer(args):
     least = min_vocab_size(args.kind)
     if args.vocab_size < least:
         raise CommandError(f"--vocab-size={args.vocab_size} is below {least}, the least a {args.kind} tokenizer has "
-                           f"(see hf_hardattn.tokenization.min_vocab_size); allowed: >= {least}.")
+                           f"(see hf_hardattn.tools.tokenization.min_vocab_size); allowed: >= {least}.")
     tokenizer = train_tokenizer(args.files, vocab_size=args.vocab_size, kind=args.kind,
                                 min_frequency=args.min_frequency)
     with atomic_folder(args.out) as staging:  # a killed save leaves the earlier tokenizer (or none), never half one

@@ -1,4 +1,4 @@
-"""Convert a pretrained transformers translation model into an hf_hardattn model: ``hf_hardattn.convert``.
+"""Convert a pretrained transformers translation model into an hf_hardattn model: ``hf_hardattn.tools.convert``.
 
 ``convert(source, model_type, **config_overrides)`` takes a loaded ``MarianMTModel``, ``BartForConditionalGeneration``,
 ``MBartForConditionalGeneration`` or ``M2M100ForConditionalGeneration`` (NLLB checkpoints are M2M100) or a folder / Hub
@@ -167,7 +167,7 @@ def _target_classes(model_type):
             f"converted soft model as "
             f"teacher: `hf-hardattn convert SRC TEACHER --model-type soft_transformer`, then `hf-hardattn distill "
             f"--teacher TEACHER --data DATA --out KD` and train the {model_type} model with the references and KD's "
-            f"targets (the hybrid paper's two stages and Eq. 1: hf_hardattn.distill.train_two_stage; "
+            f"targets (the hybrid paper's two stages and Eq. 1: hf_hardattn.tools.distill.train_two_stage; "
             f"examples/distill_hybrid.py). Allowed "
             f"`model_type`: {allowed}.")
     if model_type not in MODEL_TYPES:

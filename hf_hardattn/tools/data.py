@@ -229,7 +229,7 @@ def german_nouns(
     * ``source``: the lemma, then tags: ``"Haus <n> <gen> <pl>"`` = lemma ``Haus``, neuter, genitive plural.
       Gender tag ``<m>``/``<f>``/``<n>`` (left out for plural-only nouns, or everywhere with ``gender=False``),
       case ``<nom>``/``<gen>``/``<dat>``/``<acc>``, number ``<sg>``/``<pl>``. A ``kind="char"`` tokenizer
-      (:func:`hf_hardattn.tokenization.train_tokenizer`) keeps every ``<...>`` tag as one token.
+      (:func:`hf_hardattn.tools.tokenization.train_tokenizer`) keeps every ``<...>`` tag as one token.
     * ``target``: the inflected form (``"Häuser"``); extra columns ``lemma``, ``tag`` (``"<gen> <pl>"``), ``gender``.
 
     Nouns: entries whose part of speech is exactly "Substantiv" (no names, toponyms, abbreviations, adjectival

@@ -27,7 +27,7 @@ plain likelihood (no label smoothing), as Eq. 1.
 
 * :func:`translate_dataset`: the sequence-level KD data: the teacher's beam outputs ("target") beside the original
   targets ("reference"); resumable shards. CLI: ``hf-hardattn distill --teacher DIR --data FOLDER --split train
-  --out DIR`` (or ``python -m hf_hardattn.distill ...``).
+  --out DIR`` (or ``python -m hf_hardattn.tools.distill ...``).
 * :func:`tokenize_kd_dataset`: that dataset -> the model inputs a scheme needs.
 * :class:`DistillationTrainer`: a ``Seq2SeqTrainer`` with the scheme's loss; the teacher (``eq1_word`` and
   ``sequence_word``) is frozen (eval mode, ``requires_grad=False``, run under ``torch.no_grad``) and must share the
@@ -206,7 +206,7 @@ def _pad_right(labels, width):
 
 
 class DistillationTrainer(Seq2SeqLengthTrainer):
-    """``Seq2SeqTrainer`` (length-grouped, :class:`~hf_hardattn.training.Seq2SeqLengthTrainer`) whose loss is the
+    """``Seq2SeqTrainer`` (length-grouped, :class:`~hf_hardattn.tools.training.Seq2SeqLengthTrainer`) whose loss is the
     ``kd_scheme`` objective of stage 2 (module docstring; default ``"eq1_sequence"``, the paper's Eq. 1).
 
     Extra arguments: ``kd_scheme``; ``kd_lambda`` (default 1.0, the paper's; refused for ``sequence_only``, which
@@ -294,7 +294,7 @@ def train_kd_stage(student, tokenizer, distilled, kd_scheme: str = DEFAULT_KD_SC
                    teacher_model=None, teacher_tokenizer=None, max_length: int = 128,
                    output_dir: str = "outputs/kd", **train_kwargs):
     """Stage 2: train ``student`` on ``distilled`` (:func:`translate_dataset`) with the ``kd_scheme`` objective
-    (:class:`DistillationTrainer`); ``train_kwargs`` go to :func:`~hf_hardattn.training.train_seq2seq` (minutes,
+    (:class:`DistillationTrainer`); ``train_kwargs`` go to :func:`~hf_hardattn.tools.training.train_seq2seq` (minutes,
     max_steps, learning_rate, lr_scheduler, bf16, ...). Returns the trainer."""
     check_kd_scheme(kd_scheme)
     data = tokenize_kd_dataset(distilled, tokenizer, kd_scheme, max_length=max_length)
@@ -311,7 +311,7 @@ def train_two_stage(student, tokenizer, distilled, kd_scheme: str = DEFAULT_KD_S
     likelihood estimation using the bilingual training data."): stage 1 maximises the likelihood of the bilingual data
     (the "reference" column of ``distilled``; the model's own loss), stage 2 fine-tunes the same student with the
     ``kd_scheme`` objective (default Eq. 1, :func:`train_kd_stage`). ``mle`` / ``kd``: keyword arguments of
-    :func:`~hf_hardattn.training.train_seq2seq` for each stage (its budget, learning rate, ...); ``mle=True`` (the
+    :func:`~hf_hardattn.tools.training.train_seq2seq` for each stage (its budget, learning rate, ...); ``mle=True`` (the
     default) runs stage 1 with train_seq2seq's defaults, as ``kd=None`` runs stage 2. Skipping stage 1 is not the
     paper's schedule and must be asked for: ``mle=False`` (a student trained with MLE already, or the
     ``sequence_only`` rows of the reproduction table, trained from scratch on the teacher's outputs). Returns
@@ -486,7 +486,7 @@ def run_distill(args):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hf_hardattn.distill",
+    parser = argparse.ArgumentParser(prog="python -m hf_hardattn.tools.distill",
                                      description="Sequence-level KD: translate a dataset with a teacher model.")
     add_distill_arguments(parser)
     run_distill(parser.parse_args(argv))

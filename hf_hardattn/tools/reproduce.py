@@ -27,7 +27,7 @@ Presets
 
 Rows (``--rows``, default all): see :data:`ROWS`. A row that decodes another row's model differently (e.g.
 ``soft_decoded_hard``) or learns from its translations (``hybrid_*_kd``, ``hybrid_*_kd_eq1``) runs that row first.
-KD rows name their stage-2 objective (``hf_hardattn.distill`` ``kd_scheme``): ``hybrid_*_kd`` are sequence-level KD
+KD rows name their stage-2 objective (``hf_hardattn.tools.distill`` ``kd_scheme``): ``hybrid_*_kd`` are sequence-level KD
 only, not the hybrid paper's Eq. 1 (``sequence_only``: trained from scratch on the soft row's beam-4 translations,
 no reference term, no MLE stage); ``hybrid_*_kd_eq1`` are Eq. 1 with the paper's two stages (``eq1_sequence``: MLE
 on the references for the first half of the row's budget, then reference NLL + lambda * NLL of the teacher's
@@ -159,7 +159,7 @@ class Row:
     build: object = None  # (ctx) -> model, for a trained row
     source: str | None = None  # a row whose trained model this row decodes differently ...
     derive: object = None  # ... with derive(model) -> model
-    kd_scheme: str | None = None  # hf_hardattn.distill kd_scheme: learn from the soft teacher's beam-4 translations
+    kd_scheme: str | None = None  # hf_hardattn.tools.distill kd_scheme: learn from the soft teacher's beam-4 translations
     two_stage: bool = False  # with kd_scheme: MLE on the references for half the budget first (the paper's stage 1)
     tasks: tuple = TASKS
     baseline: str = "soft"  # the row the paper's direction compares with (the table's "vs" column)

@@ -1,13 +1,13 @@
 """``hf-hardattn train``: any model type (or a pretrained / converted checkpoint) on the user's own data.
 
-Data: one spec per split (``--train``, ``--validation``, ``--test``; see :func:`hf_hardattn.data.load_split`:
+Data: one spec per split (``--train``, ``--validation``, ``--test``; see :func:`hf_hardattn.tools.data.load_split`:
 ``PREFIX.{src}`` / ``PREFIX.{tgt}`` files, TSV, JSON Lines, ``hf:NAME[:CONFIG]:SPLIT``), any language pair
 (``--source-lang`` / ``--target-lang``). Tokenizer: an existing one (``--tokenizer``, or the ``--init-from`` folder's)
 or a joint one trained on the training split. Model: ``--model-type`` with sizes from flags, ``--config`` (JSON or
 YAML) and ``--set key=value``; or ``--init-from`` a saved hf_hardattn folder (fine-tuned as it is) or a MarianMTModel /
-BART / mBART / M2M100 folder (converted to ``--model-type`` first, see :mod:`hf_hardattn.convert`).
+BART / mBART / M2M100 folder (converted to ``--model-type`` first, see :mod:`hf_hardattn.tools.convert`).
 
-Training is :func:`hf_hardattn.training.train_seq2seq` (Seq2SeqTrainer underneath): with ``--validation`` and
+Training is :func:`hf_hardattn.tools.training.train_seq2seq` (Seq2SeqTrainer underneath): with ``--validation`` and
 ``--eval-steps``, BLEU of the validation split (beam ``--num-beams``) every N steps, a checkpoint at each, the best
 one restored at the end (``load_best_model_at_end``) and optional early stopping (``--early-stopping PATIENCE``);
 ``--save-steps`` without validation checkpoints for resuming only; ``--resume`` continues from the last *complete*
@@ -18,7 +18,7 @@ checkpoint of ``--output-dir`` (a checkpoint a kill left half written is skipped
 Multi-process (CPU: gloo; GPU: NCCL), through the Trainer: ``torchrun --nproc_per_node 2 -m hf_hardattn train ...``
 or ``accelerate launch --multi_gpu --num_processes 2 -m hf_hardattn train ...`` (on a CPU-only machine this starts 2
 CPU processes; ``accelerate launch --cpu --num_processes 2`` starts one, and is refused, see
-:func:`hf_hardattn.training.check_processes_started`). ``--batch-size`` is per process. Tooling, not runtime code.
+:func:`hf_hardattn.tools.training.check_processes_started`). ``--batch-size`` is per process. Tooling, not runtime code.
 """
 
 from __future__ import annotations
@@ -206,7 +206,7 @@ def run_train(args) -> dict:
     least = min_vocab_size(args.tokenizer_kind)
     if tokenizer_folder(args) is None and args.vocab_size < least:
         raise _error(f"--vocab-size={args.vocab_size} is below {least}, the least a {args.tokenizer_kind} tokenizer "
-                     f"has (see hf_hardattn.tokenization.min_vocab_size); allowed: >= {least}.")
+                     f"has (see hf_hardattn.tools.tokenization.min_vocab_size); allowed: >= {least}.")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not args.tokenizer and not args.init_from:
         raise _error("a multi-process run needs --tokenizer (or --init-from with one): train it first with "
                      "`hf-hardattn tokenizer`, so that every process reads the same vocabulary.")

@@ -445,7 +445,7 @@ def train_seq2seq(
     ``group_by_length`` batches sentences of similar max(source, target) length (little padding; an
     approximation of the papers' token-based batches, see :class:`Seq2SeqLengthTrainer`). ``compute_metrics`` goes to
     the Trainer (its evaluations). ``trainer_class`` (a :class:`Seq2SeqLengthTrainer` subclass, e.g.
-    ``hf_hardattn.distill.DistillationTrainer``) with its own ``trainer_kwargs`` replaces the plain trainer.
+    ``hf_hardattn.tools.distill.DistillationTrainer``) with its own ``trainer_kwargs`` replaces the plain trainer.
 
     Other keyword arguments are ``Seq2SeqTrainingArguments`` fields and override the recipe's defaults (e.g.
     ``save_strategy``, ``report_to``, ``adam_beta2``); the fields set from this function's own parameters

@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from hf_hardattn import reproduce as R
+from hf_hardattn.tools import reproduce as R
 
 
 def reinit(model, std=None, linears=True, embeddings=True):
