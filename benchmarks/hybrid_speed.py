@@ -150,7 +150,8 @@ def main(argv=None):
     parser.add_argument("--attentions", nargs="+", default=["additive"], choices=["additive", "dot", "multihead"])
     parser.add_argument("--quick", action="store_true", help="batch 1 only, 3 repeats")
     parser.add_argument("--profile", action="store_true", help="time breakdown + torch.profiler top operators")
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "hybrid_speed.json"))
+    parser.add_argument("--out", default=os.path.join("benchmarks", "results", "hybrid_speed.json"),
+                        help="result JSON, recorded as given (default: relative to the repository root)")
     args = parser.parse_args(argv)
     if args.quick:
         args.batches, args.repeats = [1], 3

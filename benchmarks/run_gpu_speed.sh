@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU run of benchmarks/gpu_speed.py (issue #50), from the repository root on the GPU machine: the repository on
+# The GPU run of benchmarks/gpu_speed.py, from the repository root on the GPU machine: the repository on
 # PYTHONPATH (no install), offline. The JSON goes to benchmarks/results/gpu_speed_<gpu-name-slug>.json and is copied
 # with the log to $OUT/ (the runner's output folder; default: benchmarks/results). Extra arguments go to the script.
 #   bash benchmarks/run_gpu_speed.sh                       # <= 8 minutes on one H100/H200 (budget 420 s + start-up)

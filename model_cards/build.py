@@ -308,8 +308,8 @@ def reproduction_tables(model_type):
     note = notes().get(model_type)
     return ("A task's score is measured the same way in each of its tables (same test set, same scoring); the "
             "tables differ in training budget (minutes or steps) and precision. Training minutes and sentences/s "
-            "compare only between rows run on the same machine in one session: the rows of one table may come from "
-            "different sessions and CPUs (each row's JSON stores its command and, since 2026-11-23, its `machine`); "
+            "compare only between rows run on the same machine in one run: the rows of one table may come from "
+            "different runs and CPUs (each row's JSON stores its command and, since 2026-11-23, its `machine`); "
             "the line under each table heading names the machine, precision, budget and seed of its rows."
             "\n\n" + (note + "\n\n" if note else "") + "\n\n".join(parts))
 

@@ -34,7 +34,7 @@ on the references for the first half of the row's budget, then reference NLL + l
 translation, lambda 1, for the second half; each stage runs the preset's schedule compressed onto its half, warm-up
 halved too). The beam-joint
 rows and ``rnn_luong_soft`` (their soft baseline on the same Luong-style LSTM decoder) train with label smoothing 0,
-the beam-joint paper's plain likelihood (since issue #42; the ``*_bahdanau`` rows keep the earlier recipe: the
+the beam-joint paper's plain likelihood (the ``*_bahdanau`` rows keep the earlier recipe: the
 hybrid's GRU decoder, label smoothing 0.1). Finished rows are stored in ``reproduce_TASK_PRESET.json`` in the
 output folder and skipped on a rerun (``--force`` redoes them), so a run can be interrupted and resumed, and two
 processes may run disjoint sets of rows into the same folder (e.g. one thread each for the small nouns models; train
@@ -96,7 +96,7 @@ class Recipe:
     max_examples: int | None = None  # nouns: examples taken before the split by lemma
     # the embeddings' init (config embed_init_std): "model" = each model type's default (0.02: soft, hard retrieval,
     # recurrent, beam-joint Transformer; None: Gaussian, hybrid, beam-joint RNN); None = as init_std says. Nouns keeps
-    # None: 0.02 measured lower there for every type (issue #53)
+    # None: 0.02 measured lower there for every type (benchmarks/README.md)
     embed_init_std: float | str | None = "model"
 
 
@@ -225,7 +225,7 @@ def _hybrid(attention, **extra):
 # The beam-joint paper's RNN decoder (beam_joint_rnn's defaults): Luong-style LSTM with input feeding, dot attention.
 # Its rows and their soft baseline train with plain likelihood, as the paper (tensorflow/nmt has no label smoothing).
 PAPER_RNN = dict(rnn_decoder_style="luong", rnn_cell="lstm", rnn_attention="dot")
-# The beam-joint RNN rows before issue #42: the hybrid's Bahdanau-style GRU decoder, label smoothing 0.1.
+# The earlier beam-joint RNN rows (``*_bahdanau``): the hybrid's Bahdanau-style GRU decoder, label smoothing 0.1.
 EARLIER_RNN = dict(rnn_decoder_style="bahdanau", rnn_cell="gru", rnn_attention="additive", label_smoothing=None)
 
 
@@ -332,7 +332,7 @@ def rows_for(task: str) -> list[Row]:
 # Data
 # ----------------------------------------------------------------------------------------------------------------
 TEST_SET = "test_2016_flickr"  # the table's main Multi30k set (the row's ``score``)
-VALIDATION_SET = "val"  # scored beside it (issue #53: a verdict must hold on more than one set)
+VALIDATION_SET = "val"  # scored beside it (a verdict must hold on more than one set)
 
 
 def validation_set(task: str, recipe: Recipe, data: str | None):
@@ -539,7 +539,7 @@ def row_table(task, preset, results: dict) -> str:
     direction compares with (``Row.baseline``, soft unless said) beside that direction, so that a claim that failed
     reads as such in the table itself."""
     metric = f"BLEU {TEST_SET}" if task == "multi30k" else "exact match %"
-    # Multi30k rows scored on the validation split too (rows from before issue #53 have only test BLEU: "-")
+    # Multi30k rows scored on the validation split too (older rows have only test BLEU: "-")
     two_sets = task == "multi30k" and any("scores" in r for r in results.values())
     extra_head, extra_align = (f" BLEU {VALIDATION_SET} | chrF {TEST_SET} / {VALIDATION_SET} |", " ---: | ---: |") \
         if two_sets else ("", "")
@@ -655,7 +655,7 @@ def add_arguments(parser: argparse.ArgumentParser):
     parser.add_argument("--init-std", type=_std_or("xavier"), default=None, metavar="{xavier,STD}",
                         help="initialisation of every hf_hardattn row (config init_std; embed_init_std None unless "
                              "--embed-init-std is given): 'xavier' (Xavier-uniform linears, N(0, d_model^-1/2) "
-                             "embeddings: the default before issue #53) or a positive std (every linear and embedding "
+                             "embeddings: the earlier default) or a positive std (every linear and embedding "
                              "N(0, STD)); default: the model type's and recipe's default")
     parser.add_argument("--embed-init-std", type=_std_or("follow"), default=None, metavar="{follow,STD}",
                         help="initialisation of every hf_hardattn row's embeddings alone (config embed_init_std): "

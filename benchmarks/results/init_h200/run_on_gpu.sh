@@ -8,17 +8,18 @@
 # here (42 processes share 16 cores and one GPU). Results are packed into $OUT/res.tgz every 20 s; at DEADLINE
 # seconds the rows still running are cut off (their absence is reported, nothing is guessed).
 # LOCAL=1: smoke test on this CPU (tiny steps, eval 8 sentences, 4 rows).
-cd "$(dirname "$0")/../../.."
+cd "${REPO:-$(dirname "$0")/../../..}"  # the repository root (default: the checkout holding this script)
+SCRATCH=${SCRATCH:-$(mktemp -d)}  # pip target, logs, runs and the packed results
 START=$(date +%s); DEADLINE=${DEADLINE:-500}
 if [ -z "$LOCAL" ]; then
   W=.whl; python3 -c "import pyarrow, sys; print('pyarrow', pyarrow.__version__); sys.exit(int(pyarrow.__version__.split('.')[0]) < 24)" || W=.whl/alt
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $W/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:$PWD; PY=python3
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $SCRATCH/site $W/*.whl || exit 1
+  export PYTHONPATH=$SCRATCH/site:$PWD; PY=python3
   M_STEPS=1500; N_STEPS=2000; EXTRA=""
 else
-  export PYTHONPATH=$PWD; PY=python; OUT=${OUT:-/tmp/smoke_init}; M_STEPS=2; N_STEPS=2; EXTRA="--eval-size 8"
+  export PYTHONPATH=$PWD; PY=python; OUT=${OUT:-$SCRATCH/out}; M_STEPS=2; N_STEPS=2; EXTRA="--eval-size 8"
 fi
-mkdir -p $OUT; L=/tmp/logs_init; rm -rf $L; mkdir -p $L; P=/tmp/runs_init; rm -rf $P; mkdir -p $P
+mkdir -p $OUT; L=$SCRATCH/logs; rm -rf $L; mkdir -p $L; P=${RUNS:-$SCRATCH/runs}; rm -rf $P; mkdir -p $P
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_HARDATTN_MULTI30K=$PWD/.devdata/multi30k TOKENIZERS_PARALLELISM=false
 $PY -c "import torch, transformers, datasets, hf_hardattn; print(torch.__version__, transformers.__version__, datasets.__version__, torch.cuda.is_available() and torch.cuda.get_device_name())" || exit 1
 grep -m1 "model name" /proc/cpuinfo; nproc
@@ -39,9 +40,9 @@ else
   [[ $ROWGROUPS == *C* ]] && for s in 0 1; do for r in hard_self_cross hc_sa sh_x; do launch 10 multi30k $s 0.02 $r; done; done
 fi
 pack() {  # row JSON + logs (small files) into $OUT/res.tgz
-  rm -rf /tmp/res; mkdir -p /tmp/res; cp $L/*.log /tmp/res/
-  for d in $P/*; do mkdir -p /tmp/res/$(basename $d); cp $d/reproduce_* /tmp/res/$(basename $d)/ 2>/dev/null; done
-  tar czf $OUT/res.tgz.tmp -C /tmp res && mv $OUT/res.tgz.tmp $OUT/res.tgz
+  rm -rf $SCRATCH/res; mkdir -p $SCRATCH/res; cp $L/*.log $SCRATCH/res/
+  for d in $P/*; do mkdir -p $SCRATCH/res/$(basename $d); cp $d/reproduce_* $SCRATCH/res/$(basename $d)/ 2>/dev/null; done
+  tar czf $OUT/res.tgz.tmp -C $SCRATCH res && mv $OUT/res.tgz.tmp $OUT/res.tgz
 }
 while [ -n "$(jobs -r)" ] && [ $(( $(date +%s) - START )) -lt $DEADLINE ]; do
   sleep 20; echo "t=$(( $(date +%s) - START ))s running=$(jobs -r | wc -l) $(nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader 2>/dev/null) load=$(cut -d' ' -f1 /proc/loadavg)"

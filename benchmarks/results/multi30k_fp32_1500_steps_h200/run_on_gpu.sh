@@ -6,24 +6,25 @@
 # LOCAL=1: smoke test on a CPU (no wheels, tiny steps). (Call 2 ran on the still-warm machine of call 1; it copied the
 # same tokenizer from .devdata/tokenizer.)
 CALL=${1:?1 or 2}
-cd "$(dirname "$0")/.."
+cd "${REPO:-$(dirname "$0")/../../..}"  # the repository root (default: the checkout holding this script)
+SCRATCH=${SCRATCH:-$(mktemp -d)}  # pip target, logs, runs and the packed results
 START=$(date +%s)
 if [ -z "$LOCAL" ]; then
   # datasets 5.2 needs pyarrow >= 24; an older pyarrow there gets datasets 4.4.2 (pyarrow >= 21)
   W=.whl; python3 -c "import pyarrow, sys; print('pyarrow', pyarrow.__version__); sys.exit(int(pyarrow.__version__.split('.')[0]) < 24)" || W=.whl/alt
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $W/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:$PWD:$PWD/.devdata/site
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $SCRATCH/site $W/*.whl || exit 1
+  export PYTHONPATH=$SCRATCH/site:$PWD:$PWD/.devdata/site
   PY=python3; CAP=${CAP:-5.5}; QT=6
 else
   export PYTHONPATH=$PWD:$PWD/.devdata/site
-  PY=python; CAP=1; OUT=${OUT:-/tmp/smoke_out}; QT=1
+  PY=python; CAP=1; OUT=${OUT:-$SCRATCH/out}; QT=1
 fi
-mkdir -p $OUT; L=/tmp/logs; rm -rf $L; mkdir -p $L
+mkdir -p $OUT; L=$SCRATCH/logs; rm -rf $L; mkdir -p $L
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_HARDATTN_MULTI30K=$PWD/.devdata/multi30k TOKENIZERS_PARALLELISM=false
 $PY -c "import torch, transformers, datasets, pyarrow, hf_hardattn, platform; print(torch.__version__, transformers.__version__, datasets.__version__, pyarrow.__version__, torch.cuda.is_available() and torch.cuda.get_device_name(), torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, platform.processor())" || exit 1
 grep -m1 "model name" /proc/cpuinfo; nproc
 P=outputs/reproduce
-if [ -n "$LOCAL" ]; then rm -rf /tmp/smokeP; mkdir -p /tmp/smokeP; cp -r $P/multi30k-cpu-fp32-1500steps-issue42-eq1fixed /tmp/smokeP/; P=/tmp/smokeP; fi
+if [ -n "$LOCAL" ]; then rm -rf $SCRATCH/smokeP; mkdir -p $SCRATCH/smokeP; cp -r $P/multi30k-cpu-fp32-1500steps-issue42-eq1fixed $SCRATCH/smokeP/; P=$SCRATCH/smokeP; fi
 E1=$P/multi30k-cpu-fp32-1500steps-issue42-eq1fixed
 if [ "$CALL" = 1 ]; then
   H=$P/multi30k-gpu-fp32-1500steps-hard; M=$P/multi30k-gpu-fp32-1500steps-marian
@@ -52,10 +53,10 @@ else
   $R --rows beam_joint_k6 beam_joint_k6_decoded_k1 --seed 1 --output-dir $T > $L/bjtf1.log 2>&1 &
 fi
 pack() {  # the results so far, small files only, into $OUT/res.tgz (refreshed while the rows run)
-  rm -rf /tmp/res; mkdir -p /tmp/res; cp $L/*.log $L/qq_*.json /tmp/res/ 2>/dev/null
-  for d in $KEEP; do n=$(basename $d); mkdir -p /tmp/res/$n; cp $d/reproduce_* /tmp/res/$n/ 2>/dev/null
-    for m in $d/models/*; do [ -d $m ] && mkdir -p /tmp/res/$n/models/$(basename $m) && cp $(ls $m/* | grep -v safetensors) /tmp/res/$n/models/$(basename $m)/; done; done
-  tar czf $OUT/res.tgz.tmp -C /tmp res && mv $OUT/res.tgz.tmp $OUT/res.tgz
+  rm -rf $SCRATCH/res; mkdir -p $SCRATCH/res; cp $L/*.log $L/qq_*.json $SCRATCH/res/ 2>/dev/null
+  for d in $KEEP; do n=$(basename $d); mkdir -p $SCRATCH/res/$n; cp $d/reproduce_* $SCRATCH/res/$n/ 2>/dev/null
+    for m in $d/models/*; do [ -d $m ] && mkdir -p $SCRATCH/res/$n/models/$(basename $m) && cp $(ls $m/* | grep -v safetensors) $SCRATCH/res/$n/models/$(basename $m)/; done; done
+  tar czf $OUT/res.tgz.tmp -C $SCRATCH res && mv $OUT/res.tgz.tmp $OUT/res.tgz
 }
 while [ -n "$(jobs -r)" ]; do sleep 20; echo "t=$(( $(date +%s) - START ))s $(nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader 2>/dev/null)"; tail -qn1 $L/*.log | cut -c1-150; pack; done
 echo "all done t=$(( $(date +%s) - START ))s"

@@ -1,5 +1,6 @@
 #!/bin/bash
-# Issue #53, prepared for a session that draws a GPU (written 2026-11-27, stop 59; smoke-tested with LOCAL=1 on CPU).
+# The seeds run on one GPU (smoke-tested with LOCAL=1 on CPU). SCRATCH: a scratch folder (default: a new temporary
+# one), RUNS: the rows' folders (default SCRATCH/runs), OUT: where res.tgz goes.
 # Multi30k, cpu preset, fp32, 1500 steps, every row under its type's default init (no --embed-init-std flag), scored
 # BLEU + chrF on test_2016_flickr and val. One process per row (--threads 1), from the checkout with .devdata/ (the
 # Multi30k files + tok_multi30k_0, the tokenizer every earlier row used) and .whl/ (datasets wheels) carried:
@@ -14,29 +15,30 @@
 #   init, 1500 fp32 steps: its folder with models/soft, reproduce_multi30k_cpu.json and tokenizer, ~31 MB) to
 #   .devdata/teacher before the call (one teacher at a time: the carry limit is 64 MiB). Without it the row trains
 #   its own teacher first and is likely cut off.
-# GROUP=E (added 2026-11-27, stop 61, after GROUP=C's eq1 row ran out of time translating the 29k training sources on
+# GROUP=E (added after GROUP=C's eq1 row ran out of time translating the 29k training sources on
 #   the host CPU: `reproduce` now moves the teacher to the GPU): hybrid_additive_kd_eq1 for each seed of E_SEEDS
 #   (default "0 1"), each in its own reproduce run; seed TEACHER_SEED uses the carried .devdata/teacher (as in
 #   GROUP=C), another trains its own soft teacher on the GPU first (its soft row is stored beside it). Seed 0 ran on
-#   the AVX2 EPYC (stop 61, teacher: its CPU soft row): E_SEEDS=1 TEACHER_SEED=1 with the CPU soft row of seed 1 as
+#   the AVX2 EPYC (teacher: its CPU soft row): E_SEEDS=1 TEACHER_SEED=1 with the CPU soft row of seed 1 as
 #   .devdata/teacher is what is left.
-# Ran 2026-11-27 (stop 61, one H200, host Intel Xeon, 16 cores): GROUP=A, all 16 rows in 405 s; GROUP=C with
+# Ran on one H200 (host Intel Xeon, 16 cores): GROUP=A, all 16 rows in 405 s; GROUP=C with
 #   DEADLINE=370: the four LSTM rows done, the eq1 row cut off (its teacher was still translating on one CPU thread).
 # Compare afterwards with benchmarks/compare_rows.py over these rows and ../init_emb_h200/ (seeds 0-1 of soft and
 # marian): --compare "soft@xavier, emb N(0,0.02):marian@N(0,0.02)".
 # Training minutes are NOT comparable between rows (16 processes share 16 cores and one GPU). Results are packed into
 # $OUT/res.tgz every 20 s; at DEADLINE seconds the rows still running are cut off (reported, nothing guessed).
 # LOCAL=1: smoke test on this CPU (2 steps, eval 8 sentences, 3 rows of the group).
-cd "$(dirname "$0")/../../.."
+cd "${REPO:-$(dirname "$0")/../../..}"  # the repository root (default: the checkout holding this script)
+SCRATCH=${SCRATCH:-$(mktemp -d)}  # pip target, logs, runs and the packed results
 START=$(date +%s); DEADLINE=${DEADLINE:-530}; GROUP=${GROUP:-A}
 if [ -z "$LOCAL" ]; then
   W=.whl; python3 -c "import pyarrow, sys; print('pyarrow', pyarrow.__version__); sys.exit(int(pyarrow.__version__.split('.')[0]) < 24)" || W=.whl/alt
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $W/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:$PWD; PY=python3; M_STEPS=1500; EXTRA=""
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $SCRATCH/site $W/*.whl || exit 1
+  export PYTHONPATH=$SCRATCH/site:$PWD; PY=python3; M_STEPS=1500; EXTRA=""
 else
-  export PYTHONPATH=$PWD; PY=python; OUT=${OUT:-/tmp/smoke_seeds}; M_STEPS=2; EXTRA="--eval-size 8"
+  export PYTHONPATH=$PWD; PY=python; OUT=${OUT:-$SCRATCH/out}; M_STEPS=2; EXTRA="--eval-size 8"
 fi
-mkdir -p $OUT; L=/tmp/logs_seeds; rm -rf $L; mkdir -p $L; P=/tmp/runs_seeds; rm -rf $P; mkdir -p $P
+mkdir -p $OUT; L=$SCRATCH/logs; rm -rf $L; mkdir -p $L; P=${RUNS:-$SCRATCH/runs}; rm -rf $P; mkdir -p $P
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_HARDATTN_MULTI30K=$PWD/.devdata/multi30k TOKENIZERS_PARALLELISM=false
 $PY -c "import torch, transformers, datasets, hf_hardattn; print(torch.__version__, transformers.__version__, datasets.__version__, torch.cuda.is_available() and torch.cuda.get_device_name())" || exit 1
 grep -m1 "model name" /proc/cpuinfo; nproc
@@ -69,9 +71,9 @@ else
   echo "GROUP must be A, C or E, got '$GROUP'"; exit 2
 fi
 pack() {  # row JSON + logs (small files) into $OUT/res.tgz
-  rm -rf /tmp/res; mkdir -p /tmp/res; cp $L/*.log /tmp/res/
-  for d in $P/*; do mkdir -p /tmp/res/$(basename $d); cp $d/reproduce_* /tmp/res/$(basename $d)/ 2>/dev/null; done
-  tar czf $OUT/res.tgz.tmp -C /tmp res && mv $OUT/res.tgz.tmp $OUT/res.tgz
+  rm -rf $SCRATCH/res; mkdir -p $SCRATCH/res; cp $L/*.log $SCRATCH/res/
+  for d in $P/*; do mkdir -p $SCRATCH/res/$(basename $d); cp $d/reproduce_* $SCRATCH/res/$(basename $d)/ 2>/dev/null; done
+  tar czf $OUT/res.tgz.tmp -C $SCRATCH res && mv $OUT/res.tgz.tmp $OUT/res.tgz
 }
 while [ -n "$(jobs -r)" ] && [ $(( $(date +%s) - START )) -lt $DEADLINE ]; do
   sleep 20; echo "t=$(( $(date +%s) - START ))s running=$(jobs -r | wc -l) $(nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader 2>/dev/null) load=$(cut -d' ' -f1 /proc/loadavg)"
