@@ -8,6 +8,7 @@ Runtime code shipped with saved models (``trust_remote_code``): keep it flat, sa
 """
 
 import contextlib
+import itertools
 import math
 from typing import Any, NamedTuple
 
@@ -257,6 +258,26 @@ class SoftAttention(nn.Module):
         batch, _, length, _ = out.shape
         return self.out_proj(out.transpose(1, 2).reshape(batch, length, self.num_heads * self.head_dim))
 
+    def attend_candidates(self, hidden, k_hist, v_hist, length, attention_mask):
+        """Self-attention of the candidates [B, T * K, d] (layer input; beam-joint, see
+        :meth:`DecoderLayer.forward_with_candidates`) of the T positions that end the soft history ``k_hist`` /
+        ``v_hist`` [B, H, Tk, head_dim]: candidate (t, k) attends to the history strictly before t (and, with
+        ``attention_mask`` [B, >= Tk], to its unpadded keys only) and to its own state. Returns (output projection
+        [B, T * K, d], weights [B, H, T * K, Tk + 1] after attention dropout, the last column the candidate's own)."""
+        key_length = k_hist.shape[2]
+        n_cand = hidden.shape[1] // length
+        hist_mask = causal_mask(length, key_length, hidden.device).tril(key_length - length - 1)  # strictly earlier
+        hist_mask = hist_mask.repeat_interleave(n_cand, dim=0)
+        if attention_mask is not None:
+            hist_mask = hist_mask & attention_mask[:, None, None, -key_length:].bool()
+        q, k_own, v_own = self.split_heads(self.qkv_proj(hidden), 3)
+        scale = self.head_dim**-0.5
+        hist = (q @ k_hist.transpose(-1, -2)) * scale
+        hist = hist.masked_fill(~hist_mask, torch.finfo(torch.float32).min)
+        own = (q * k_own).sum(-1, keepdim=True) * scale
+        probs = F.dropout(torch.cat([hist, own], dim=-1).softmax(-1), self.dropout, self.training)
+        return self.merge(probs[..., :-1] @ v_hist + probs[..., -1:] * v_own), probs
+
     def memory_rows(self, memory, cache) -> int:
         """Rows of the encoder output this cross-attention reads: the cached keys' once computed, else ``memory``'s."""
         if cache is not None and cache.is_updated.get(self.layer_idx):
@@ -357,6 +378,79 @@ class DecoderLayer(GradientCheckpointingLayer):
             x, cross_weights = x if output_attentions else (x, None)
         x = self.ffn(x)
         return (x, self_weights, cross_weights) if output_attentions else x
+
+    # Beam-joint (Shankar et al. 2018) on a Transformer decoder: in its joint layer the cross-attention is made hard on
+    # chosen source positions, one candidate stream per position; the later layers run every candidate beside the soft
+    # stream. The selection and the mixture are the model's (beam_joint.py); these two steps run the layer.
+    def forward_hard_cross(self, x, memory, self_mask, causal, cross_mask, cache, select, soft=True,
+                           output_attentions=False):
+        """The layer with its (soft) cross-attention made hard on chosen keys: the self-attention as in
+        :meth:`forward`; the per-head log weights of the cross-attention, log softmax(QK^T / sqrt(d_k)) (Eq. 1 in log
+        space, at least fp32; a masked key scores the most negative fp32 number, so that logs and gradients stay
+        finite), go to ``select``, which returns ``(anything, index [B, T, K])``; candidate k of query t is the layer
+        with every head attending only to key ``index[b, t, k]``: the attention output out_proj(concat_h v_h[a]) (a
+        constant of the sentence, kept in ``cache.sentence_states`` while decoding with a cache), then residual,
+        norms and FFN. One encoder row per decoder row (no grouped memory).
+
+        Returns (the soft stream after the whole layer [B, T, d], or None unless ``soft``; the candidates
+        [B, T, K, d]; what ``select`` returned; the self-attention weights (or None); the cross-attention's per-head
+        log weights [B, H, T, S])."""
+        self_weights = None
+        if self.self_attn is not None:
+            x = self.self_attn(x, mask=self_mask, causal=causal, cache=cache, output_attentions=output_attentions)
+            x, self_weights = x if output_attentions else (x, None)
+        sub = self.cross_attn
+        attn = sub.module
+        q, k, v = attn.project(sub.input(x), memory, cache)  # [B, H, T, hd], [B, H, S, hd]
+        scores = q @ k.transpose(-1, -2)
+        scores = scores.to(torch.promote_types(scores.dtype, torch.float32)) * attn.head_dim**-0.5  # Eq. 1 per head
+        if cross_mask is not None:
+            scores = scores.masked_fill(~cross_mask, torch.finfo(torch.float32).min)
+        log_weights = scores.log_softmax(-1)
+        selected = select(log_weights)
+        index = selected[-1]
+        name = f"hard_cross.{attn.layer_idx}"
+        hard = cache.sentence_states.get(name) if cache is not None else None
+        if hard is None:  # every head on key a: out_proj(concat_h v_h[a])  [B, S, d]
+            hard = attn.merge(v)
+            if cache is not None:
+                cache.sentence_states[name] = hard
+        batch, length, n_cand = index.shape
+        picked = torch.gather(hard, 1, index.reshape(batch, -1, 1).expand(-1, -1, hard.shape[-1]))
+        y = self.ffn(sub.residual(x[:, :, None, :], picked.view(batch, length, n_cand, -1).to(x.dtype)))
+        if soft:  # the soft stream feeds later layers' self-attention
+            x = self.ffn(sub.residual(x, attn.merge(attn.attend(q, k, v, cross_mask, False))))
+        return (x if soft else None), y, selected, self_weights, log_weights
+
+    def forward_with_candidates(self, x, candidates, memory, self_mask, causal, attention_mask, cross_mask, cache,
+                                soft=True, output_attentions=False):
+        """A layer after the joint layer: the soft stream ``x`` [B, T, d] as in :meth:`forward` (its keys/values join
+        the cache even when ``soft`` is False: later positions read them) and the ``candidates`` [B, T, K, d], whose
+        self-attention (soft, or none) reads the soft stream's positions before t (and the cache's; ``attention_mask``
+        the decoder's [B, past + T] padding mask, or None) and the candidate's own state, and whose cross-attention and
+        FFN are the layer's. Returns (the soft stream, or None unless ``soft``; the candidates [B, T, K, d]; the
+        candidates' self-attention weights [B, H, T * K, past + T + 1] (last column: the candidate's own state) or
+        None; their cross-attention weights [B, H, T * K, S] or None), queries flattened as t * K + k."""
+        batch, length, n_cand, _ = candidates.shape
+        y = candidates.reshape(batch, length * n_cand, -1)
+        self_weights = cross_weights = None
+        if self.self_attn is not None:
+            sub = self.self_attn
+            attn = sub.module
+            q, k, v = attn.project(sub.input(x), None, cache)  # the soft stream (updates the cache)
+            out, self_weights = attn.attend_candidates(sub.input(y), k, v, length, attention_mask)
+            y = sub.residual(y, out)
+            if soft:
+                x = sub.residual(x, attn.merge(attn.attend(q, k, v, self_mask, causal)))
+        if self.cross_attn is not None:
+            if soft:
+                x = self.cross_attn(x, memory=memory, mask=cross_mask, cache=cache)
+            y = self.cross_attn(y, memory=memory, mask=cross_mask, cache=cache, output_attentions=output_attentions)
+            y, cross_weights = y if output_attentions else (y, None)
+        if soft:
+            x = self.ffn(x)
+        y = self.ffn(y)
+        return (x if soft else None), y.view(batch, length, n_cand, -1), self_weights, cross_weights
 
 
 def padding_mask(attention_mask):
@@ -524,32 +618,72 @@ class HardAttnDecoder(nn.Module):
     def run(self, input_ids, encoder_hidden_states, encoder_attention_mask, attention_mask, inputs_embeds, cache,
             output_attentions=False, output_hidden_states=False) -> "DecoderResult":
         """``forward`` as a :class:`DecoderResult` (a plain tuple: what the model's ``decode`` reads at every step,
-        without building a ModelOutput)."""
+        without building a ModelOutput): :meth:`start`, :meth:`run_layers` over every layer, :meth:`finish`."""
+        state = self.start(input_ids, encoder_hidden_states, encoder_attention_mask, attention_mask, inputs_embeds,
+                           cache, output_attentions, output_hidden_states)
+        self.run_layers(state, 0, len(self.layers))
+        return self.finish(state)
+
+    # The public steps of `run`, for a model that runs some layers its own way (beam-joint's joint layer): start,
+    # run_layers(a, b) for any split, finish.
+    def start(self, input_ids, encoder_hidden_states, encoder_attention_mask, attention_mask, inputs_embeds, cache,
+              output_attentions=False, output_hidden_states=False) -> "DecoderPass":
+        """Embeddings (tokens + positions, after the cache's past), the self- and cross-attention masks, and the
+        lists the outputs are recorded in: the :class:`DecoderPass` that :meth:`run_layers` and :meth:`finish` take."""
         past_length = cache.get_seq_length() if cache is not None else 0
         x = self.embed(input_ids, inputs_embeds, past_length)
         self_masks = self.self_attention_masks(attention_mask, x.shape[1], past_length, x.device)
         check_memory_rows(x.shape[0], encoder_hidden_states, encoder_attention_mask, self.reads_memory_grouped)
-        cross_mask = padding_mask(encoder_attention_mask)
-        hidden_states = [x] if output_hidden_states else None
-        attentions, cross_attentions = ([], []) if output_attentions else (None, None)
-        for layer, (self_mask, causal) in zip(self.layers, self_masks):
-            if output_attentions:
-                x, self_weights, cross_weights = layer(x, encoder_hidden_states, self_mask, causal, cross_mask, cache,
-                                                       output_attentions=True)
-                attentions.append(self_weights)
-                cross_attentions.append(cross_weights)
+        return DecoderPass(x, encoder_hidden_states, self_masks, padding_mask(encoder_attention_mask), attention_mask,
+                           cache, output_attentions, output_hidden_states)
+
+    def run_layers(self, state: "DecoderPass", first: int, stop: int) -> "DecoderPass":
+        """Layers ``first`` ... ``stop - 1`` on ``state.x``, each recorded; returns ``state``."""
+        for layer, (self_mask, causal) in itertools.islice(zip(self.layers, state.self_masks), first, stop):
+            if state.output_attentions:
+                x, self_weights, cross_weights = layer(state.x, state.memory, self_mask, causal, state.cross_mask,
+                                                       state.cache, output_attentions=True)
+                state.record(x, self_weights, cross_weights)
             else:
-                x = layer(x, encoder_hidden_states, self_mask, causal, cross_mask, cache)
-            if output_hidden_states:
-                hidden_states.append(x)
-        if cache is not None:
-            cache.seen_tokens += x.shape[1]
+                state.record(layer(state.x, state.memory, self_mask, causal, state.cross_mask, state.cache))
+        return state
+
+    def finish(self, state: "DecoderPass") -> "DecoderResult":
+        """The cache's count of positions, the final norm of a pre-norm model on ``state.x`` (the last hidden state
+        recorded is replaced by the normed one), the :class:`DecoderResult`."""
+        x = state.x
+        if state.cache is not None:
+            state.cache.seen_tokens += x.shape[1]
         if self.final_norm is not None:
             x = self.final_norm(x)
-        if output_hidden_states:
-            hidden_states[-1] = x
-        return DecoderResult(x, hidden_states and tuple(hidden_states), attentions and tuple(attentions),
-                             cross_attentions and tuple(cross_attentions))
+        if state.hidden_states is not None:
+            state.hidden_states[-1] = x
+        return DecoderResult(x, state.hidden_states and tuple(state.hidden_states),
+                             state.attentions and tuple(state.attentions),
+                             state.cross_attentions and tuple(state.cross_attentions))
+
+
+class DecoderPass:
+    """One call of the decoder between :meth:`HardAttnDecoder.start` and :meth:`HardAttnDecoder.finish`: the stream
+    ``x`` (the last recorded state), what every layer reads (memory, masks per layer, cache), the raw decoder
+    ``attention_mask``, and the outputs recorded so far (lists, or None when not asked)."""
+
+    def __init__(self, x, memory, self_masks, cross_mask, attention_mask, cache, output_attentions,
+                 output_hidden_states):
+        self.x, self.memory, self.self_masks, self.cross_mask = x, memory, self_masks, cross_mask
+        self.attention_mask, self.cache = attention_mask, cache
+        self.output_attentions, self.output_hidden_states = output_attentions, output_hidden_states
+        self.hidden_states = [x] if output_hidden_states else None
+        self.attentions, self.cross_attentions = ([], []) if output_attentions else (None, None)
+
+    def record(self, x, self_weights=None, cross_weights=None):
+        """A layer's output becomes the stream (and a hidden state, when asked) with its weights (when asked)."""
+        self.x = x
+        if self.hidden_states is not None:
+            self.hidden_states.append(x)
+        if self.attentions is not None:
+            self.attentions.append(self_weights)
+            self.cross_attentions.append(cross_weights)
 
 
 class DecoderResult(NamedTuple):

@@ -20,7 +20,7 @@ from hf_hardattn import (BeamJointRNNConfig, BeamJointRNNForConditionalGeneratio
                          BeamJointTransformerForConditionalGeneration, HardAttnForConditionalGeneration,
                          HybridConfig, HybridForConditionalGeneration, SoftTransformerConfig,
                          SoftTransformerForConditionalGeneration)
-from hf_hardattn.beam_joint import JointMixture, JointWorkspace
+from hf_hardattn.joint_kernel import JointMixture, JointWorkspace
 from rnn_reference import naive_rnn_decoder
 
 DEC = torch.tensor([[1, 6, 9, 12, 15], [1, 8, 10, 2, 0]])  # decoder inputs (second row ends early)
@@ -539,3 +539,39 @@ def test_model_keeps_mixture_buffers_between_steps_and_releases_them():
     torch.manual_seed(0)
     model(input_ids=ids, attention_mask=mask, decoder_input_ids=DEC, labels=DEC).loss.backward()
     assert model._joint_workspace.buffer("probs", (1,), torch.float32, "cpu").data_ptr() == kept
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The skeleton decoder's public steps (what beam-joint's decode composes)
+# ------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("pre_norm", [False, True])
+def test_the_decoder_steps_composed_equal_run(pre_norm):
+    """start, run_layers over any split of the layers, finish: exactly what HardAttnDecoder.run returns, outputs and
+    cache alike, over a first call of three positions and a cached second call of one (padded decoder rows)."""
+    from hf_hardattn.caches import HardAttnCache
+
+    torch.manual_seed(0)
+    model = randomize(SoftTransformerForConditionalGeneration(SoftTransformerConfig(**tiny_kwargs(
+        decoder_layers=3, normalize_before=pre_norm)))).eval()
+    decoder = model.model.decoder
+    ids, mask = source_batch()
+    memory = model.model.encoder(ids, mask).last_hidden_state
+    dec_mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 1]])  # (a padded key inside the second row)
+    calls = [(DEC[:, :3], dec_mask[:, :3]), (DEC[:, 3:4], dec_mask)]
+    with torch.no_grad():
+        caches = {"run": HardAttnCache()}
+        expected = [decoder.run(d, memory, mask, m, None, caches["run"], True, True) for d, m in calls]
+        for splits in ([0, 3], [0, 1, 3], [0, 2, 3], [0, 1, 2, 3], [0, 0, 3, 3]):
+            cache = HardAttnCache()
+            for (d, m), want in zip(calls, expected):
+                state = decoder.start(d, memory, mask, m, None, cache, True, True)
+                for first, stop in zip(splits, splits[1:]):
+                    decoder.run_layers(state, first, stop)
+                got = decoder.finish(state)
+                for name, value, other in zip(want._fields, want, got):
+                    values = value if isinstance(value, tuple) else (value,)
+                    others = other if isinstance(other, tuple) else (other,)
+                    assert len(values) == len(others), name
+                    assert all(torch.equal(a, b) for a, b in zip(values, others)), (splits, name)
+            assert cache.get_seq_length() == caches["run"].get_seq_length() == 4
+            assert torch.equal(cache.self_attention_cache.layers[2].keys, caches["run"].self_attention_cache.layers[2].keys)
