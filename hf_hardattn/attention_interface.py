@@ -49,7 +49,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .hard_retrieval import gather_rows, inference_indices, sampled_retrieval
+from .hard_retrieval import gather_rows, inference_indices, sampled_retrieval, training_probabilities
 from .layers import full_mask
 from .registry import ROLES as ROLE_ENTRIES
 
@@ -105,13 +105,8 @@ def hard_retrieve(module, query, key, value, mask, scaling, dropout, output_atte
     if not module.training:
         index = inference_indices(query, key, mask, False)  # Eq. 11: argmax of the raw masked scores
         out = gather_rows(value, index)  # Eq. 6
-    else:
-        if mask is not None:  # a row with no visible key (padding) samples over all keys rather than NaN
-            mask = mask | ~mask.any(-1, keepdim=True)
-        scores = (query @ key.transpose(-1, -2)) * scaling  # Eq. 1-2, as HardRetrievalAttention.training_probabilities
-        if mask is not None:
-            scores = scores.masked_fill(~mask, float("-inf"))
-        out, index = sampled_retrieval(torch.softmax(scores, dim=-1), value, dropout)  # Eq. 4-10
+    else:  # Eq. 1-2 with the module's scaling (a row with no visible key samples over all keys), then Eq. 4-10
+        out, index = sampled_retrieval(training_probabilities(query, key, mask, False, scaling), value, dropout)
     weights = torch.nn.functional.one_hot(index, key.shape[-2]).to(value.dtype) if output_attentions else None
     return out, weights
 

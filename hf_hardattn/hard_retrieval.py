@@ -66,8 +66,8 @@ def sampled_retrieval(probs: torch.Tensor, values: torch.Tensor, dropout: float 
     Attention dropout (``dropout`` = p > 0, a choice of this package: the paper does not discuss it) acts after the
     draw, so that the sampled distribution is P itself: it drops the retrieved row as dropout drops a soft attention
     weight, i.e. the row is kept and scaled by 1 / (1 - p) with probability 1 - p, zero otherwise (per query and head).
-    (Dropping P before the draw would change what is sampled: P = [0.9, 0.1] at p = 0.5 drew index 1 30% of the
-    time.)"""
+    (Dropping P before the draw would change what is sampled: P = [0.9, 0.1] at p = 0.5 would draw index 1 whenever
+    0.9 is dropped and 0.1 kept, so at least a quarter of the time rather than a tenth.)"""
     index = sample_indices(probs.detach())
     out = HardRetrieval.apply(probs, values, index)
     if dropout > 0:
@@ -75,14 +75,25 @@ def sampled_retrieval(probs: torch.Tensor, values: torch.Tensor, dropout: float 
     return out, index
 
 
+def masked_scores(scores, mask, causal):
+    """``scores`` [..., Tq, Tk] with the keys that ``mask`` / ``causal`` hide set to -inf; a query row with no visible
+    key keeps all of its keys (training draws and inference argmaxes over the same key set, never over NaN)."""
+    mask = full_mask(mask, causal, scores.shape[-2], scores.shape[-1], scores.device)
+    if mask is None:
+        return scores
+    return scores.masked_fill(~(mask | ~mask.any(-1, keepdim=True)), float("-inf"))
+
+
+def training_probabilities(q, k, mask, causal, scaling):
+    """P = softmax(QK^T * scaling) (Eq. 1-2; scaling = d_k^-1/2 in the paper) over the visible keys, before attention
+    dropout (a query row with no visible key: over all of its keys, see :func:`masked_scores`)."""
+    return torch.softmax(masked_scores((q @ k.transpose(-1, -2)) * scaling, mask, causal), dim=-1)
+
+
 def inference_indices(q, k, mask, causal):
     """Eq. 11: argmax over the raw masked scores S = QK^T, without scaling or softmax (a row with no visible key: over
     all of its keys, as in training)."""
-    scores = q @ k.transpose(-1, -2)
-    mask = full_mask(mask, causal, q.shape[-2], k.shape[-2], q.device)
-    if mask is not None:
-        scores = scores.masked_fill(~(mask | ~mask.any(-1, keepdim=True)), float("-inf"))
-    return scores.argmax(-1)
+    return masked_scores(q @ k.transpose(-1, -2), mask, causal).argmax(-1)
 
 
 class HardRetrievalAttention(SoftAttention):
@@ -92,11 +103,7 @@ class HardRetrievalAttention(SoftAttention):
     def training_probabilities(self, q, k, mask, causal):
         """P = softmax(QK^T / sqrt(d_k)) (Eq. 1-2) over the visible keys, before attention dropout (a query row with no
         visible key, e.g. a direct call with a fully padded row, over all keys rather than NaN probabilities)."""
-        scores = (q @ k.transpose(-1, -2)) * self.head_dim**-0.5
-        mask = full_mask(mask, causal, q.shape[-2], k.shape[-2], q.device)
-        if mask is not None:
-            scores = scores.masked_fill(~(mask | ~mask.any(-1, keepdim=True)), float("-inf"))
-        return torch.softmax(scores, dim=-1)
+        return training_probabilities(q, k, mask, causal, self.head_dim**-0.5)
 
     def retrieve(self, q, k, v, mask, causal):
         """(output [B, H, Tq, head_dim], the retrieved index [B, H, Tq])."""
@@ -147,5 +154,7 @@ __all__ = [
     "HardRetrievalForConditionalGeneration",
     "gather_rows",
     "sample_indices",
+    "masked_scores",
+    "training_probabilities",
     "inference_indices",
 ]

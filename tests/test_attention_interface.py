@@ -5,8 +5,9 @@ and BartForConditionalGeneration, against independent references:
   model through a test-only attention implementation, with roles told by module identity and masks built from the
   test's own 2D inputs (not from transformers' mask functions);
 * the encoder: the stock model's output (sdpa) and attention weights (eager);
-* training: hard_retrieval.py's own HardRetrievalAttention (sampled_retrieval: sample_indices + the HardRetrieval autograd function) for
-  the draws, the outputs and the gradients, under the same seed;
+* training: the draws against P = softmax(q k^T * scaling) written out here; hard_retrieval.py's own
+  HardRetrievalAttention (sampled_retrieval: sample_indices + the HardRetrieval autograd function) for the draws, the
+  outputs and the gradients, under the same seed;
 * generate(): the KV cache against no cache, and a padded batch against each sentence alone.
 """
 
@@ -283,6 +284,36 @@ def test_training_draws_outputs_and_gradients_equal_hard_retrieval_module(role):
     kept, no_dropout = function(module, q, k, v, mask, scaling=module.scaling, dropout=0.0, output_attentions=True)
     assert torch.equal(weights, no_dropout)  # attention dropout acts after the draw: the same keys are drawn
     assert not torch.equal(out, kept.transpose(1, 2))  # and then drops some of the retrieved rows
+
+
+def test_training_draws_follow_the_softmax_of_the_scaled_scores_written_out():
+    """The registered function's training draws follow P = softmax(q k^T * scaling) (Eq. 1-2, 4-5), written out here,
+    with the scaling transformers passes (not the module's 1 / sqrt(d_k)) over the visible keys; a query row with no
+    visible key draws over all of its keys. Scores chosen so that another scale, a missing softmax or an argmax would
+    each fail; counts against P by Pearson's chi-square at p = 0.001."""
+    model = tiny("marian", dtype=torch.float32).train()
+    module = model.model.decoder.layers[0].encoder_attn
+    function = AttentionInterface._global_mapping["hard_retrieval"]
+    rows, heads, dim, scaling = 20_000, 4, 8, 0.7
+    k = torch.zeros(rows, heads, 5, dim)
+    k[..., 0] = torch.tensor([0.0, 1.0, 2.0, 3.0, 4.0])
+    q = torch.zeros(rows, heads, 1, dim)
+    q[..., 0] = 1.0
+    v = (torch.arange(5.0) + 1).view(1, 1, 5, 1).expand(rows, heads, 5, dim)  # value row i holds i + 1
+    mask = torch.ones(rows, 1, 1, 5, dtype=torch.bool)
+    mask[: rows // 2, ..., 3] = False  # first half: key 3 hidden
+    mask[rows // 2:] = False  # second half: no visible key
+    torch.manual_seed(3)
+    out, _ = function(module, q, k, v, mask, scaling=scaling, dropout=0.0)
+    drawn = out[:, 0, :, 0].round().long() - 1  # [rows, heads]
+    scores = torch.tensor([0.0, 1.0, 2.0, 3.0, 4.0], dtype=torch.float64) * scaling
+    for part, hidden in ((drawn[: rows // 2], [3]), (drawn[rows // 2:], [])):
+        probs = torch.softmax(scores.masked_fill(torch.isin(torch.arange(5), torch.tensor(hidden)), -torch.inf), -1)
+        counts = torch.bincount(part.flatten(), minlength=5).double()
+        expected = probs * counts.sum()
+        assert (counts[probs == 0] == 0).all(), counts
+        chi2 = (((counts - expected) ** 2)[probs > 0] / expected[probs > 0]).sum().item()
+        assert chi2 < {3: 16.27, 4: 18.47}[int((probs > 0).sum()) - 1], (chi2, counts.tolist(), probs.tolist())
 
 
 @pytest.mark.parametrize("name", MODELS)
