@@ -99,8 +99,8 @@ class BufferedLayer(DynamicLayer):
             moved = None  # on the CPU (elsewhere the row count would cost a device sync per layer and step)
             if self.device.type == "cpu" and len(beam_idx) == keys.shape[1]:
                 moved = (beam_idx != torch.arange(len(beam_idx), device=self.device)).nonzero().squeeze(1)
-            if moved is not None and 2 * len(moved) <= len(beam_idx):  # few rows take another row's past (~30% a
-                for buffer in (keys, values):  # step in beam search): just those, all read before any is written
+            if moved is not None and 2 * len(moved) <= len(beam_idx):  # few rows take another row's past (most
+                for buffer in (keys, values):  # beams keep their own): just those, all read before any is written
                     buffer.index_copy_(1, moved, buffer.index_select(1, beam_idx[moved]))
             else:
                 if self._spare is None:

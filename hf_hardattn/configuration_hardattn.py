@@ -97,13 +97,11 @@ class HardAttnConfig(PreTrainedConfig):
             never re-initialised.
         embed_init_std: the initialisation of a new model's embeddings (token embeddings, tied to the output layer,
             and learned positions). A number: N(0, embed_init_std). None: as ``init_std`` says (N(0, d_model^-1/2)
-            under Xavier, the default before issue #53; N(0, init_std) otherwise). Default 0.02 for soft, hard
-            retrieval, recurrent and beam-joint Transformer models; None for the Gaussian, hybrid and beam-joint RNN
-            models. Chosen per model type by measurement (issue #53, benchmarks/README.md "Initialisation"): on
-            Multi30k (subword BPE, 1500 steps, two seeds, test and val sets) 0.02 lifts soft, hard retrieval,
-            recurrent and beam-joint Transformer by 0.6 to 1.3 BLEU over None, lowers hc-sa by 0.84 and the LSTM
-            decoders by 8 to 11; on the character-level nouns task it is lower for every type, so that recipe (and
-            the demo) keep None.
+            under Xavier; N(0, init_std) otherwise). Default 0.02 for soft, hard retrieval, recurrent and beam-joint
+            Transformer models; None for the Gaussian, hybrid and beam-joint RNN models. Chosen per model type by
+            measurement on subword Multi30k, where 0.02 helps the first group and hurts the second (see
+            benchmarks/README.md, section "Initialisation"); the character-level nouns recipe (and the demo) keep
+            None, which scores higher there for every type.
         encoder_attention / decoder_attention / cross_attention: the attention kind of each role, one of
             ``ATTENTION_KINDS``, either a single kind for every layer or a list with one kind per layer.
     """

@@ -1,4 +1,4 @@
-"""int8 inference on CPU (issue #44): :meth:`Int8Mixin.quantize_int8` turns a model's linear layers into torch's dynamic
+"""int8 inference on CPU: :meth:`Int8Mixin.quantize_int8` turns a model's linear layers into torch's dynamic
 int8 linears; the model then refuses what int8 layers cannot do (training, saving, other dtypes or devices).
 
 Runtime code shipped with saved models (``trust_remote_code``): keep it flat, same-folder relative imports only.
@@ -21,11 +21,11 @@ class Int8Mixin:
     is_int8: bool = False  # set by quantize_int8
 
     def quantize_int8(self, engine: str = "fbgemm"):
-        """int8 inference on CPU (issue #44): every linear layer (the vocabulary projection and the hybrid's GRU/LSTM
-        gate projections included) becomes torch's dynamic int8 linear (``torch.ao.quantization.quantize_dynamic``),
-        its weights packed for ``engine``, whatever ``torch.backends.quantized.engine`` says: "fbgemm" (default; where
-        measured the faster: oneDNN ran at 0.45-0.85x its speed on a 2-core AVX2 AMD EPYC) or "onednn" (the
-        same quantisation, other kernels: VNNI / AMX where the CPU has them). int8 weights with one scale per output
+        """int8 inference on CPU: every linear layer (the vocabulary projection and the hybrid's GRU/LSTM gate
+        projections included) becomes torch's dynamic int8 linear (``torch.ao.quantization.quantize_dynamic``), its
+        weights packed for ``engine``, whatever ``torch.backends.quantized.engine`` says: "fbgemm" (default; the faster
+        of the two on the CPUs measured, see benchmarks/README.md, section "Decoding speed") or "onednn" (the same
+        quantisation, other kernels: VNNI / AMX where the CPU has them). int8 weights with one scale per output
         channel (symmetric, w ~ s_j * round(w / s_j), s_j = max|w_j| / 127.5), activations quantised at every call to
         7-bit unsigned integers with one scale and zero point for the whole input tensor (its min and max), int32
         accumulation, fp32 output. Because the activation scale is shared by the rows of a call, an int8 output

@@ -16,8 +16,8 @@ class _SmoothedCrossEntropy(torch.autograd.Function):
     d loss_i / d x_i = softmax(x_i) - eps / V - (1 - eps) onehot(y_i)
 
     Two passes over the [N, V] logits (forward: logsumexp + sum; backward: one fused softmax-gradient write) instead
-    of the five or so of log_softmax + nll + smoothing + their backward, and no fp32 copy of bf16 logits: 1.8x faster
-    than F.cross_entropy in fp32 and 4x with bf16 logits (vocab 8000, 3840 tokens, 2 CPU threads)."""
+    of the five or so of log_softmax + nll + smoothing + their backward, and no fp32 copy of bf16 logits: less memory
+    traffic than F.cross_entropy, the more so with bf16 logits."""
 
     @staticmethod
     def forward(ctx, logits, labels, eps, chunk):

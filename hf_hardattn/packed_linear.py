@@ -1,16 +1,10 @@
 """Faster CPU decoding: ``nn.Linear`` layers that multiply small inputs with a oneDNN-prepacked copy of their weight.
 
 Decoding multiplies each weight matrix by a few rows per step (batch x beams). On some CPUs MKL's fp32 GEMM, which
-``F.linear`` uses, is slow for such inputs. On a 2-core AMD EPYC (AVX2) it takes 2-4x longer for 4 rows than for 1.
-oneDNN's kernel on a weight reordered once for it (what inductor uses for frozen CPU graphs) is faster there for
-a few rows. Per layer call (``benchmarks/linear_kernels.py``):
-* 1 row: 1.55x for the vocabulary projection, but 0.6-0.9x for the smaller matrices;
-* 4 rows: 1.2-3.0x;
-* 32 rows: 1.0-1.4x;
-* 128 rows: about even (0.93-1.06x);
-* 768 rows: slower (0.84-0.93x).
-
-Hence the default ``max_rows`` of 128. See benchmarks/README.md.
+``F.linear`` uses, is slow for such inputs, and a few rows can cost several times one row. oneDNN's kernel on a
+weight reordered once for it (what inductor uses for frozen CPU graphs) is faster there for a few rows, about even
+near a hundred rows and slower for many. Hence the default ``max_rows`` of 128; ``benchmarks/linear_kernels.py``
+times both kernels per row count, and benchmarks/README.md (section "Decoding speed") gives the end-to-end figures.
 
 :func:`pack_linears` keeps every parameter as it is (state dict, saving, tied weights and training are unchanged).
 Each linear layer gets a packed copy of its weight, used only when all of these hold:
@@ -118,12 +112,12 @@ class Int8Linear(torch.ao.nn.quantized.dynamic.Linear):
     """torch's dynamic int8 linear layer (what ``quantize_int8()`` makes of each ``nn.Linear``) with the shortest
     call path: the same kernel with the same arguments as torch's module (``quantized::linear_dynamic`` on the
     packed int8 weight, ``reduce_range=True``), without the per-call checks of a layer that may hold fp16 weights
-    or an old serialization version. Decoding calls ~40 linear layers per step, so at batch 1 those checks cost
-    about a tenth of the step (2-core AMD EPYC, AVX2, greedy, Transformer-base: 239 -> 214 ms for 30 tokens; the
-    outputs are bit for bit the same), and it calls the operator's C++ entry (``OpOverload._op``) directly, without
-    the Python check for traced script objects that an operator taking packed weights runs at every call (~6 us, 3%
-    of that greedy step; torch.compile cannot trace the packed weights either way, as with torch's own layer). Made
-    by class swap in ``quantize_int8``, so state dict and repr are torch's."""
+    or an old serialization version. Decoding calls dozens of linear layers per step, so at batch 1 those checks are
+    a visible part of the step (see benchmarks/README.md, section "Decoding speed"; the outputs are bit for bit the
+    same), and it calls the operator's C++ entry (``OpOverload._op``) directly, without the Python check for traced
+    script objects that an operator taking packed weights runs at every call (torch.compile cannot trace the packed
+    weights either way, as with torch's own layer). Made by class swap in ``quantize_int8``, so state dict and repr
+    are torch's."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = _LINEAR_DYNAMIC(x, self._packed_params._packed_params, True)
