@@ -37,9 +37,12 @@ BASELINE_ROWS = {"beam_joint_rnn": ("hybrid_additive", "rnn_luong_soft")}  # sof
 NUMBERS = "no one two three four five six seven eight nine ten".split()
 
 
+MAIN = {"multi30k": "multi30k_bf16_35min_intel_amx", "nouns": "nouns_fp32_3min_intel_amx"}  # the equal-time tables
+
+
 def rows_of(run, task):
-    """The rows of ``benchmarks/results/RUN/reproduce_TASK_cpu.json`` (RUN "" for the main tables)."""
-    with open(os.path.join(RESULTS, run, f"reproduce_{task}_cpu.json")) as handle:
+    """The rows of ``benchmarks/results/RUN/reproduce_TASK_cpu.json`` (RUN "" for the task's main table, ``MAIN``)."""
+    with open(os.path.join(RESULTS, run or MAIN[task], f"reproduce_{task}_cpu.json")) as handle:
         return json.load(handle)["rows"]
 
 
@@ -76,11 +79,11 @@ def hard_retrieval_note():
     cross, cross_mean, cross_se, _ = seeds_versus(runs, "multi30k", "hard_cross")
     both, both_mean, both_se, both_se_unpaired = seeds_versus(runs, "multi30k", "hard_self_cross")
     per_seed = lambda diffs: " / ".join(f"{d:+.2f}" for d in diffs)  # noqa: E731
-    fp32, fp32_seed1 = "multi30k_fp32_1500_steps", "multi30k_fp32_1500_steps_seed1"
+    fp32, fp32_seed1 = "multi30k_fp32_1500_steps_epyc", "multi30k_fp32_1500_steps_epyc_avx512_seed1"
     h200 = "multi30k_fp32_1500_steps_h200"
     nouns = [score("", "nouns", row) for row in ("hard_cross", "hard_self_cross")]
     decoded_hard = [score(run, "multi30k", "soft_decoded_hard") - score(run, "multi30k", "soft")
-                    for run in ("", "multi30k_fp32_1500_steps_issue42", "multi30k_fp32_1500_steps_rerun_epyc_avx512")]
+                    for run in ("", "multi30k_fp32_1500_steps_kd_eq1_epyc_avx512", "multi30k_fp32_1500_steps_epyc_avx512")]
     return (
         "**Against the paper** (hard decoder attention within 0.5 BLEU of soft): at 3267 bf16 steps (AMD EPYC with "
         f"AVX512, seeds 0-3) it holds **on the means only**: cross {cross_mean:+.2f} (per seed {per_seed(cross)}, "
@@ -99,10 +102,10 @@ def notes():
     """What a reader must know about a model type's rows, next to them (results that go against the paper
     included). A figure read from one reproduction table comes from its JSON; the speed ratios summarise several
     speed files (benchmarks/README.md) and are written out."""
-    fp32, fp32_seed1 = "multi30k_fp32_1500_steps", "multi30k_fp32_1500_steps_seed1"
+    fp32, fp32_seed1 = "multi30k_fp32_1500_steps_epyc", "multi30k_fp32_1500_steps_epyc_avx512_seed1"
     h200, h200_seed1 = "multi30k_fp32_1500_steps_h200", "multi30k_fp32_1500_steps_h200_seed1"
-    issue42 = "multi30k_fp32_1500_steps_issue42"
-    rnn_nouns, kd_nouns = "nouns_beam_joint_rnn_issue42", "nouns_kd_eq1_issue42"
+    eq1_run = "multi30k_fp32_1500_steps_kd_eq1_epyc_avx512"
+    rnn_nouns, kd_nouns = "nouns_fp32_1774_steps_beam_joint_rnn_epyc_avx512", "nouns_fp32_2000_steps_kd_eq1_epyc_avx512"
     soft_nouns = score("", "nouns", "soft")
     recurrent = [float(versus(fp32, "multi30k", row)) for row, r in rows_of(fp32, "multi30k").items()
                  if r["model_type"] == "recurrent_transformer"]
@@ -118,10 +121,10 @@ def notes():
             "translation, lambda 1). **Against the paper:** on Multi30k at 1500 fp32 steps (the Eq. 1 row on an "
             "H200, the others on AMD EPYC CPUs; one seed each) Eq. 1 lifts the additive hybrid from "
             f"{score(fp32, 'multi30k', 'hybrid_additive'):.2f} to "
-            f"{score(issue42, 'multi30k', 'hybrid_additive_kd_eq1'):.2f} BLEU (sequence-level KD only: "
+            f"{score(eq1_run, 'multi30k', 'hybrid_additive_kd_eq1'):.2f} BLEU (sequence-level KD only: "
             f"{score(fp32, 'multi30k', 'hybrid_additive_kd'):.2f}) but stays "
-            f"{-float(versus(issue42, 'multi30k', 'hybrid_additive_kd_eq1')):.1f} BLEU below its "
-            f"{score(issue42, 'multi30k', 'soft'):.2f} soft teacher, where the paper's KD hybrids end within 0.5 BLEU "
+            f"{-float(versus(eq1_run, 'multi30k', 'hybrid_additive_kd_eq1')):.1f} BLEU below its "
+            f"{score(eq1_run, 'multi30k', 'soft'):.2f} soft teacher, where the paper's KD hybrids end within 0.5 BLEU "
             "of theirs (a first Eq. 1 run, 26.62, had a broken schedule: both stages inside the warm-up); on German "
             "nouns KD *lowers* every hybrid (3 minutes, Intel CPU: "
             + ", ".join(f"{name} {score('', 'nouns', row):.2f} -> {score('', 'nouns', row + '_kd'):.2f}"
@@ -158,12 +161,12 @@ def notes():
             f"{rows_of(rnn_nouns, 'nouns')['rnn_luong_soft']['steps']}: not equal steps; one "
             "seed). The `*_bahdanau` rows are the earlier setting (the hybrid's GRU; not the paper's decoder): their "
             "large gains over `hybrid_additive` come mostly from that soft GRU's weakness. Training (K=6, fp32) is "
-            "2.57-3.98x the step of the same GRU decoder with soft attention (2.57x in `beam_joint_speed.json`, "
+            "2.57-3.98x the step of the same GRU decoder with soft attention (2.57x in `beam_joint_speed_intel_amx.json`, "
             "3.31-3.98x in `train_speed*.json`; three CPUs) and 2.62-2.95x the soft Transformer's, not the paper's "
             "20-30% (K vocabulary projections)."),
         "beam_joint_transformer": (
             "**Against the paper** (this setting is the paper's future work): above soft at equal steps (Multi30k, "
-            f"1500 steps: {versus('multi30k_1500_steps', 'multi30k', 'beam_joint_k6')} BLEU at label smoothing 0.1, "
+            f"1500 steps: {versus('multi30k_bf16_1500_steps_intel_amx', 'multi30k', 'beam_joint_k6')} BLEU at label smoothing 0.1, "
             f"bf16 on the Intel CPU, one seed; {versus(h200, 'multi30k', 'beam_joint_k6')} / "
             f"{versus(h200_seed1, 'multi30k', 'beam_joint_k6')} on two seeds at label smoothing 0, fp32 on an H200), "
             f"but **not at equal time** (3x soft's training step: {score('', 'multi30k', 'beam_joint_k6'):.2f} BLEU "
@@ -172,7 +175,7 @@ def notes():
             f"{rows_of('', 'nouns')['soft']['steps']}). Decoded with K=1 (Table 2: still above soft): **no**, level "
             f"with soft on Multi30k ({versus(h200, 'multi30k', 'beam_joint_k6_decoded_k1')} / "
             f"{versus(h200_seed1, 'multi30k', 'beam_joint_k6_decoded_k1')}; "
-            f"{versus('multi30k_1500_steps', 'multi30k', 'beam_joint_k6_decoded_k1')} at label smoothing 0.1) and "
+            f"{versus('multi30k_bf16_1500_steps_intel_amx', 'multi30k', 'beam_joint_k6_decoded_k1')} at label smoothing 0.1) and "
             f"far below it on nouns ({score('', 'nouns', 'beam_joint_k6_decoded_k1'):.2f}% vs {soft_nouns:.2f}%). "
             "Training (K=6, fp32) is 3.03-3.90x soft's step on three CPUs, not the paper's 20-30%."),
         "recurrent_transformer": (
@@ -180,7 +183,7 @@ def notes():
             f"({min(recurrent):+.2f} to {max(recurrent):+.2f} BLEU over {NUMBERS[len(recurrent)]} variants at 1500 "
             "fp32 steps on AMD EPYC CPUs, one seed each, all inside soft's seed noise), **not on German nouns**, where "
             "four of six variants are 3.7-14 points below soft in the same 3 minutes (the slower variants made fewer "
-            "steps). Training is 0.99-1.26x soft's step (Intel CPU, fp32, `recurrent_speed.json`), far from the "
+            "steps). Training is 0.99-1.26x soft's step (Intel CPU, fp32, `recurrent_speed_intel_amx.json`), far from the "
             "paper's 5.4-7.9x (only the recurrent "
             "attention step runs position by position here)."),
         "hard_retrieval_transformer": hard_retrieval_note(),
@@ -285,9 +288,9 @@ def init_of(row):
 
 def reproduction_tables(model_type):
     parts = []
-    # the main tables, then runs of the same script kept in sub-folders (e.g. multi30k_1500_steps: equal steps)
-    paths = sorted(glob.glob(os.path.join(RESULTS, "reproduce_*_*.json")))
-    paths += sorted(glob.glob(os.path.join(RESULTS, "*", "reproduce_*_*.json")))
+    # the main tables, then the other runs of the same script (e.g. multi30k_bf16_1500_steps_intel_amx: equal steps)
+    main = [os.path.join(RESULTS, run, f"reproduce_{task}_cpu.json") for task, run in MAIN.items()]
+    paths = main + [path for path in sorted(glob.glob(os.path.join(RESULTS, "*", "reproduce_*_*.json"))) if path not in main]
     for path in paths:
         with open(path) as handle:
             payload = json.load(handle)
@@ -325,7 +328,7 @@ PICTURE_SOURCE = "Haus <n> <dat> <pl>"
 UNTRACED = ("1000 steps, fp32, on the AMD EPYC with AVX512, per the record; this model has no results file, so its "
             "steps and seed are untraced: benchmarks/results/ORIGINS.md")
 CAPTIONS = {  # model type -> (the row drawn, its results run or UNTRACED, what to see)
-    "soft_transformer": ("soft", "nouns_kd_eq1_issue42",
+    "soft_transformer": ("soft", "nouns_fp32_2000_steps_kd_eq1_epyc_avx512",
                          "Cross-attention of the soft baseline: each head spreads its weight."),
     "hard_retrieval_transformer": ("hard_self_cross", UNTRACED,
                                    "Cross-attention with hard retrieval: every head reads exactly one source character "
@@ -336,7 +339,7 @@ CAPTIONS = {  # model type -> (the row drawn, its results run or UNTRACED, what 
     "recurrent_transformer": ("recurrent_coverage", UNTRACED,
                               "Cross-attention with the coverage variant: a source position already attended to is "
                               "penalised at later steps."),
-    "hybrid_transformer": ("hybrid_dot", "nouns_kd_eq1_issue42",
+    "hybrid_transformer": ("hybrid_dot", "nouns_fp32_2000_steps_kd_eq1_epyc_avx512",
                            "The GRU decoder's dot attention over the source, one layer, per step."),
     "beam_joint_rnn": ("beam_joint_rnn_k6", UNTRACED,
                        "The Luong LSTM decoder's attention P_t(a); the red boxes are the top-K source positions whose "

@@ -1,0 +1,105 @@
+"""The tree speaks of the project: no tracked file names a folder of one machine or a run label ("stop 58"); every
+current result under benchmarks/results/ is linked from the benchmarks README (or docs/results.md), every results
+link in the docs points at a file that exists, and the run scripts take their folders as arguments or from the
+environment."""
+
+import glob
+import os
+import re
+import subprocess
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "benchmarks", "results")
+
+# a folder of one machine (a checkout or an output folder under /work, /root or /home) or a run label
+MACHINE_PATH = re.compile(r"(?<![\w.])/(?:work|root|home)/\w")
+RUN_LABEL = re.compile(r"\bstop \d+\b", re.IGNORECASE)
+# a path in a docs link: results/NAME or history/NAME, up to the first character a file name here does not use
+RESULT_LINK = re.compile(r"(?:benchmarks/)?(?:results|history)/[\w./*{},-]*")
+# an absolute path in a shell script, apart from the system's own files
+ABSOLUTE = re.compile(r"(?<![\w.$})/-])/(?!dev/null\b|proc/|usr/bin/env\b)\w[\w.-]*")
+
+
+def tracked_text_files():
+    names = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    for name in names.decode().split("\0"):
+        path = os.path.join(ROOT, name)
+        if not name or not os.path.isfile(path):
+            continue
+        with open(path, "rb") as handle:
+            data = handle.read()
+        if b"\0" in data:  # binary
+            continue
+        yield name, data.decode("utf-8", errors="replace")
+
+
+def offending_lines(pattern, items):
+    return [f"{name}:{number}: {line.strip()[:120]}" for name, text in items
+            for number, line in enumerate(text.splitlines(), 1) if pattern.search(line)]
+
+
+def test_the_patterns_catch_what_they_are_for():
+    assert MACHINE_PATH.search("cd /work/main && python x.py") and MACHINE_PATH.search("--output-dir /root/runs")
+    assert not MACHINE_PATH.search("benchmarks/work/x and https://example.org/home/page")
+    assert RUN_LABEL.search("(stop 62, 2026-11-27)") and not RUN_LABEL.search("stops soft learning; the stop token")
+    assert ABSOLUTE.search("cp -r x /tmp/site") and ABSOLUTE.search("cd /opt/code")
+    assert not ABSOLUTE.search("cp $d/x $OUT/y 2>/dev/null; grep x /proc/cpuinfo; cd ../../..; a=${RUNS}/z")
+
+
+def test_no_tracked_file_names_a_machine_path_or_a_run_label():
+    files = list(tracked_text_files())
+    assert len(files) > 100  # the walk saw the tree
+    found = offending_lines(MACHINE_PATH, files) + offending_lines(RUN_LABEL, files)
+    assert not found, "lines naming a machine's folder or a run label:\n" + "\n".join(found)
+
+
+def current_results():
+    return sorted(name for name in os.listdir(RESULTS) if name != "ORIGINS.md")
+
+
+def test_every_current_result_is_linked_from_the_benchmarks_readme():
+    text = ""
+    for doc in ("benchmarks/README.md", "docs/results.md"):
+        with open(os.path.join(ROOT, doc)) as handle:
+            text += handle.read()
+    linked = set(re.findall(r"\]\((?:\.\./benchmarks/)?results/([^)/]+)/?\)", text))
+    missing = [name for name in current_results() if name not in linked]
+    assert current_results() and not missing, f"benchmarks/results/ entries with no link: {missing}"
+
+
+def link_exists(path):
+    """Whether a docs path names something in the tree: a file or folder, a glob (``*``, ``{a,b}``) or a stem the
+    script completes (``--results benchmarks/results/NAME`` writes NAME.json). Upper-case words are placeholders."""
+    full = os.path.join(ROOT, path if path.startswith("benchmarks/") else os.path.join("benchmarks", path))
+    if re.search(r"[A-Z]{3,}|seedS\b", path):  # FOLDER, FILE, seedS: the command's placeholders
+        return True
+    pattern = re.sub(r"\{[^}]*\}", "*", full)
+    return os.path.exists(full) or bool(glob.glob(pattern)) or bool(glob.glob(full + ".*"))
+
+
+DOCS = ["README.md", "benchmarks/README.md", "benchmarks/results/ORIGINS.md", *sorted(
+    os.path.relpath(path, ROOT) for path in glob.glob(os.path.join(ROOT, "docs", "*.md"))
+    + glob.glob(os.path.join(ROOT, "model_cards", "*.md")))]
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_every_results_link_points_to_a_file(doc):
+    with open(os.path.join(ROOT, doc)) as handle:
+        text = handle.read()
+    paths = {match.group(0).rstrip(".,") for match in RESULT_LINK.finditer(text)}
+    broken = sorted(path for path in paths if not link_exists(path))
+    assert not broken, f"{doc} names results that do not exist: {broken}"
+
+
+def test_the_run_scripts_take_their_folders_from_arguments_or_the_environment():
+    scripts = glob.glob(os.path.join(ROOT, "benchmarks", "**", "*.sh"), recursive=True)
+    assert len(scripts) >= 10
+    items = []
+    for path in scripts:
+        with open(path) as handle:
+            code = "\n".join(line.split("#", 1)[0] if not line.startswith("#!") else "" for line in handle)
+        items.append((os.path.relpath(path, ROOT), code))
+    found = offending_lines(ABSOLUTE, items)
+    assert not found, "absolute paths in run scripts:\n" + "\n".join(found)
