@@ -38,7 +38,7 @@ Two settings:
   head-averaged attention distribution; per selected position every head attends only to it, and the rest of that
   layer (output projection, residual, norms, FFN), any later layers and the vocabulary projection run per candidate.
 * :class:`BeamJointRNNForConditionalGeneration` (the paper's own setting, Sec. 2.1): an attentional RNN decoder
-  (``hybrid.py``) over the Transformer encoder. Default ``rnn_decoder_style="luong"`` with ``rnn_cell="lstm"`` and
+  (``hybrid.py``; the paper's Luong step with input feeding in ``luong_decoder.py``) over the Transformer encoder. Default ``rnn_decoder_style="luong"`` with ``rnn_cell="lstm"`` and
   ``rnn_attention="dot"`` (the authors' code: tensorflow/nmt, LSTM decoder, scaled Luong attention, input feeding):
   P_t(a) is queried with the CURRENT state s_t (after reading y_{t-1}); candidate a's output-layer input is
   h~_{t,a} = tanh(W_c [s_t; x_a] + b_c), built from s_t and the single encoder state x_a only (pure hard attention);
@@ -76,32 +76,6 @@ class JointCandidates(NamedTuple):
 
     hidden: torch.Tensor
     log_weights: torch.Tensor
-
-
-JOINT_DOC = """
-        label_smoothing: default 0.0 for the beam-joint types (:class:`HardAttnConfig`: 0.1): the paper trains the
-            mixture with plain likelihood.
-        joint_k: K of the attention beam (Eq. 5) during training (default 6, the paper's default).
-        joint_inference_k: K in eval mode (generation); None = ``joint_k``. The paper's Table 2 trains with K=6
-            and decodes with K=1.
-        full_joint: mix over every source position (Eq. 4) instead of the top K; for small vocabularies and short
-            sources such as character-level inflection.
-        full_joint_max_source_length: full-joint refuses (ValueError) batches whose padded source length exceeds
-            this, since its cost is source length x vocabulary per target token.
-        renormalize_joint: divide the top-K weights by their sum so that the mixture is a distribution (default
-            True; the paper never renormalises: its Eq. 5 is the plain top-K sum). Not at K=1 in training, where the
-            one renormalised weight would be exactly 1 and give the attention no gradient: a K=1 model trains with
-            the paper's weight P_t(a_1) (module docstring); in eval K=1 is renormalised (hard attention on the argmax).
-            With False, the log-probabilities of the un-renormalised Eq. 5 sum to sum_k P(a_k) <= 1 and the loss
-            trains that bound directly; generate() still works (beam search renormalises with log_softmax).
-        joint_chunk_size: candidate rows (tokens x K) whose vocabulary logits are materialised at once; bounds the
-            memory of the K x vocabulary logits: three buffers of joint_chunk_size x V values live from forward to
-            the end of backward (fp32 probabilities and scratch, logits in the GEMM's dtype: default 16384 rows,
-            ~1.3 GB at V=8000 under bf16 autocast) instead of ~3 x tokens x K x V; chunks beyond the last are
-            recomputed in backward (a batch of at most this many rows is never recomputed). The model keeps these
-            buffers between steps (page faults on fresh ones cost as much as the work):
-            ``model.release_joint_workspace()`` frees them.
-"""
 
 
 def check_joint_fields(config):
@@ -171,8 +145,8 @@ class JointOutputMixin:
                                workspace)
 
     def release_joint_workspace(self):
-        """Free the mixture's buffers kept between calls (``joint_chunk_size`` x V values, e.g. ~1.3 GB at the
-        default chunk size and V=8000 after bf16 training); the next call allocates them again."""
+        """Free the mixture's buffers kept between calls (three buffers of ``joint_chunk_size`` x V values); the next
+        call allocates them again."""
         if getattr(self, "_joint_workspace", None) is not None:
             self._joint_workspace.release()
 
@@ -195,7 +169,31 @@ class JointOutputMixin:
 # ----------------------------------------------------------------------------------------------------------------
 @dataclass(repr=False, kw_only=True)
 class JointFields:
-    """The joint-output fields both beam-joint configs declare (see JOINT_DOC), and their validation."""
+    """The joint-output fields both beam-joint configs declare, and their validation.
+
+    Args:
+        label_smoothing: default 0.0 for the beam-joint types (:class:`HardAttnConfig`: 0.1): the paper trains the
+            mixture with plain likelihood.
+        joint_k: K of the attention beam (Eq. 5) during training (default 6, the paper's default).
+        joint_inference_k: K in eval mode (generation); None = ``joint_k``. The paper's Table 2 trains with K=6
+            and decodes with K=1.
+        full_joint: mix over every source position (Eq. 4) instead of the top K; for small vocabularies and short
+            sources such as character-level inflection.
+        full_joint_max_source_length: full-joint refuses (ValueError) batches whose padded source length exceeds
+            this, since its cost is source length x vocabulary per target token.
+        renormalize_joint: divide the top-K weights by their sum so that the mixture is a distribution (default
+            True; the paper never renormalises: its Eq. 5 is the plain top-K sum). Not at K=1 in training, where the
+            one renormalised weight would be exactly 1 and give the attention no gradient: a K=1 model trains with
+            the paper's weight P_t(a_1) (module docstring); in eval K=1 is renormalised (hard attention on the argmax).
+            With False, the log-probabilities of the un-renormalised Eq. 5 sum to sum_k P(a_k) <= 1 and the loss
+            trains that bound directly; generate() still works (beam search renormalises with log_softmax).
+        joint_chunk_size: candidate rows (tokens x K) whose vocabulary logits are materialised at once; bounds the
+            memory of the K x vocabulary logits: three buffers of joint_chunk_size x V values live from forward to
+            the end of backward (fp32 probabilities and scratch, logits in the GEMM's dtype) instead of
+            ~3 x tokens x K x V; chunks beyond the last are recomputed in backward (a batch of at most this many rows
+            is never recomputed). The model keeps these buffers between steps (page faults on fresh ones cost as much
+            as the work): ``model.release_joint_workspace()`` frees them.
+    """
 
     joint_k: int = 6
     joint_inference_k: int | None = None
@@ -211,16 +209,14 @@ class JointFields:
 
 
 class BeamJointTransformerConfig(JointFields, HardAttnConfig):
-    __doc__ = (
-        """Transformer whose output is the beam-joint (Eq. 5) or full-joint (Eq. 4) attention-output mixture taken
-    in one decoder cross-attention layer.
+    """Transformer whose output is the beam-joint (Eq. 5) or full-joint (Eq. 4) attention-output mixture taken in one
+    decoder cross-attention layer.
 
-    Args (besides :class:`HardAttnConfig`'s):
+    Args (besides :class:`HardAttnConfig`'s and the joint fields of :class:`JointFields`):
         joint_layer: the decoder layer whose cross-attention defines P_t(a) (head-averaged) and is made hard per
             candidate; -1 (default) = the last layer; negative values count from the end. Its cross-attention kind
-            must be "soft"; decoder self-attention of the layers after it must be "soft" or "none"."""
-        + JOINT_DOC
-    )
+            must be "soft"; decoder self-attention of the layers after it must be "soft" or "none".
+    """
 
     model_type = "beam_joint_transformer"
     joint_layer: int = -1
@@ -326,11 +322,10 @@ class BeamJointTransformerForConditionalGeneration(JointOutputMixin, HardAttnFor
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Setting 1: the paper's RNN decoder (hybrid.py's RNN decoder, Luong-style with input feeding by default)
+# Setting 1: the paper's RNN decoder (hybrid.py's RNN decoder with luong_decoder.py's step by default)
 # ----------------------------------------------------------------------------------------------------------------
 class BeamJointRNNConfig(JointFields, HybridConfig):
-    __doc__ = (
-        """Transformer encoder + attentional RNN decoder (:class:`HybridConfig`) whose output is the beam-joint (Eq. 5)
+    """Transformer encoder + attentional RNN decoder (:class:`HybridConfig`) whose output is the beam-joint (Eq. 5)
     or full-joint (Eq. 4) mixture over the RNN attention's distribution P_t(a) (head-averaged for ``rnn_attention=
     "multihead"``).
 
@@ -346,9 +341,8 @@ class BeamJointRNNConfig(JointFields, HybridConfig):
     the behaviour it was trained with: ``"bahdanau"`` / ``"gru"`` (see :meth:`from_dict`); ``rnn_attention`` and
     ``label_smoothing`` were always saved.
 
-    Args (besides :class:`HybridConfig`'s):"""
-        + JOINT_DOC
-    )
+    The joint fields are :class:`JointFields`'s.
+    """
 
     model_type = "beam_joint_rnn"
     rnn_decoder_style: str = "luong"

@@ -1,6 +1,5 @@
 """Hybrid of a self-attention encoder and an RNN decoder (Wang, Wu & Liu, "Accelerating Transformer Decoding via a
-Hybrid of Self-attention and Recurrent Neural Network", Sec. 2.1), and the attentional RNN decoder of the beam-joint
-paper (Shankar, Garg & Sarawagi 2018, Sec. 2.1; Luong et al. 2015 with input feeding).
+Hybrid of Self-attention and Recurrent Neural Network", Sec. 2.1), and its distillation objective (Sec. 2.2, Eq. 1).
 
 The encoder is the skeleton's Transformer encoder (N layers). The decoder is an RNN (``rnn_cell``: ``"gru"``, Cho et
 al. 2014, or ``"lstm"``; ``decoder_layers`` stacked layers, layer l>0 reading layer l-1's output) with an attention
@@ -14,27 +13,17 @@ previous state, and its soft context enters the cell and the readout:
     o_t      = readout(s_t, c_t) = tanh(W_o [s_t; c_t] + b_o)           [.., d_model]
     P(y_t)   = softmax(lm_head(o_t))                                    lm_head tied to the shared embedding
 
-``"luong"`` (the beam-joint paper's setting, Luong et al. 2015 Sec. 3.1 + 3.3 "input feeding"; the authors' code is
-tensorflow/nmt's AttentionWrapper): the cell reads the previous word and the previous attentional state, and the
-attention is queried with the CURRENT state, so P_t(a) (beam-joint Eq. 1) sees y_{t-1}:
-
-    s_t      = RNN([E y_{t-1}; h~_{t-1}], s_{t-1})                      h~_0 = 0
-    c_t, a_t = attention(query = s_t, source = h_1..h_S)
-    h~_t     = tanh(W_c [s_t; c_t] + b_c)                               (Luong Eq. 5; the same ``readout_proj``)
-    P(y_t)   = softmax(lm_head(h~_t))
-
-    Beam-joint's candidate for source position a (``beam_joint.py``) is then pure hard attention: h~_{t,a} =
-    tanh(W_c [s_t; x_a] + b_c), where s_t has seen y_{<t} and the fed soft h~_{<t}, but no soft context of step t.
+``"luong"``: the beam-joint paper's decoder (Luong et al. 2015 with input feeding: the cell reads the previous
+attentional state h~_{t-1}, the attention is queried with the current state s_t, h~_t = tanh(W_c [s_t; c_t] + b_c)
+feeds the output layer), its step in ``luong_decoder.py``.
 
 Both styles: s_0 = tanh(W_init mean_j h_j) (masked mean over source positions; an LSTM's memory cell starts at 0).
 The paper's encoder is a bidirectional LSTM whose final state starts the decoder; a Transformer encoder has no final
 state, hence the mean.
 
-``rnn_cell``: the beam-joint paper's decoder is an LSTM (Sec. 4.1: 2 layers of 512, tensorflow/nmt ``unit_type
-lstm``); the hybrid paper's is a GRU. Both are here so that each paper's setting can be built; the cell does not change
-Eq. 4-5. GRU: torch.nn.GRUCell's gates [r, z, n]; LSTM: torch.nn.LSTMCell's gates [i, f, g, o], its state kept as
-one tensor [h; c] per layer (so the cache, beam reordering and checkpointing treat both cells alike), the forget
-gate's bias initialised to 1 (tensorflow/nmt's ``forget_bias=1.0``).
+``rnn_cell``: ``"gru"``, the hybrid paper's (torch.nn.GRUCell's gates [r, z, n]), or ``"lstm"``, the beam-joint
+paper's (``luong_decoder.lstm_update``; its state one tensor [h; c] per layer, so that the cache, beam reordering and
+checkpointing treat both cells alike; the forget gate's bias initialised to 1).
 
 Three attention functions (``HybridConfig.rnn_attention``, hybrid paper Sec. 2.1 "Attention mechanism"); q is
 s_{t-1} (bahdanau) or s_t (luong), the top layer's output:
@@ -99,6 +88,7 @@ from .configuration_hardattn import HardAttnConfig
 from .caches import HardAttnCache
 from .inputs import is_tracing
 from .layers import DecoderResult, check_memory_rows
+from .luong_decoder import LUONG_STATE_NAMES, InputFeedingStep, lstm_update
 from .modeling_hardattn import HardAttnForConditionalGeneration, HardAttnModel, HardAttnPreTrainedModel
 
 RNN_ATTENTIONS = ("additive", "dot", "multihead")
@@ -128,8 +118,7 @@ class HybridConfig(HardAttnConfig):
             beam-joint paper's decoder). See the module docstring.
         rnn_cell: ``"gru"`` (default; the hybrid paper's) or ``"lstm"`` (the beam-joint paper's).
         embed_init_std: default None here (embeddings N(0, d_model^-1/2) under Xavier linears), not the Transformer
-            decoders' 0.02: with 0.02 the LSTM decoders lost 8 to 11 BLEU on Multi30k and hybrid_dot scored 0.00 and
-            65.35 on the nouns task against 88.50 and 87.45 (two seeds, issue #53).
+            decoders' 0.02, which trained the RNN decoders far worse (docs/results.md, initialisation).
         decoder_attention / cross_attention: must stay ``"none"`` (there are no Transformer decoder layers).
     """
 
@@ -144,7 +133,7 @@ class HybridConfig(HardAttnConfig):
     additive_attention_size: int | None = None
     rnn_decoder_style: str = "bahdanau"
     rnn_cell: str = "gru"
-    embed_init_std: float | None = None  # the RNN decoders keep N(0, d^-1/2) embeddings (0.02 measured far worse, #53)
+    embed_init_std: float | None = None  # the RNN decoders keep N(0, d^-1/2) embeddings (see the docstring)
 
     def __post_init__(self, **kwargs):
         if self.rnn_hidden_size is None and isinstance(self.d_model, int) and not isinstance(self.d_model, bool):
@@ -285,16 +274,6 @@ def gru_update(gx, gh, state):
     return torch.lerp(n, state, z)  # n + z * (s - n)
 
 
-def lstm_update(gx, gh, state):
-    """LSTM (Hochreiter & Schmidhuber, 1997; torch.nn.LSTMCell's gate layout [i, f, g, o]) on the state [h; c]:
-    i, f, o = sig(x + h) of their rows, g = tanh(x_g + h_g), c' = f * c + i * g, h' = o * tanh(c') -> [h'; c']."""
-    size = state.shape[-1] // 2
-    gates = gx + gh
-    i, f, g, o = gates.chunk(4, dim=-1)
-    cell = torch.sigmoid(f) * state[..., size:] + torch.sigmoid(i) * torch.tanh(g)
-    return torch.cat([torch.sigmoid(o) * torch.tanh(cell), cell], dim=-1)
-
-
 CELLS = {"gru": (3, gru_update), "lstm": (4, lstm_update)}  # rnn_cell -> (gates, update)
 
 
@@ -324,7 +303,7 @@ class HybridDecoderOutput(ModelOutput):
     hidden_states: tuple | None = None
 
 
-class HybridDecoder(nn.Module):
+class HybridDecoder(InputFeedingStep, nn.Module):
     reads_memory_grouped = True  # every attention function reads a grouped memory (see AdditiveAttention.attend)
     gradient_checkpointing = False  # set by model.gradient_checkpointing_enable(): see checkpointed_step
 
@@ -356,8 +335,7 @@ class HybridDecoder(nn.Module):
         self.init_proj = nn.Linear(d, layers * hidden)  # s_0 = tanh(W_init mean_j h_j)
         self.readout_proj = nn.Linear(hidden + self.context_size, d)  # W_o (bahdanau) / W_c (luong)
         # cache.states names, in the order of the state list that `step` takes and returns
-        self.state_names = [f"{self.cell}.{l}" for l in range(layers)] + (["luong.feed", "luong.gates"]
-                                                                          if self.luong else [])
+        self.state_names = [f"{self.cell}.{l}" for l in range(layers)] + (LUONG_STATE_NAMES if self.luong else [])
 
     # -- pieces -----------------------------------------------------------------------------------------------
     def readout(self, state, context):
@@ -386,8 +364,7 @@ class HybridDecoder(nn.Module):
         if self.cell == "lstm":
             states = [torch.cat([s, torch.zeros_like(s)], dim=-1) for s in states]
         if self.luong:
-            gates = self.hidden_projs[-1](self.output(states[-1]))[:, : self.gates * self.hidden_size]
-            states += [mean.new_zeros(mean.shape[0], self.context_size), gates]
+            states += self.input_feeding_states(states, mean)
         return states
 
     def source(self, encoder_hidden_states, cache=None):
@@ -438,20 +415,6 @@ class HybridDecoder(nn.Module):
         context, probs = self.attention.attend(query, keys, values, mask)
         x = word_input + self.context_proj(context)
         return self.layer_updates(x, fused[:, :gate_rows], states), context, probs
-
-    def luong_step(self, word_input, states, keys, values, mask=None):
-        """s_t = RNN([E y_{t-1}; h~_{t-1}], s_{t-1}) (input feeding); c_t, a_t = attention(s_t) (beam-joint Eq. 1 with
-        the current state); h~_t = tanh(W_c [s_t; c_t] + b_c)."""
-        layers, feed, top_gh = states[: self.num_layers], states[-2], states[-1]
-        gate_rows = self.gates * self.hidden_size
-        x = word_input + self.context_proj(F.dropout(feed, self.config.dropout, self.training))
-        new_layers = self.layer_updates(x, top_gh, layers)
-        current = self.output(new_layers[-1])  # s_t
-        fused = self.hidden_projs[-1](current)  # weight combination: the query of step t, the gates of step t + 1
-        query = fused[:, gate_rows:] if self.attention.query_size else current
-        context, probs = self.attention.attend(query, keys, values, mask)
-        attentional = self.readout(current, context)  # h~_t: the output layer's input, fed to step t + 1
-        return [*new_layers, attentional, fused[:, :gate_rows]], context, probs
 
     def checkpointed_step(self, word_input, states, keys, values, mask=None):
         """:meth:`step` under gradient checkpointing (``model.gradient_checkpointing_enable()``, training): a target
@@ -512,6 +475,70 @@ class HybridDecoder(nn.Module):
             hidden_states = (embeddings, *layers, readout)
         return HybridDecoderOutput(readout=readout, states=tops, contexts=contexts,
                                    attentions=torch.stack(attentions, 2), hidden_states=hidden_states)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Eq. 1: the distillation objective of the second training stage (Sec. 2.2), with the teacher fixed:
+#   L(theta_s) = sum_n log P(y^(n) | x^(n); theta_s) - lambda sum_n KL(P(y | x^(n); theta_t) || P(y | x^(n); theta_s))
+# minimised as -L; its KL over whole sequences approximated per word (kd_loss) or per sequence (sequence_kd_loss).
+# The training pipeline that runs it is hf_hardattn.tools.distill.
+# ----------------------------------------------------------------------------------------------------------------
+def _wide(logits):
+    """fp32 for half-precision logits (bf16 autocast), float64 kept."""
+    return logits if logits.dtype == torch.float64 else logits.float()
+
+
+def _token_nll(logits, labels):
+    """-log P(y_t) per position (0 where labels == -100)."""
+    log_probs = torch.log_softmax(_wide(logits), dim=-1)
+    nll = -log_probs.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return torch.where(labels != -100, nll, 0.0)
+
+
+def kd_loss(student_logits, teacher_logits, labels, kd_lambda: float = 1.0, num_items_in_batch=None,
+            return_parts: bool = False):
+    """Eq. 1, negated, with a word-level approximation of its KL (``eq1_word`` on reference labels; also
+    ``sequence_word`` on the teacher's output, which is not Eq. 1): sum over target
+    tokens (labels != -100) of -log P_s(y_t) + kd_lambda * KL(P_t(. | y_<t, x) || P_s(. | y_<t, x)), divided by
+    ``num_items_in_batch`` (or the number of target tokens).
+
+    KL(P_t || P_s) = sum_v P_t(v) (log P_t(v) - log P_s(v)); terms with P_t(v) = 0 count 0. With ``return_parts``
+    also returns the (normalised) NLL and KL sums."""
+    if not kd_lambda >= 0:
+        raise ValueError(f"`kd_lambda` must be >= 0, got {kd_lambda!r}.")
+    if student_logits.shape != teacher_logits.shape:
+        raise ValueError(
+            f"student logits {tuple(student_logits.shape)} and teacher logits {tuple(teacher_logits.shape)} differ: "
+            "`teacher_model` must share the student's tokenizer/vocabulary (same vocabulary size)."
+        )
+    mask = labels != -100
+    log_student = torch.log_softmax(_wide(student_logits), dim=-1)
+    log_teacher = torch.log_softmax(_wide(teacher_logits).to(log_student.dtype), dim=-1)
+    nll = _token_nll(student_logits, labels)
+    p_teacher = log_teacher.exp()
+    kl = torch.where(p_teacher > 0, p_teacher * (log_teacher - log_student), 0.0).sum(-1)
+    denominator = mask.sum() if num_items_in_batch is None else num_items_in_batch
+    # an all-ignored batch (every label -100) gives 0, not 0 / 0 = NaN
+    denominator = denominator.clamp(min=1) if isinstance(denominator, torch.Tensor) else max(denominator, 1)
+    nll_sum, kl_sum = nll[mask].sum() / denominator, kl[mask].sum() / denominator
+    loss = nll_sum + kd_lambda * kl_sum
+    return (loss, nll_sum, kl_sum) if return_parts else loss
+
+
+def sequence_kd_loss(reference_logits, labels, teacher_output_logits, teacher_labels, kd_lambda: float = 1.0,
+                     num_items_in_batch=None, return_parts: bool = False):
+    """Eq. 1, negated, with the sequence-level approximation of its KL (``eq1_sequence``):
+    sum_n [-log P_s(y^(n) | x^(n)) + kd_lambda * -log P_s(y_hat^(n) | x^(n))] with y the reference (``labels``) and
+    y_hat the teacher's beam output (``teacher_labels``), both as token sums, divided by ``num_items_in_batch`` (or
+    the number of reference tokens), so that lambda weighs the two sentence-level sums as in Eq. 1. With
+    ``return_parts`` also returns the (normalised) reference NLL and the KD term (its NLL of y_hat)."""
+    if not kd_lambda >= 0:
+        raise ValueError(f"`kd_lambda` must be >= 0, got {kd_lambda!r}.")
+    denominator = (labels != -100).sum() if num_items_in_batch is None else num_items_in_batch
+    reference = _token_nll(reference_logits, labels).sum() / denominator
+    kd_term = _token_nll(teacher_output_logits, teacher_labels).sum() / denominator
+    loss = reference + kd_lambda * kd_term
+    return (loss, reference, kd_term) if return_parts else loss
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -621,5 +648,6 @@ __all__ = [
     "GRUHiddenProjection",
     "RNNHiddenProjection",
     "gru_update",
-    "lstm_update",
+    "kd_loss",
+    "sequence_kd_loss",
 ]

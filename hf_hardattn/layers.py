@@ -225,12 +225,11 @@ class SoftAttention(nn.Module):
     def attend(self, q, k, v, mask, causal):
         """Eq. 1 of Vaswani et al.: [B, H, Tq, head_dim], by torch's fused kernel (``attn_implementation="sdpa"``, the
         default) or written out (``"eager"``). Under CPU autocast (bf16 training on CPU) the fused kernel runs in fp32:
-        the CPU flash kernel's bf16 backward is several times slower than its fp32 one (measured: 21 ms vs 4 ms per
-        call at d 256, 128 x 30 tokens), and attention is a small share of the GEMM work bf16 speeds up. A batched
-        decoding step on CPU (no gradient, at most ``WRITTEN_OUT_QUERIES`` queries per row: one, or one per beam of a
-        grouped memory; at least ``WRITTEN_OUT_MIN_QUERIES`` in all) takes the written-out path too, where the fused
-        kernel costs more (AVX512 EPYC, 2 threads: 254 vs 200 us for [128, 8, 1, 15] keys, 413 vs 100 us for a grouped
-        memory's [32, 8, 4, 24]; but 9 vs 18 us for [1, 8, 1, 15])."""
+        the CPU flash kernel's bf16 backward is several times slower than its fp32 one, and attention is a small share
+        of the GEMM work bf16 speeds up. A batched decoding step on CPU (no gradient, at most ``WRITTEN_OUT_QUERIES``
+        queries per row: one, or one per beam of a grouped memory; at least ``WRITTEN_OUT_MIN_QUERIES`` in all) takes
+        the written-out path too, where the fused kernel's overhead outweighs its work (a single row's step is faster
+        fused, hence the lower bound on queries in all)."""
         queries, rows = q.shape[-2], q.shape[0]
         concrete = type(queries) is int and type(rows) is int  # (traced with symbolic shapes: one path for every shape)
         if self.eager or (concrete and queries <= WRITTEN_OUT_QUERIES and rows * queries >= WRITTEN_OUT_MIN_QUERIES

@@ -14,9 +14,9 @@ from transformers import DataCollatorForSeq2Seq, Seq2SeqTrainingArguments
 from common import EOS, collate, copy_task, fitted, tiny_kwargs, toy_tokenizer
 from hf_hardattn import (HybridConfig, HybridForConditionalGeneration, SoftTransformerConfig,
                          SoftTransformerForConditionalGeneration)
+from hf_hardattn.hybrid import kd_loss, sequence_kd_loss
 from hf_hardattn.tools import distill
-from hf_hardattn.tools.distill import (DistillationTrainer, kd_loss, sequence_kd_loss, tokenize_kd_dataset,
-                                 train_two_stage, translate_dataset)
+from hf_hardattn.tools.distill import DistillationTrainer, tokenize_kd_dataset, train_two_stage, translate_dataset
 
 
 def soft(**kw):

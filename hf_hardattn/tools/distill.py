@@ -10,13 +10,12 @@ approximated; the paper calls its KD sequence-level (Kim & Rush, 2016). ``kd_sch
 * ``"eq1_sequence"`` (default, the paper's choice): Eq. 1 with Kim & Rush's sequence-level approximation.
   KL(P_t || P_s) = -H(P_t) - E_{y ~ P_t} log P_s(y); the entropy does not depend on the student, and P_t is replaced
   by a point mass on the teacher's beam output y_hat, so KL ~ -log P_s(y_hat) + const and the loss is
-  NLL(reference) + lambda * NLL(y_hat) (:func:`sequence_kd_loss`).
+  NLL(reference) + lambda * NLL(y_hat) (:func:`hf_hardattn.hybrid.sequence_kd_loss`).
 * ``"eq1_word"``: Eq. 1 with a word-level approximation: the KL summed over the positions of the reference,
-  sum_t KL(P_t(. | y_<t, x) || P_s(. | y_<t, x)) along the reference prefix y_<t (:func:`kd_loss`; the teacher
+  sum_t KL(P_t(. | y_<t, x) || P_s(. | y_<t, x)) along the reference prefix y_<t (:func:`hf_hardattn.hybrid.kd_loss`; the teacher
   model runs during training).
 * ``"sequence_word"``: not Eq. 1: the teacher's beam output replaces the reference (no reference term), loss
-  NLL(y_hat) + lambda * the word-level KL along y_hat's prefix. ``examples/distill_hybrid.py`` used this before
-  #42 (its reported "hybrid + KD" row).
+  NLL(y_hat) + lambda * the word-level KL along y_hat's prefix.
 * ``"sequence_only"``: not Eq. 1: pure sequence-level KD, ordinary training (the model's own loss, with its label
   smoothing) on the teacher's beam outputs only. The ``hybrid_*_kd`` rows of ``benchmarks/reproduce.py``, which also
   skip stage 1 (they train from scratch).
@@ -51,6 +50,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
+from ..hybrid import kd_loss, sequence_kd_loss
 from ..safe_io import write_json_atomic
 from . import training
 from .arguments import check_model_type
@@ -79,66 +79,6 @@ def check_kd_scheme(kd_scheme) -> str:
     if kd_scheme not in KD_SCHEMES:
         raise ValueError(f"`kd_scheme` must be one of {list(KD_SCHEMES)}, got {kd_scheme!r}.")
     return kd_scheme
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Losses
-# ----------------------------------------------------------------------------------------------------------------
-def _wide(logits):
-    """fp32 for half-precision logits (bf16 autocast), float64 kept."""
-    return logits if logits.dtype == torch.float64 else logits.float()
-
-
-def _token_nll(logits, labels):
-    """-log P(y_t) per position (0 where labels == -100)."""
-    log_probs = torch.log_softmax(_wide(logits), dim=-1)
-    nll = -log_probs.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    return torch.where(labels != -100, nll, 0.0)
-
-
-def kd_loss(student_logits, teacher_logits, labels, kd_lambda: float = 1.0, num_items_in_batch=None,
-            return_parts: bool = False):
-    """Word-level KD (``eq1_word`` on reference labels, ``sequence_word`` on the teacher's output): sum over target
-    tokens (labels != -100) of -log P_s(y_t) + kd_lambda * KL(P_t(. | y_<t, x) || P_s(. | y_<t, x)), divided by
-    ``num_items_in_batch`` (or the number of target tokens).
-
-    KL(P_t || P_s) = sum_v P_t(v) (log P_t(v) - log P_s(v)); terms with P_t(v) = 0 count 0. With ``return_parts``
-    also returns the (normalised) NLL and KL sums."""
-    if not kd_lambda >= 0:
-        raise ValueError(f"`kd_lambda` must be >= 0, got {kd_lambda!r}.")
-    if student_logits.shape != teacher_logits.shape:
-        raise ValueError(
-            f"student logits {tuple(student_logits.shape)} and teacher logits {tuple(teacher_logits.shape)} differ: "
-            "`teacher_model` must share the student's tokenizer/vocabulary (same vocabulary size)."
-        )
-    mask = labels != -100
-    log_student = torch.log_softmax(_wide(student_logits), dim=-1)
-    log_teacher = torch.log_softmax(_wide(teacher_logits).to(log_student.dtype), dim=-1)
-    nll = _token_nll(student_logits, labels)
-    p_teacher = log_teacher.exp()
-    kl = torch.where(p_teacher > 0, p_teacher * (log_teacher - log_student), 0.0).sum(-1)
-    denominator = mask.sum() if num_items_in_batch is None else num_items_in_batch
-    # an all-ignored batch (every label -100) gives 0, not 0 / 0 = NaN
-    denominator = denominator.clamp(min=1) if isinstance(denominator, torch.Tensor) else max(denominator, 1)
-    nll_sum, kl_sum = nll[mask].sum() / denominator, kl[mask].sum() / denominator
-    loss = nll_sum + kd_lambda * kl_sum
-    return (loss, nll_sum, kl_sum) if return_parts else loss
-
-
-def sequence_kd_loss(reference_logits, labels, teacher_output_logits, teacher_labels, kd_lambda: float = 1.0,
-                     num_items_in_batch=None, return_parts: bool = False):
-    """Eq. 1, negated, with the sequence-level approximation of its KL (``eq1_sequence``):
-    sum_n [-log P_s(y^(n) | x^(n)) + kd_lambda * -log P_s(y_hat^(n) | x^(n))] with y the reference (``labels``) and
-    y_hat the teacher's beam output (``teacher_labels``), both as token sums, divided by ``num_items_in_batch`` (or
-    the number of reference tokens), so that lambda weighs the two sentence-level sums as in Eq. 1. With
-    ``return_parts`` also returns the (normalised) reference NLL and the KD term (its NLL of y_hat)."""
-    if not kd_lambda >= 0:
-        raise ValueError(f"`kd_lambda` must be >= 0, got {kd_lambda!r}.")
-    denominator = (labels != -100).sum() if num_items_in_batch is None else num_items_in_batch
-    reference = _token_nll(reference_logits, labels).sum() / denominator
-    kd_term = _token_nll(teacher_output_logits, teacher_labels).sum() / denominator
-    loss = reference + kd_lambda * kd_term
-    return (loss, reference, kd_term) if return_parts else loss
 
 
 def _special_ids(config):
@@ -317,7 +257,7 @@ def train_two_stage(student, tokenizer, distilled, kd_scheme: str = DEFAULT_KD_S
     ``sequence_only`` rows of the reproduction table, trained from scratch on the teacher's outputs). Returns
     (stage-1 trainer or None, stage-2 trainer)."""
     check_kd_scheme(kd_scheme)
-    if mle is None:  # before issue #53 None skipped stage 1 and was the default: refused rather than reinterpreted
+    if mle is None:  # None once skipped stage 1 and was the default: refused rather than reinterpreted
         raise ValueError("`mle=None` no longer skips stage 1: pass `mle=False` to skip the MLE stage (not the paper's "
                          "schedule), or `mle=True` / a dict of train_seq2seq arguments to run it.")
     if not isinstance(mle, (bool, dict)):
@@ -493,7 +433,7 @@ def main(argv=None) -> int:
     return 0
 
 
-__all__ = ["KD_SCHEMES", "DEFAULT_KD_SCHEME", "check_kd_scheme", "kd_loss", "sequence_kd_loss", "check_compatible",
+__all__ = ["KD_SCHEMES", "DEFAULT_KD_SCHEME", "check_kd_scheme", "check_compatible",
            "tokenize_kd_dataset", "DistillationTrainer", "train_kd_stage", "train_two_stage", "translate_dataset",
            "add_distill_arguments", "run_distill"]
 
