@@ -1,8 +1,12 @@
 """hf_hardattn: alternatives to Transformer attention for encoder-decoder translation, as HuggingFace models.
 
-Importing the package registers every model type with ``AutoConfig`` / ``AutoModelForSeq2SeqLM`` and marks the
-classes for remote-code saving, so a saved folder also loads with ``trust_remote_code=True`` where hf_hardattn is
-not installed. It also registers the ``translation`` pipeline task (``hf_hardattn.pipelines``), for any seq2seq model.
+What importing the package changes in transformers, and nothing else (``tests/test_import_effects.py`` holds it to
+this list): every model type is registered with ``AutoConfig`` / ``AutoModelForSeq2SeqLM`` (and its classes marked for
+remote-code saving, so a saved folder also loads with ``trust_remote_code=True`` where hf_hardattn is not installed);
+the ``translation`` pipeline task is registered, for any seq2seq model, and its entry leaves transformers'
+``REMOVED_TASKS`` (``hf_hardattn.pipelines``); the ``hard_retrieval`` attention implementations are registered with
+``AttentionInterface`` and ``AttentionMaskInterface`` (``hf_hardattn.attention_interface``).
+
 ``hf_hardattn.convert(source, model_type, **config_overrides)`` maps a pretrained Marian / BART / mBART / M2M100 model
 into any of these model types (``hf_hardattn/tools/convert.py``).
 

@@ -1,14 +1,10 @@
 """The ``translation`` pipeline task for any encoder-decoder model: hf_hardattn's and transformers' own (MarianMTModel).
 
-transformers 5 has no ``translation`` task (5.24 lists it as removed, 5.10 does not know it), yet the model cards
-advertise ``pipeline_tag: translation``. ``import hf_hardattn`` calls :func:`register`, which registers
+transformers 5 has no ``translation`` task (later 5.x releases list it as removed, earlier ones do not know it), yet
+the model cards advertise ``pipeline_tag: translation``. ``import hf_hardattn`` calls :func:`register`, which registers
 :class:`TranslationPipeline`, a thin pipeline over ``generate()``, under that name with
 ``transformers.pipelines.PIPELINE_REGISTRY``. Its output is that of transformers 4's translation pipeline:
-``[{"translation_text": ...}]`` per input.
-
-``register`` also makes ``pipeline("text-generation")`` refuse encoder-decoder models: that pipeline reads the
-generated ids as a continuation of the prompt, so on a seq2seq model it returned the prompt with the translation
-glued to it, with only a logged error.
+``[{"translation_text": ...}]`` per input. No other task is touched.
 
 Tooling: a model's save_pretrained does not copy it. A pipeline's own save_pretrained does, as transformers does for
 every registered pipeline (the saved config then names it, and loading that folder as a pipeline takes
@@ -97,23 +93,17 @@ class TranslationPipeline(Pipeline):
                 for ids in model_outputs["output_ids"][0]]
 
 
-class TextGenerationPipeline(transformers.TextGenerationPipeline):
-    """transformers' text-generation pipeline, refusing encoder-decoder models (whose output it would misread)."""
-
-    def __init__(self, model, *args, **kwargs):
-        if getattr(model.config, "is_encoder_decoder", False):
-            raise ValueError(f"The 'text-generation' pipeline continues a prompt with a decoder-only model; "
-                             f"model={type(model).__name__} is an encoder-decoder (seq2seq) model. Use "
-                             f"pipeline({TASK!r}, ...) (registered by `import hf_hardattn`).")
-        super().__init__(model, *args, **kwargs)
-
-
 def register():
-    """Register the ``translation`` task (idempotent) and the seq2seq check of ``text-generation``."""
-    # transformers >= 5.2x refuses removed task names before it looks at the registry
-    getattr(transformers.pipelines, "REMOVED_TASKS", {}).pop(TASK, None)
+    """Register the ``translation`` task (idempotent), and nothing else.
+
+    ``transformers.pipelines.pipeline`` refuses a name listed in ``REMOVED_TASKS`` before it looks at the registry
+    (``_resolve_deprecated_task``; the one way around it, a model config's ``custom_pipelines``, needs
+    ``trust_remote_code`` and a saved folder), so the ``translation`` entry, and only it, leaves that table: the other
+    removed tasks (``summarization``, ``text2text-generation``, ...) keep transformers' error, and the parametrised
+    names ``translation_xx_to_yy`` get its "Unknown task" error instead."""
+    removed = getattr(transformers.pipelines, "REMOVED_TASKS", None)  # absent from older 5.x releases
+    if removed is not None:
+        removed.pop(TASK, None)
     if PIPELINE_REGISTRY.supported_tasks.get(TASK, {}).get("impl") is not TranslationPipeline:
         PIPELINE_REGISTRY.register_pipeline(TASK, pipeline_class=TranslationPipeline, pt_model=AutoModelForSeq2SeqLM,
                                             type="text")
-    # in place, not register_pipeline: that would mark every text-generation pipeline as custom code when saved
-    PIPELINE_REGISTRY.supported_tasks["text-generation"]["impl"] = TextGenerationPipeline

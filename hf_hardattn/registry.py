@@ -8,8 +8,8 @@ Runtime code shipped with saved models (``trust_remote_code``): keep it flat, sa
 """
 
 import importlib
-import os
-import shutil
+import importlib.util
+import sys
 from typing import NamedTuple
 
 from transformers.utils import cached_file
@@ -108,8 +108,10 @@ def model_classes(model_type: str) -> tuple:
 def runtime_module(name: str, config=None):
     """The runtime module ``name`` of this package. Loaded as remote code, a model's package holds the files that
     transformers copied for it (its model type's file and that file's relative imports): the file of another kind that
-    its config names (a soft model decoding with hard retrieval) is then fetched, as transformers fetches those, from
-    the folder or Hub repo the model was loaded from (``config._name_or_path``), where ``save_pretrained`` wrote it."""
+    its config names (a soft model decoding with hard retrieval) is then read from the folder or Hub repo the model was
+    loaded from (``config._name_or_path``, where ``save_pretrained`` wrote it; a Hub file is fetched into the Hub
+    cache, as transformers fetches those) and imported from there as a module of the model's package, so that its
+    relative imports find the package's files. Nothing is written into the package's folder."""
     try:
         return importlib.import_module(f".{name}", __package__)
     except ModuleNotFoundError as error:
@@ -117,10 +119,24 @@ def runtime_module(name: str, config=None):
         if error.name != f"{__package__}.{name}" or not __package__.startswith("transformers_modules") or not source:
             raise
     path = cached_file(source, f"{name}.py", revision=getattr(config, "_commit_hash", None))
-    shutil.copyfile(path, os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py"))
-    importlib.invalidate_caches()
-    return importlib.import_module(f".{name}", __package__)
+    return import_beside(f"{__package__}.{name}", path)
 
 
-__all__ = ["KINDS", "MODEL_TYPES", "ROLES", "AttentionKind", "ModelType", "Role", "attention_class", "kind_files",
-           "kinds_allowed", "model_classes", "runtime_module", "used_kinds"]
+def import_beside(qualified_name: str, path: str):
+    """Import the file ``path`` as the module ``qualified_name`` (of an imported package), as the import system would
+    had the file been in that package's folder."""
+    spec = importlib.util.spec_from_file_location(qualified_name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[qualified_name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[qualified_name]
+        raise
+    package, _, attribute = qualified_name.rpartition(".")
+    setattr(sys.modules[package], attribute, module)
+    return module
+
+
+__all__ = ["KINDS", "MODEL_TYPES", "ROLES", "AttentionKind", "ModelType", "Role", "attention_class", "import_beside",
+           "kind_files", "kinds_allowed", "model_classes", "runtime_module", "used_kinds"]

@@ -4,10 +4,8 @@
 Runtime code shipped with saved models (``trust_remote_code``): keep it flat, same-folder relative imports only.
 """
 
-import functools
 import os
 import shutil
-import sys
 import tempfile
 
 from huggingface_hub import ModelCard
@@ -18,32 +16,6 @@ from transformers.utils.hub import hf_api
 from .model_card import RESULTS_FILE, write_model_card
 from .registry import kind_files, runtime_module
 from .safe_io import atomic_folder, stale_weights, target_folder, verify_folder, write_checksums
-
-
-def keep_card_through_trainer():
-    """Make transformers' ``Trainer.create_model_card`` (what ``Trainer.push_to_hub`` calls after saving the model into
-    ``output_dir`` and before uploading that folder) defer to the model's ``trainer_model_card`` where the model has
-    one, instead of overwriting its README.md with the generic ``generated_from_trainer`` card. Other models: the
-    Trainer's own card, unchanged. Installed once, when the Trainer is loaded (``save_pretrained`` calls this: the
-    Trainer saves before it writes the card), so that it also holds for models loaded as remote code."""
-    module = sys.modules.get("transformers.trainer")
-    trainer = getattr(module, "Trainer", None)
-    if trainer is None or getattr(trainer.create_model_card, "_hardattn_card", False):
-        return
-    original = trainer.create_model_card
-
-    @functools.wraps(original)
-    def create_model_card(self, *args, **kwargs):
-        model = self.accelerator.unwrap_model(self.model) if getattr(self, "accelerator", None) else self.model
-        if not hasattr(model, "trainer_model_card"):
-            return original(self, *args, **kwargs)
-        if self.is_world_process_zero():
-            bound = dict(zip(("language", "license", "tags", "model_name", "finetuned_from", "tasks", "dataset_tags",
-                              "dataset", "dataset_args"), args), **kwargs)
-            model.trainer_model_card(self.args.output_dir, **bound)
-
-    create_model_card._hardattn_card = True
-    trainer.create_model_card = create_model_card
 
 
 def check_folder_or_repo_id(path: str):
@@ -84,7 +56,6 @@ class SavingMixin:
                              "quantize_int8() after loading it.")
         if tokenizer is not None and not hasattr(tokenizer, "save_pretrained"):
             raise TypeError(f"`tokenizer` must be a tokenizer with save_pretrained(), got {type(tokenizer).__name__}")
-        keep_card_through_trainer()
         hub = {key: kwargs.pop(key) for key in self.PUSH_ARGUMENTS if key in kwargs} if push_to_hub else {}
         if not kwargs.get("is_main_process", True):  # another rank's call: transformers' own (it writes nothing)
             return super().save_pretrained(save_directory, *args, **kwargs)
@@ -108,7 +79,8 @@ class SavingMixin:
 
     def trainer_model_card(self, output_dir, *, language=None, license=None, tags=None, model_name=None,
                            finetuned_from=None, tasks=None, dataset_tags=None, dataset=None, dataset_args=None):
-        """``Trainer.create_model_card`` for this model (see ``keep_card_through_trainer``): this package's card in
+        """``Trainer.create_model_card`` for this model (``hf_hardattn.tools.trainer_card.Seq2SeqCardTrainer`` calls it
+        in place of transformers' ``generated_from_trainer`` card): this package's card in
         ``output_dir`` (with the folder's ``hardattn_results.json``), its metadata joined with the Trainer's
         arguments (language, license, tags, the repo name for the model-index, datasets, a Hub ``finetuned_from``
         as ``base_model``). ``tasks`` and ``dataset_args`` have no field in this card (the task is translation)."""
@@ -169,4 +141,4 @@ class SavingMixin:
         return self._upload_modified_files(folder, repo_id, files_timestamps, token=token, **commit)
 
 
-__all__ = ["SavingMixin", "keep_card_through_trainer"]
+__all__ = ["SavingMixin"]

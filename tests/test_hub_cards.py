@@ -1,10 +1,10 @@
-"""Model cards fit for the Hub (issue #52, items 3 and 4), against a mocked `HfApi` that records what one commit
+"""Model cards fit for the Hub, against a mocked `HfApi` that records what one commit
 would upload: a model trained with `hf-hardattn train --source-lang en --target-lang de` pushes a card whose YAML
 huggingface_hub parses into both languages, the license, the datasets and a model-index with that run's BLEU / chrF
 (sacrebleu signatures) as in results.json; no local path of the run reaches the card; the metrics table escapes the
 signatures' `|`; the card's own snippet loads the tokenizer at once in a fresh process without the package; and
-`Seq2SeqTrainer.push_to_hub()` uploads this package's card, not transformers' `generated_from_trainer` one, for every
-model type (a Marian model keeps the Trainer's card)."""
+`Seq2SeqCardTrainer.push_to_hub()` uploads this package's card, not transformers' `generated_from_trainer` one, for
+every model type (a Marian model keeps the Trainer's card), while transformers' own `Seq2SeqTrainer` is left as is."""
 
 import json
 import os
@@ -17,12 +17,12 @@ import huggingface_hub
 import pytest
 from huggingface_hub import ModelCard
 from huggingface_hub.repocard_data import model_index_to_eval_results
-from transformers import MarianConfig, MarianMTModel, Seq2SeqTrainer, Seq2SeqTrainingArguments, Trainer
+from transformers import MarianConfig, MarianMTModel, Seq2SeqTrainer, Seq2SeqTrainingArguments
 
 from common import randomize, tiny_kwargs, toy_tokenizer
 from hf_hardattn.tools.cli import main
 from hf_hardattn.model_card import CARD_METADATA, RESULTS_FILE, render_model_card
-from hf_hardattn.saving import keep_card_through_trainer
+from hf_hardattn.tools.trainer_card import Seq2SeqCardTrainer
 from test_pipelines_hub import MODELS, hub  # noqa: F401  (the recording HfApi fixture)
 from test_train_cli import SIZES, data  # noqa: F401  (the en/de reversal task fixture)
 
@@ -159,10 +159,10 @@ def validated(hub, monkeypatch):  # noqa: F811
     return hub
 
 
-def trainer_for(model, output_dir, tokenizer):
+def trainer_for(model, output_dir, tokenizer, trainer_class=Seq2SeqCardTrainer):
     args = Seq2SeqTrainingArguments(output_dir=str(output_dir), hub_model_id="me/tiny", report_to="none",
                                     use_cpu=True, save_strategy="no")
-    return Seq2SeqTrainer(model=model, args=args, processing_class=tokenizer)
+    return trainer_class(model=model, args=args, processing_class=tokenizer)
 
 
 @pytest.mark.parametrize("name", sorted(set(MODELS) - {"marian"}))
@@ -193,12 +193,31 @@ def test_trainer_push_to_hub_keeps_our_card_and_its_metadata(name, validated, tm
 
 
 def test_trainer_push_to_hub_of_other_models_keeps_the_trainers_card(validated, tmp_path):
-    keep_card_through_trainer()  # (as saving one of ours installs it: this test may run first)
-    assert getattr(Trainer.create_model_card, "_hardattn_card", False)
     model = MarianMTModel(MarianConfig(**tiny_kwargs()))
     trainer_for(model, tmp_path / "out", toy_tokenizer()).push_to_hub()
     (commit,) = validated.commits
     assert "generated_from_trainer" in commit["files"]["README.md"].decode()
+
+
+def test_transformers_own_trainer_keeps_its_card_for_our_models_too(validated, tmp_path):
+    """Only Seq2SeqCardTrainer defers to the model: saving one of ours (as push_to_hub does first) leaves transformers'
+    Seq2SeqTrainer writing its own card."""
+    model = randomize(MODELS["soft"]())
+    trainer_for(model, tmp_path / "out", toy_tokenizer(), trainer_class=Seq2SeqTrainer).push_to_hub()
+    (commit,) = validated.commits
+    text = commit["files"]["README.md"].decode()
+    assert "generated_from_trainer" in text and ModelCard(text).text != ModelCard(render_model_card(model)).text
+
+
+def test_card_trainer_binds_positional_arguments_and_refuses_extra_ones(tmp_path):
+    model, tokenizer = randomize(MODELS["soft"]()), toy_tokenizer()
+    trainer = trainer_for(model, tmp_path / "out", tokenizer)
+    (tmp_path / "out").mkdir(exist_ok=True)
+    trainer.create_model_card("fr", "mit", ["mine"])
+    card = ModelCard((tmp_path / "out" / "README.md").read_text())
+    assert card.data.language == "fr" and card.data.license == "mit" and "mine" in card.data.tags
+    with pytest.raises(TypeError, match=r"at most 9 positional arguments .*got 10"):
+        trainer.create_model_card(*[None] * 10)
 
 
 def test_card_names_hub_datasets_and_cuts_local_paths(tmp_path):
