@@ -26,7 +26,7 @@ PAD, BOS, EOS = 0, 1, 2
 def tiny_kwargs(**overrides):
     """Sizes for fast tests; all special tokens inside the vocabulary. Embeddings N(0, d^-1/2) (``embed_init_std``
     None) for every type: the tests' toy tasks and random-model checks were written against that init, and on such
-    small character-like tasks it is the better one (issue #53); the types' own defaults are tested in test_skeleton."""
+    small character-like tasks it is the better one; the types' own defaults are tested in test_skeleton."""
     kwargs = dict(
         vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
         decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, dropout=0.0, attention_dropout=0.0,
@@ -680,7 +680,7 @@ _CONTRACT_FITTED = {}
 
 
 def contract_model(name, fit=True):
-    """A tiny model of contract configuration ``name``: fitted on the reversal task (shared, built once per session:
+    """A tiny model of contract configuration ``name``: fitted on the reversal task (shared, built once per test run:
     do not modify it, deep-copy first) or, with ``fit=False``, a fresh randomized one."""
     if not fit:
         torch.manual_seed(0)
@@ -689,3 +689,69 @@ def contract_model(name, fit=True):
         torch.manual_seed(0)  # the same initial weights whichever test asks first
         _CONTRACT_FITTED[name] = fitted(_contract_builders()[name](), steps=100)
     return _CONTRACT_FITTED[name]
+
+
+# -- one fresh tiny model per model type, keywords overriding tiny_kwargs (model API, export, bf16 tests) -------------
+RNN_KW = dict(decoder_layers=2, rnn_hidden_size=32)  # two GRU layers: dropout between them is checkpointed too
+
+
+def _type_builders():
+    import hf_hardattn as h
+
+    return {
+        "soft": lambda **kw: h.SoftTransformerForConditionalGeneration(h.SoftTransformerConfig(**tiny_kwargs(**kw))),
+        "hard_retrieval": lambda **kw: h.HardRetrievalForConditionalGeneration(
+            h.HardRetrievalConfig(**tiny_kwargs(**kw))),
+        "gaussian": lambda **kw: h.GaussianForConditionalGeneration(
+            h.GaussianConfig.preset("hc-all", **tiny_kwargs(**{"length_ratio": 1.3, **kw}))),
+        "hybrid": lambda **kw: h.HybridForConditionalGeneration(h.HybridConfig(**tiny_kwargs(**RNN_KW, **kw))),
+        "recurrent": lambda **kw: h.RecurrentForConditionalGeneration(h.RecurrentConfig(**tiny_kwargs(**kw))),
+        "beam_joint_transformer": lambda **kw: h.BeamJointTransformerForConditionalGeneration(
+            h.BeamJointTransformerConfig(**tiny_kwargs(joint_k=3, **kw))),
+        "beam_joint_rnn": lambda **kw: h.BeamJointRNNForConditionalGeneration(  # the paper's Luong-style LSTM decoder
+            h.BeamJointRNNConfig(**tiny_kwargs(**RNN_KW, joint_k=3, **kw))),
+    }
+
+
+TYPE_MODELS = _type_builders()  # model type -> (**config overrides) -> a fresh model
+TYPE_NAMES = sorted(TYPE_MODELS)
+JOINT_TYPES = ("beam_joint_transformer", "beam_joint_rnn")  # logits are the mixture's log-probabilities
+DECODER_INPUTS = torch.tensor([[1, 6, 9, 12, 15], [1, 8, 10, 2, 0]])  # teacher-forced (the second row ends early)
+UNPADDED = torch.tensor([[5, 9, 13, 17, 21, 25, 2], [7, 11, 19, 23, 2, 30, 31]])  # source_batch's shape, no padding
+
+
+def forward_logits(model, ids=None, mask=None, dec=DECODER_INPUTS, dec_mask=None):
+    """The logits of one forward without cache (default: source_batch() and DECODER_INPUTS)."""
+    if ids is None:
+        ids, mask = source_batch()
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=mask, decoder_input_ids=dec, decoder_attention_mask=dec_mask,
+                     use_cache=False).logits
+
+
+def traced_batches():
+    """(source, source mask, decoder inputs, decoder mask): padded as traced, then the same shapes unpadded, where
+    eager decoding takes its no-mask fast paths and a traced graph its general one."""
+    ids, mask = source_batch()
+    return ((ids, mask, DECODER_INPUTS, (DECODER_INPUTS != 0).long()),
+            (UNPADDED, torch.ones_like(UNPADDED), DECODER_INPUTS, torch.ones_like(DECODER_INPUTS)))
+
+
+def training_step(model, batch, seed=7, count_calls=True):
+    """Loss and float64 gradients of one step from a fixed RNG state (dropout masks, hard-retrieval samples), and how
+    often each module was called (a pre-hook: a recomputation stops once it has what backward needs, which may be
+    before a module returns)."""
+    calls = {}
+    hooks = [module.register_forward_pre_hook(lambda m, i: calls.__setitem__(m, calls.get(m, 0) + 1))
+             for module in model.modules()] if count_calls else []
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    loss = model(**batch).loss
+    loss.backward()
+    for hook in hooks:
+        hook.remove()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, calls
+
+
+ONE_PER_TYPE = ("soft", "hard_retrieval", "gaussian_hc_all", "hybrid_additive", "recurrent_expand_1",
+                "beam_joint_transformer", "beam_joint_rnn")  # a contract model of each of the seven model types

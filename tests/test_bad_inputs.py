@@ -1,19 +1,18 @@
-"""Bad input over every model type: each case raises a ValueError whose message names the parameter (and says what is
-allowed), where the input enters (forward, generate, config, loading), instead of a deep torch error or a silently
-wrong result. The matrix's counts are in the session notes."""
-
-import json
-import warnings
+"""Bad input to forward(), generate() and translate(), on every model type: each case raises a ValueError where the
+input enters, naming the parameter and its value and saying what is allowed, instead of a deep torch error, a failure
+inside transformers or a silently wrong result. Where transformers' MarianMTModel behaves in a defined way for the
+same input, the test compares with it; where it fails deep itself (``num_beams=0``: ZeroDivisionError; an offloaded
+cache on CPU: AssertionError) the error is ours."""
 
 import pytest
 import torch
+from transformers import MarianConfig, MarianMTModel
 
-from common import contract_model, source_batch, tiny_kwargs
-from hf_hardattn import GaussianConfig, HardRetrievalForConditionalGeneration, SoftTransformerConfig
+import hf_hardattn as h
+from common import ONE_PER_TYPE, contract_model, source_batch, tiny_kwargs
 
-TYPES = ["soft", "hard_retrieval", "gaussian_hc_all", "hybrid_additive", "recurrent_expand_1", "beam_joint_transformer",
-         "beam_joint_rnn"]  # the seven model types
 DEC = torch.tensor([[1, 6, 9, 12], [1, 8, 10, 2]])
+ids, mask = source_batch()
 
 
 def inputs(**changes):
@@ -23,7 +22,12 @@ def inputs(**changes):
     return {k: v for k, v in kwargs.items() if v is not None}
 
 
-ids, mask = source_batch()
+def marian():
+    torch.manual_seed(0)
+    return MarianMTModel(MarianConfig(**tiny_kwargs())).eval()
+
+
+# -- forward() ---------------------------------------------------------------------------------------------------------
 FORWARD_CASES = {  # name -> (forward kwargs, regex the message must match)
     "mask_too_long": (inputs(attention_mask=torch.ones(2, 9, dtype=torch.long)),
                       r"`attention_mask` has shape \(2, 9\); allowed: \(2, 7\)"),
@@ -62,7 +66,7 @@ FORWARD_CASES = {  # name -> (forward kwargs, regex the message must match)
 
 
 @pytest.mark.parametrize("case", FORWARD_CASES)
-@pytest.mark.parametrize("name", TYPES)
+@pytest.mark.parametrize("name", ONE_PER_TYPE)
 def test_forward_refuses_bad_input_naming_it(name, case):
     model = contract_model(name, fit=False)
     kwargs, pattern = FORWARD_CASES[case]
@@ -77,77 +81,39 @@ def test_encoder_outputs_with_a_mask_of_another_length_are_refused():
         model(encoder_outputs=encoder_outputs, attention_mask=mask[:, :5], decoder_input_ids=DEC)
 
 
-@pytest.mark.parametrize("name", TYPES)
-def test_generate_refuses_bad_source_naming_it(name):
+# -- labels with decoder inputs ----------------------------------------------------------------------------------------
+LABELS = {"longer": torch.tensor([[5, 6, 7, 2, 2], [8, 2, 2, 2, 2]]), "shorter": torch.tensor([[5, 6, 2], [8, 2, 2]]),
+          "fewer_rows": torch.tensor([[5, 6, 7, 2]])}
+
+
+@pytest.mark.parametrize("case", LABELS)
+@pytest.mark.parametrize("name", ONE_PER_TYPE)
+def test_labels_of_another_shape_than_the_decoder_inputs_are_refused(name, case):
+    """Refused before the forward runs: unchecked, the beam-joint types would fail inside their mixture (longer) or
+    train silently (shorter), the others in the loss after the whole forward. MarianMTModel raises a ValueError (in its
+    loss) too."""
+    labels = LABELS[case]
     model = contract_model(name, fit=False)
-    with pytest.raises(ValueError, match=r"`input_ids` holds 40"):
-        model.generate(input_ids=ids.masked_fill(ids == 9, 40), attention_mask=mask, max_new_tokens=3)
-    with pytest.raises(ValueError, match=r"`attention_mask` row 1 is all padding"):
-        model.generate(input_ids=ids, attention_mask=torch.stack([mask[0], torch.zeros(7, dtype=torch.long)]),
-                       max_new_tokens=3)
+    shape = ", ".join(map(str, labels.shape))
+    with pytest.raises(ValueError, match=rf"`labels` has shape \({shape}\) but `decoder_input_ids` \(2, 4\)"):
+        model(input_ids=ids, attention_mask=mask, decoder_input_ids=DEC, labels=labels)
+    embeds = torch.zeros(2, 4, 32)
+    with pytest.raises(ValueError, match=rf"`labels` has shape \({shape}\) but `decoder_inputs_embeds` \(2, 4\)"):
+        model(input_ids=ids, attention_mask=mask, decoder_inputs_embeds=embeds, labels=labels)
+    with pytest.raises(ValueError):
+        marian()(input_ids=ids, attention_mask=mask, decoder_input_ids=DEC, labels=labels)
+    assert model(input_ids=ids, attention_mask=mask, decoder_input_ids=DEC, labels=DEC).loss.isfinite()
 
 
-CONFIG_CASES = {
-    "layer_norm_eps_zero": (dict(layer_norm_eps=0), r"`layer_norm_eps` must be a positive finite number"),
-    "layer_norm_eps_nan": (dict(layer_norm_eps=float("nan")), r"`layer_norm_eps`"),
-    "d_model_bool": (dict(d_model=True), r"`d_model` must be a positive integer, got True"),
-    "pad_outside_vocabulary": (dict(pad_token_id=40), r"`pad_token_id` must be None or a token id in \[0, vocab_size=40\)"),
-    "start_negative": (dict(decoder_start_token_id=-1), r"`decoder_start_token_id` must be None or a token id"),
-    "eos_list_outside": (dict(eos_token_id=[2, 99]), r"`eos_token_id` must be None, a token id"),
-    "misspelled_field": (dict(cross_atention="soft"), r"`cross_atention` is not a field .*did you mean `cross_attention`"),
-}
-
-
-@pytest.mark.parametrize("case", CONFIG_CASES)
-def test_config_refuses_bad_values_naming_them(case):
-    changes, pattern = CONFIG_CASES[case]
-    with pytest.raises(ValueError, match=pattern):
-        SoftTransformerConfig(**tiny_kwargs(**changes))
-
-
-def test_unknown_config_key_warns_naming_it():
-    with pytest.warns(UserWarning, match=r"`flavour` is not a field of SoftTransformerConfig"):
-        SoftTransformerConfig(**tiny_kwargs(flavour="sweet"))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # the keys transformers itself passes warn nothing
-        SoftTransformerConfig(**tiny_kwargs(attn_implementation="eager", output_attentions=True))
-        # a kind's settings in a plain config that uses the kind are read by it: no warning
-        SoftTransformerConfig(**tiny_kwargs(cross_attention="gaussian", length_ratio=1.2, gaussian_sigma=0.5))
-        SoftTransformerConfig(**tiny_kwargs(cross_attention=["soft", "recurrent"], recurrent_variant="coverage"))
-    with pytest.warns(UserWarning, match=r"`length_ratio` is not a field"):  # ... but warn where no kind reads them
-        SoftTransformerConfig(**tiny_kwargs(length_ratio=1.2))
-
-
-def test_kind_settings_are_the_variants_own_fields():
-    from hf_hardattn import HardAttnConfig
-    from hf_hardattn.configuration_hardattn import KIND_SETTINGS
-    from hf_hardattn.recurrent import DEFAULTS
-
-    own = set(GaussianConfig.__dataclass_fields__) - set(HardAttnConfig.__dataclass_fields__)
-    assert set(KIND_SETTINGS["gaussian"]) == own, own ^ set(KIND_SETTINGS["gaussian"])
-    assert set(KIND_SETTINGS["recurrent"]) == set(DEFAULTS)
-
-
-def test_gaussian_offsets_beyond_every_sentence_are_refused():
-    with pytest.raises(ValueError, match=r"`cross_offsets` offsets must be within \(-64, 64\)"):
-        GaussianConfig.preset("hc-all", **tiny_kwargs(cross_offsets=[0, 1000]))
-
-
-def test_loading_refuses_another_model_type_and_warns_on_a_misspelled_key(tmp_path):
+def test_left_padded_labels_are_refused():
+    """DataCollatorForSeq2Seq with a left-padding tokenizer pads the labels on the left; the shifted decoder input
+    would then be [start, pad, ..., y1, ...] and train silently on it."""
     model = contract_model("soft", fit=False)
-    model.save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match=r"model_type 'soft_transformer', not 'hard_retrieval_transformer'"):
-        HardRetrievalForConditionalGeneration.from_pretrained(tmp_path)
-    config = json.loads((tmp_path / "config.json").read_text())
-    config["cross_atention"] = config.pop("cross_attention")
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    from transformers import AutoModelForSeq2SeqLM
-    # read back from disk a key is kept with a warning naming the field (and the value that field now has), not
-    # refused: whatever save_pretrained writes must load (issue #52; tests/test_config_roundtrip.py)
-    with pytest.warns(UserWarning, match=r"`cross_atention` is not a field .*did you mean `cross_attention`\? "
-                                         r"\(`cross_attention` is 'soft'\)"):
-        loaded = AutoModelForSeq2SeqLM.from_pretrained(tmp_path)
-    assert loaded.config.cross_atention == "soft"
+    ids, mask = source_batch()
+    labels = torch.tensor([[5, 6, 7, 2], [-100, -100, 8, 2]])
+    with pytest.raises(ValueError, match=r"`labels` row 1 .*-100.*padding_side='right'"):
+        model(input_ids=ids, attention_mask=mask, labels=labels)
+    model(input_ids=ids, attention_mask=mask, labels=torch.tensor([[5, 6, 7, 2], [8, 2, -100, -100]]))  # right: fine
 
 
 def test_hard_retrieval_training_on_a_row_without_visible_keys_is_finite():
@@ -158,6 +124,85 @@ def test_hard_retrieval_training_on_a_row_without_visible_keys_is_finite():
     assert torch.isfinite(attention(hidden, memory=memory, mask=key_mask)).all()
 
 
+# -- generate() --------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ONE_PER_TYPE)
+def test_generate_refuses_bad_source_naming_it(name):
+    model = contract_model(name, fit=False)
+    with pytest.raises(ValueError, match=r"`input_ids` holds 40"):
+        model.generate(input_ids=ids.masked_fill(ids == 9, 40), attention_mask=mask, max_new_tokens=3)
+    with pytest.raises(ValueError, match=r"`attention_mask` row 1 is all padding"):
+        model.generate(input_ids=ids, attention_mask=torch.stack([mask[0], torch.zeros(7, dtype=torch.long)]),
+                       max_new_tokens=3)
+
+
+@pytest.mark.parametrize("name", ONE_PER_TYPE)
+@pytest.mark.parametrize("beams", [0, -2])
+def test_generate_refuses_num_beams_below_one(name, beams):
+    model = contract_model(name, fit=False)
+    with pytest.raises(ValueError, match=rf"`num_beams`={beams} is not a number of beams; allowed: an integer >= 1"):
+        model.generate(input_ids=ids, attention_mask=mask, num_beams=beams, max_new_tokens=3)
+
+
+@pytest.mark.parametrize("name", ONE_PER_TYPE)
+@pytest.mark.parametrize("cache", ["offloaded", "offloaded_static"])
+def test_generate_refuses_an_offloaded_cache(name, cache):
+    """Unchecked, it fails on the CPU with an AssertionError about CUDA (as MarianMTModel does) and on a GPU with a
+    device mismatch in every type's attention, which reads the cross-attention cache where it was offloaded."""
+    model = contract_model(name, fit=False)
+    with pytest.raises(ValueError, match=rf"`cache_implementation`='{cache}' is not supported by \w+ \(on cpu\): it "
+                                         rf"moves the cache to the CPU .*allowed `cache_implementation`: None or "
+                                         rf"'dynamic'"):
+        model.generate(input_ids=ids, attention_mask=mask, cache_implementation=cache, max_new_tokens=3)
+
+
+def learned_positions_model(name, limit=16):
+    """A model of type ``name`` whose position tables are learned, of ``limit`` positions."""
+    kw = tiny_kwargs(position_embedding="learned", max_position_embeddings=limit)
+    rnn = dict(decoder_layers=1, rnn_hidden_size=32)
+    torch.manual_seed(0)
+    return {
+        "soft": lambda: h.SoftTransformerForConditionalGeneration(h.SoftTransformerConfig(**kw)),
+        "hard_retrieval": lambda: h.HardRetrievalForConditionalGeneration(
+            h.HardRetrievalConfig(**kw, encoder_attention="hard_retrieval")),
+        "gaussian_hc_all": lambda: h.GaussianForConditionalGeneration(
+            h.GaussianConfig.preset("hc-all", **kw, length_ratio=1.0)),
+        "hybrid_additive": lambda: h.HybridForConditionalGeneration(h.HybridConfig(**{**kw, **rnn})),
+        "recurrent_expand_1": lambda: h.RecurrentForConditionalGeneration(h.RecurrentConfig(**kw)),
+        "beam_joint_transformer": lambda: h.BeamJointTransformerForConditionalGeneration(
+            h.BeamJointTransformerConfig(**kw, joint_k=3, joint_layer=0)),
+        "beam_joint_rnn": lambda: h.BeamJointRNNForConditionalGeneration(
+            h.BeamJointRNNConfig(**{**kw, **rnn}, joint_k=3, rnn_attention="multihead")),
+    }[name]().eval()
+
+
+def forward_calls(model):
+    calls = []
+    model.register_forward_pre_hook(lambda module, args: calls.append(1))
+    return calls
+
+
+@pytest.mark.parametrize("name", ONE_PER_TYPE)
+def test_generate_checks_the_learned_position_table_before_decoding(name):
+    """16 learned decoder positions: 16 new tokens decode (positions 0..15 are fed; the last token is not), 17 are
+    refused when generate() is called, before any decoding step (not at step 17). The RNN decoders
+    (hybrid, beam-joint RNN) have no decoder positions, so no limit."""
+    model = learned_positions_model(name)
+    calls = forward_calls(model)
+    assert model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=16, min_new_tokens=16).shape[1] == 17
+    has_positions = name not in ("hybrid_additive", "beam_joint_rnn")
+    calls.clear()
+    if not has_positions:
+        assert model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=17, min_new_tokens=17).shape[1] == 18
+        return
+    with pytest.raises(ValueError, match=r"`max_new_tokens`=17 needs 17 decoder positions, beyond "
+                                         r"`max_position_embeddings`=16 .*allowed: `max_new_tokens` at most 16"):
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=17)
+    with pytest.raises(ValueError, match=r"`max_length`=30 needs 29 decoder positions.*`max_length` at most 17"):
+        model.generate(input_ids=ids, attention_mask=mask, max_length=30, use_cache=False)
+    assert calls == []  # refused before the first decoding step
+
+
+# -- translate() -------------------------------------------------------------------------------------------------------
 def test_translate_of_no_sources_is_empty_and_of_non_strings_an_error():
     from hf_hardattn.tools.training import translate
     from common import toy_tokenizer

@@ -1,4 +1,4 @@
-"""Whatever ``save_pretrained`` writes, ``from_pretrained`` loads (issue #52 item 1), for every model type.
+"""Whatever ``save_pretrained`` writes, ``from_pretrained`` loads, for every model type.
 
 A key that is no field of the config is refused with the field it is close to where the user types it (constructor
 keywords, ``--set``, ``from_pretrained(path, key=value)``), and kept with a warning naming it (and the close field)

@@ -148,7 +148,7 @@ def test_soft_is_exact(family):
 
 
 def test_soft_trains_as_marian_does():
-    """The reproduce tables' `marian` reference row and `soft` are one model (issue #53): a MarianMTModel with the
+    """The reproduce tables' `marian` reference row and `soft` are one model: a MarianMTModel with the
     recipe's settings (relu, scaled embeddings, shared and tied embeddings), converted to soft with label smoothing
     0.1, trained side by side on the same batches (float64, no dropout), has at every step the loss MarianMTModel's
     logits give under transformers' LabelSmoother (how the `marian` row trains), and the same logits after the steps.

@@ -1,5 +1,5 @@
 """transformers' ``ModelTesterMixin.test_eager_matches_sdpa_inference`` (tests/test_modeling_common.py of
-transformers 5.24, not installed with the wheel), run here for every model type as it runs there (issue #52 item 1).
+transformers 5.24, not installed with the wheel), run here for every model type as it runs there.
 
 Its 25 cases per model: dtype fp16 / fp32 / bf16 x padding side left / right x with / without attention mask x
 with / without sdpa's flash and memory-efficient kernels, plus ``fp32_pad_left_output_attentions``. Each case, as the
@@ -51,12 +51,12 @@ BATCH, SEQ, TESTER_BATCH = 7, 7, 13
 
 # Design difference: the mixin's "pad_left" cases with a mask (7 of 25: fp16 / fp32 / bf16 x kernels, and
 # fp32_pad_left_output_attentions) left-pad the *decoder* (`decoder_attention_mask` [0, 0, 1, ...]). Every model type
-# here refuses that input where it enters (hf_hardattn/inputs.py check_mask, issue #41): decoder positions count from
+# here refuses that input where it enters (hf_hardattn/inputs.py check_mask): decoder positions count from
 # the first row entry, so a left-padded target would be decoded at shifted positions ([start, pad, ..., y_1, ...]), and
 # the RNN decoders (hybrid, beam_joint_rnn) would step through the padding into their state. transformers' Marian
 # accepts it and computes those shifted positions silently. Those cases check the refusal (the same ValueError from
 # "eager" and "sdpa") instead of comparing outputs; encoder left padding is accepted and tested elsewhere
-# (test_model_contract / test_bad_inputs). The other 18 cases compare eager with sdpa as the mixin does.
+# (test_left_padding / test_bad_inputs). The other 18 cases compare eager with sdpa as the mixin does.
 LEFT_PADDED_DECODER = "decoder inputs must be padded on the right"
 
 

@@ -1,4 +1,4 @@
-"""Faults and numerical robustness (issue #41): a process killed during a checkpoint or model save, corrupted weight
+"""Faults and numerical robustness: a process killed during a checkpoint or model save, corrupted weight
 files, diverging recurrent cross-attention, NaN scores in generate(), all-ignored batches, train_seq2seq's arguments.
 
 References: an uninterrupted training run's weights (a run killed while saving a checkpoint and resumed must end

@@ -332,7 +332,7 @@ class LargestBytes(TorchDispatchMode):
 
 
 def float64_weights(attention, query_start, query_length, key_start, key_length, dtype, shift=None):
-    """The weights as built before issue #53: the [H, Tq, Tk] (or [B, H, Tq, Tk]) distance matrix in float64, the
+    """The reference weights, built plainly: the [H, Tq, Tk] (or [B, H, Tq, Tk]) distance matrix in float64, the
     kernel and the causal cut on it in float64, cast to ``dtype`` at the end."""
     q_pos = torch.arange(query_start, query_start + query_length)
     k_pos = torch.arange(key_start, key_start + key_length)

@@ -1,4 +1,4 @@
-"""The generation config fit for translation (issue #52, item 2).
+"""The generation config fit for translation.
 
 transformers' model-agnostic default stops ``generate()`` at ``max_length`` 20 (21 with the decoder start token), so
 plain ``generate()`` and ``pipeline("translation")`` cut every longer sentence. Marian checkpoints ship their own

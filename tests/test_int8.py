@@ -1,4 +1,4 @@
-"""quantize_int8() (issue #44): every linear layer of every model type (except those a model reads by weight) becomes
+"""quantize_int8(): every linear layer of every model type (except those a model reads by weight) becomes
 torch's dynamic int8 linear, and each one computes exactly what the quantisation written out by hand computes; the
 error against fp32 stays inside the bound that rounding allows, per layer and, as stated, for the whole fixed soft
 model; decoding with the cache follows decoding without it; training and saving the int8 model are refused."""

@@ -1,4 +1,4 @@
-"""Checkpoints saved before the package's re-layout (issue #51) load after it and compute the same function: tiny models
+"""Checkpoints saved before the package's re-layout load after it and compute the same function: tiny models
 of every model type (and a soft model that mixes every attention kind) saved by commit d27b908
 (``fixtures/saved_d27b908/make_checkpoints.py``), with their float64 logits computed there."""
 

@@ -478,7 +478,7 @@ def test_init_std_sets_every_linear_and_embedding(name, init_std, embed_init_std
 
 @pytest.mark.parametrize("model_type", sorted(registry.MODEL_TYPES))
 def test_default_embedding_init_is_chosen_per_decoder(model_type):
-    """Issue #53's measured default, per model type: N(0, 0.02) embeddings under Xavier linears where they won on
+    """The default embedding init, per model type: N(0, 0.02) embeddings under Xavier linears where they won on
     Multi30k (soft, hard retrieval, recurrent, beam-joint Transformer), the earlier N(0, d^-1/2) where they lost
     (Gaussian hc-sa, the RNN decoders); a saved config keeps its value and an explicit None brings back the earlier
     init for any type."""

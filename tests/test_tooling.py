@@ -1,6 +1,6 @@
 """Shared tooling: data loaders, tokenizers, training / evaluation helpers and the ``demo`` command.
 
-Runs without /work/shared (temporary files only) and offline.
+Runs without the shared data folder (temporary files only) and offline.
 """
 
 import gzip
@@ -142,8 +142,8 @@ def test_bpe_tokenizer_round_trip_specials_save_load(tmp_path):
 
 def test_a_vocab_size_below_what_the_kind_needs_is_refused_naming_the_minimum(tmp_path, capsys):
     """Byte-level BPE keeps its 256 byte symbols whatever vocab_size: the tokenizers library's own trainer, given 100,
-    returns 4 + 256 = 260 entries; train_tokenizer returned them silently for vocab_size=100 (issue #52). Now a size
-    below 260 is refused, and the sizes from 260 up are honoured exactly. char: the specials and one character."""
+    returns 4 + 256 = 260 entries; so train_tokenizer refuses a size below 260 (instead of returning 260 entries
+    silently), and the sizes from 260 up are honoured exactly. char: the specials and one character."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
     from hf_hardattn.tools.cli import main
