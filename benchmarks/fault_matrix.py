@@ -143,7 +143,7 @@ for name in CONTRACT_MODELS:
         g = [p.grad for p in m.parameters() if p.grad is not None]
         return None if loss.item() == 0 and all(torch.equal(x, torch.zeros_like(x)) for x in g) else f"loss {loss.item()}"
     record("ignored", f"{name} all labels -100", *classify(run, ["labels"], bad))
-from hf_hardattn.tools.distill import kd_loss
+from hf_hardattn.hybrid import kd_loss
 def kd():
     s = torch.randn(2, 5, VOCAB, requires_grad=True)
     loss = kd_loss(s, torch.randn(2, 5, VOCAB), torch.full((2, 5), -100), 1.0); loss.backward(); return loss, s
