@@ -274,15 +274,15 @@ def trained_on(path, payload, rows):
 
 
 def init_of(row):
-    """A row's initialisation, from its ``init_std`` / ``embed_init_std`` (rows from before issue #53 store neither:
-    they ran the default of then, Xavier linears and N(0, d^-1/2) embeddings)."""
+    """A row's initialisation, from its ``init_std`` / ``embed_init_std`` (the older rows store neither:
+    they ran the earlier default, Xavier linears and N(0, d^-1/2) embeddings)."""
     init_std, embed = row.get("init_std"), row.get("embed_init_std")
     linears = "Xavier linears" if init_std is None else f"N(0, {init_std:g}) linears"
     if embed is None:
         embed = "d^-1/2" if init_std is None else f"{init_std:g}"
     else:
         embed = f"{embed:g}"
-    earlier = " (the default before issue #53)" if init_std is None and embed == "d^-1/2" else ""
+    earlier = " (the earlier default)" if init_std is None and embed == "d^-1/2" else ""
     return f"{linears}, N(0, {embed}) embeddings{earlier}"
 
 
@@ -312,7 +312,7 @@ def reproduction_tables(model_type):
     return ("A task's score is measured the same way in each of its tables (same test set, same scoring); the "
             "tables differ in training budget (minutes or steps) and precision. Training minutes and sentences/s "
             "compare only between rows run on the same machine in one run: the rows of one table may come from "
-            "different runs and CPUs (each row's JSON stores its command and, since 2026-11-23, its `machine`); "
+            "different runs and CPUs (each row's JSON stores its command and, for all but the oldest rows, its `machine`); "
             "the line under each table heading names the machine, precision, budget and seed of its rows."
             "\n\n" + (note + "\n\n" if note else "") + "\n\n".join(parts))
 

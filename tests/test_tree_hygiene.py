@@ -1,4 +1,5 @@
-"""The tree speaks of the project: no tracked file names a folder of one machine or a run label ("stop 58"); every
+"""The tree speaks of the project: no tracked file names a folder of one machine or a run label ("stop 58"), the
+current docs name no issue number (the dated record, benchmarks/LOG.md and benchmarks/history/, keeps them); every
 current result under benchmarks/results/ is linked from the benchmarks README (or docs/results.md), every results
 link in the docs points at a file that exists, and the run scripts take their folders as arguments or from the
 environment."""
@@ -16,6 +17,8 @@ RESULTS = os.path.join(ROOT, "benchmarks", "results")
 # a folder of one machine (a checkout or an output folder under /work, /root or /home) or a run label
 MACHINE_PATH = re.compile(r"(?<![\w.])/(?:work|root|home)/\w")
 RUN_LABEL = re.compile(r"\bstop \d+\b", re.IGNORECASE)
+# an issue number in prose ("issue #53", "issues 40") or in a heading's anchor ("#initialisation-issue-53-h200")
+ISSUE_NUMBER = re.compile(r"\bissues? #?\d+\b|\bissue-\d+\b", re.IGNORECASE)
 # a path in a docs link: results/NAME or history/NAME, up to the first character a file name here does not use
 RESULT_LINK = re.compile(r"(?:benchmarks/)?(?:results|history)/[\w./*{},-]*")
 # an absolute path in a shell script, apart from the system's own files
@@ -44,12 +47,18 @@ def test_the_patterns_catch_what_they_are_for():
     assert MACHINE_PATH.search("cd /work/main && python x.py") and MACHINE_PATH.search("--output-dir /root/runs")
     assert not MACHINE_PATH.search("benchmarks/work/x and https://example.org/home/page")
     assert RUN_LABEL.search("(stop 62, 2026-11-27)") and not RUN_LABEL.search("stops soft learning; the stop token")
+    assert ISSUE_NUMBER.search("(issue #53; H200)") and ISSUE_NUMBER.search("README.md#init-issue-53-h200")
+    assert ISSUE_NUMBER.search("Issue 50's target") and not ISSUE_NUMBER.search("an issue with #rows, tissue 4")
     assert ABSOLUTE.search("cp -r x /tmp/site") and ABSOLUTE.search("cd /opt/code")
     assert not ABSOLUTE.search("cp $d/x $OUT/y 2>/dev/null; grep x /proc/cpuinfo; cd ../../..; a=${RUNS}/z")
 
 
+# the tests of these patterns, which must write out what they catch
+PATTERN_TESTS = {"tests/test_tree_hygiene.py", "tests/test_runtime_docstrings.py"}
+
+
 def test_no_tracked_file_names_a_machine_path_or_a_run_label():
-    files = list(tracked_text_files())
+    files = [(name, text) for name, text in tracked_text_files() if name not in PATTERN_TESTS]
     assert len(files) > 100  # the walk saw the tree
     found = offending_lines(MACHINE_PATH, files) + offending_lines(RUN_LABEL, files)
     assert not found, "lines naming a machine's folder or a run label:\n" + "\n".join(found)
@@ -103,3 +112,18 @@ def test_the_run_scripts_take_their_folders_from_arguments_or_the_environment():
         items.append((os.path.relpath(path, ROOT), code))
     found = offending_lines(ABSOLUTE, items)
     assert not found, "absolute paths in run scripts:\n" + "\n".join(found)
+
+
+def test_the_current_docs_name_no_issue_number():
+    """README.md, docs/*.md, benchmarks/README.md and the model cards say what is measured and how; which issue asked
+    for it is history (benchmarks/LOG.md, benchmarks/history/)."""
+    current = ["README.md", "benchmarks/README.md", *sorted(
+        os.path.relpath(path, ROOT) for path in glob.glob(os.path.join(ROOT, "docs", "*.md"))
+        + glob.glob(os.path.join(ROOT, "model_cards", "*.md")))]
+    assert len(current) >= 10  # the glob saw the docs and the seven cards
+    items = []
+    for name in current:
+        with open(os.path.join(ROOT, name)) as handle:
+            items.append((name, handle.read()))
+    found = offending_lines(ISSUE_NUMBER, items)
+    assert not found, "issue numbers in the current docs:\n" + "\n".join(found)
