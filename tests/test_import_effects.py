@@ -198,7 +198,7 @@ def test_saving_and_remote_code_loading_change_nothing_more(effects):
     check_effects(effects)
 
 
-def test_the_remote_kind_file_is_the_saved_folders_copy(effects, tmp_path):
+def test_the_remote_kind_file_is_the_saved_folders_copy(effects):
     kind_file = Path(effects["remote"]["kind_file"])
     assert kind_file.parent.name == "soft_hard_cross" and kind_file.is_file()
     assert kind_file.read_text() == (REPO / "hf_hardattn" / "hard_retrieval.py").read_text()
