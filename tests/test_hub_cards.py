@@ -23,6 +23,7 @@ from common import randomize, tiny_kwargs, toy_tokenizer
 from hf_hardattn.tools.cli import main
 from hf_hardattn.model_card import CARD_METADATA, RESULTS_FILE, render_model_card
 from hf_hardattn.tools.trainer_card import Seq2SeqCardTrainer
+from hf_hardattn.tools.training import Seq2SeqLengthTrainer
 from test_pipelines_hub import MODELS, hub  # noqa: F401  (the recording HfApi fixture)
 from test_train_cli import SIZES, data  # noqa: F401  (the en/de reversal task fixture)
 
@@ -165,8 +166,9 @@ def trainer_for(model, output_dir, tokenizer, trainer_class=Seq2SeqCardTrainer):
     return trainer_class(model=model, args=args, processing_class=tokenizer)
 
 
+@pytest.mark.parametrize("trainer_class", [Seq2SeqCardTrainer, Seq2SeqLengthTrainer])  # the second: train_seq2seq's
 @pytest.mark.parametrize("name", sorted(set(MODELS) - {"marian"}))
-def test_trainer_push_to_hub_keeps_our_card_and_its_metadata(name, validated, tmp_path):
+def test_trainer_push_to_hub_keeps_our_card_and_its_metadata(name, trainer_class, validated, tmp_path):
     model, tokenizer = randomize(MODELS[name]()), toy_tokenizer()
     model.add_model_tags(["distilled"])
     output_dir = tmp_path / "out"
@@ -176,7 +178,8 @@ def test_trainer_push_to_hub_keeps_our_card_and_its_metadata(name, validated, tm
     results = {"test_bleu": 1.5, "bleu_signature": "nrefs:1|tok:13a",
                CARD_METADATA: dict(language=["en", "de"], license="apache-2.0", eval_results=evals)}
     (output_dir / RESULTS_FILE).write_text(json.dumps(results))  # a trained folder's results
-    trainer_for(model, output_dir, tokenizer).push_to_hub(language="fr", tags="mine", dataset_tags="someone/data")
+    trainer_for(model, output_dir, tokenizer, trainer_class).push_to_hub(language="fr", tags="mine",
+                                                                          dataset_tags="someone/data")
     (commit,) = validated.commits
     text = commit["files"]["README.md"].decode()
     assert validated.validated == [text]

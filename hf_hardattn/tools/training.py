@@ -39,6 +39,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 
 from ..safe_io import CorruptFileError, verify_folder
+from .trainer_card import Seq2SeqCardTrainer
 
 logger = logging.get_logger(__name__)
 
@@ -153,8 +154,9 @@ class EpochLengthGroupedSampler(LengthGroupedSampler):
         return super().__iter__()
 
 
-class Seq2SeqLengthTrainer(Seq2SeqTrainer):
-    """``Seq2SeqTrainer`` whose ``group_by_length`` batches group examples by max(source, target) length (the
+class Seq2SeqLengthTrainer(Seq2SeqCardTrainer):
+    """``Seq2SeqTrainer`` (with the model's own card on ``push_to_hub``, :class:`Seq2SeqCardTrainer`) whose
+    ``group_by_length`` batches group examples by max(source, target) length (the
     count of a token-based batch) instead of the source length alone: with source-only grouping a batch's targets
     vary in length and on Multi30k 39% of the padded target positions are padding (11% here)."""
 
