@@ -21,11 +21,12 @@ from transformers import AutoConfig, AutoModelForSeq2SeqLM
 from .attention_interface import register as _register_attention_interface
 from .beam_joint import (BeamJointRNNConfig, BeamJointRNNForConditionalGeneration, BeamJointTransformerConfig,
                          BeamJointTransformerForConditionalGeneration)
+from .caches import HardAttnCache
 from .configuration_hardattn import ATTENTION_KINDS, HardAttnConfig
 from .gaussian import GaussianConfig, GaussianForConditionalGeneration, fit_length_ratio
 from .hard_retrieval import HardRetrievalConfig, HardRetrievalForConditionalGeneration
 from .hybrid import HybridConfig, HybridForConditionalGeneration
-from .modeling_hardattn import HardAttnCache, HardAttnForConditionalGeneration
+from .modeling_hardattn import HardAttnForConditionalGeneration
 from .pipelines import TranslationPipeline
 from .pipelines import register as _register_pipelines
 from .recurrent import RecurrentConfig, RecurrentForConditionalGeneration
