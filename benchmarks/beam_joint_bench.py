@@ -20,10 +20,10 @@ quality (``--quality``)
     through ``hf_hardattn.tools.data`` / ``tokenization`` / ``training``. Real numbers need hours of CPU training; run with
     ``--tiny`` it only proves the path works (a few steps on a few hundred examples).
 
-    python benchmarks/beam_joint_bench.py                     # speed -> benchmarks/results/beam_joint_speed.json
+    python benchmarks/beam_joint_bench.py                     # speed -> benchmarks/results/beam_joint_speed_KIND.json
     python benchmarks/beam_joint_bench.py --rounds 3          # quick look
     python benchmarks/beam_joint_bench.py --memory            # peak RSS of a 4096-token step, soft vs K=6
-    python benchmarks/beam_joint_bench.py --quality --tiny    # quality path, tiny -> beam_joint_quality.json
+    python benchmarks/beam_joint_bench.py --quality --tiny    # quality path, tiny -> beam_joint_quality_*_KIND.json
     python benchmarks/beam_joint_bench.py --quality --task nouns --setting rnn --minutes 60
 """
 
@@ -39,8 +39,8 @@ from hf_hardattn import (BeamJointRNNConfig, BeamJointRNNForConditionalGeneratio
                          BeamJointTransformerForConditionalGeneration, HybridConfig, HybridForConditionalGeneration,
                          SoftTransformerConfig, SoftTransformerForConditionalGeneration)
 from hf_hardattn.tools.training import machine
+from machine_kind import default_output
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 DIMS = dict(vocab_size=8000, d_model=256, encoder_layers=3, decoder_layers=3, encoder_attention_heads=4,
             decoder_attention_heads=4, encoder_ffn_dim=1024, decoder_ffn_dim=1024, dropout=0.1,
             pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1)
@@ -252,16 +252,17 @@ def main():
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--lr", type=float, default=5e-4)
     parser.add_argument("--output", default="outputs/beam_joint_quality")
-    parser.add_argument("--json", default=None, help="result file (default benchmarks/results/beam_joint_*.json)")
+    parser.add_argument("--json", default=None, help="result file (default benchmarks/results/beam_joint_*_KIND.json, "
+                        "KIND the CPU kind: benchmarks/machine_kind.py)")
     args = parser.parse_args()
     if args.quality:
         result = quality(args)
-        name = f"beam_joint_quality_{args.task}_{args.setting}{'_tiny' if args.tiny else ''}.json"
+        name = f"beam_joint_quality_{args.task}_{args.setting}{'_tiny' if args.tiny else ''}"
     elif args.memory:
-        result, name = memory(args), "beam_joint_memory.json"
+        result, name = memory(args), "beam_joint_memory"
     else:
-        result, name = speed(args), "beam_joint_speed.json"
-    path = args.json or os.path.join(RESULTS, name)
+        result, name = speed(args), "beam_joint_speed"
+    path = args.json or default_output(name)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as handle:
         json.dump({"machine": machine(), **result}, handle, indent=2)

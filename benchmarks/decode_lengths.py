@@ -9,7 +9,7 @@ sentences, 30 new tokens), alternating round by round: the cost of a step alone,
     python benchmarks/decode_lengths.py soft hard_self_cross hc_all hybrid_dot
     python benchmarks/decode_lengths.py soft hard_self_cross --folder outputs/reproduce/multi30k-cpu --threads 2
 
-Writes benchmarks/results/decode_lengths.json, or ``--output``.
+Writes benchmarks/results/decode_lengths_KIND.json (KIND: benchmarks/machine_kind.py), or ``--output``.
 """
 
 import argparse
@@ -26,8 +26,7 @@ import hf_hardattn  # noqa: F401  (registers the model types)
 from hf_hardattn.tools.data import multi30k
 from hf_hardattn.tools.training import default_max_new_tokens, length_sorted_batches, machine
 from trained_models import check_trained_args
-
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+from machine_kind import default_output
 
 
 @torch.no_grad()
@@ -63,7 +62,7 @@ def main(argv=None):
     parser.add_argument("--new-tokens", type=int, default=30)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--output", default=os.path.join(RESULTS, "decode_lengths.json"))
+    parser.add_argument("--output", default=default_output("decode_lengths"))
     args = parser.parse_args(argv)
     check_trained_args(parser, args, ("batch_size", "num_beams", "forced_sentences", "new_tokens", "rounds", "threads"))
     sources = list(multi30k("test_2016_flickr")["source"])

@@ -50,7 +50,7 @@ transformers (torch models: built in fp32, then quantised or cast, as a user loa
 (int8 layers: int8 weights and their scales; ``ct2_*``: the converted folder, converted with its compute type as
 quantization, another process).
 
-    python benchmarks/decode_speed.py                     # full table -> benchmarks/results/decode_speed.json
+    python benchmarks/decode_speed.py                     # full table -> benchmarks/results/decode_speed_KIND.json
     python benchmarks/decode_speed.py --models soft marian --batch-sizes 1 --modes greedy --repeats 3
 """
 
@@ -72,6 +72,7 @@ from hf_hardattn import (BeamJointTransformerConfig, BeamJointTransformerForCond
 from hf_hardattn.layers import SoftAttention
 from hf_hardattn.packed_linear import pack_linears
 from hf_hardattn.tools.training import cpu_has_bf16_matmul, machine
+from machine_kind import default_output
 
 DIMS = dict(vocab_size=8000, d_model=512, encoder_layers=6, decoder_layers=6, encoder_attention_heads=8,
             decoder_attention_heads=8, encoder_ffn_dim=2048, decoder_ffn_dim=2048)
@@ -388,7 +389,7 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--new-tokens", type=int, default=30)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--output", default=os.path.join(os.path.dirname(__file__), "results", "decode_speed.json"))
+    parser.add_argument("--output", default=default_output("decode_speed"))
     parser.add_argument("--memory", action="store_true",
                         help="instead of speed: peak memory and weight size of each model, each in a fresh process")
     parser.add_argument("--ct2-serve", action="store_true", help=argparse.SUPPRESS)

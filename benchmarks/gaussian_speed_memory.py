@@ -26,7 +26,7 @@ warm-up, median over ``--rounds``): a training step (forward + backward) at each
 (greedy and beam 4, batch 1 and 32, exactly 30 tokens, source ``--source-length``).
 
     python benchmarks/gaussian_speed_memory.py [--rounds 5] [--threads 1] [--models base hc-sa hc-sa/conv ...]
-        [--out benchmarks/results/gaussian_speed_memory.json]
+        [--out benchmarks/results/gaussian_speed_memory_KIND.json]
 
 Earlier (kept as a function, see benchmarks/README.md): ``memory(batch, length, threads)`` measured the resident-set
 growth of a step in a fresh process; it includes allocator and library pages, and was not stable on a shared machine.
@@ -46,6 +46,7 @@ import torch
 from hf_hardattn import GaussianConfig, GaussianForConditionalGeneration
 from hf_hardattn.soft import SoftTransformerConfig, SoftTransformerForConditionalGeneration
 from hf_hardattn.tools.training import decode_speed, machine
+from machine_kind import default_output
 
 DIMS = dict(vocab_size=8000, d_model=512, encoder_layers=6, decoder_layers=6, encoder_attention_heads=8,
             decoder_attention_heads=8, encoder_ffn_dim=2048, decoder_ffn_dim=2048)
@@ -226,8 +227,7 @@ def main():
     parser.add_argument("--skip-decoding", action="store_true")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (use 1 on a CPU shared with other jobs: "
                         "2 OpenMP threads on a contended 2-core machine wait on each other)")
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
-                                                      "gaussian_speed_memory.json"))
+    parser.add_argument("--out", default=default_output("gaussian_speed_memory"))
     parser.add_argument("--memory-child", choices=MODELS, help=argparse.SUPPRESS)
     parser.add_argument("--memory-length", type=int, default=32, help=argparse.SUPPRESS)  # of --memory-child
     args = parser.parse_args()

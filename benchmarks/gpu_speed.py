@@ -37,7 +37,7 @@ run is bounded by ``--budget-seconds`` (default 420, from the script's start, mo
 gets an equal share of what is left, and stops after its rounds or its share, with at least one timed round. The
 JSON is rewritten after every setting, so a run killed from outside keeps what it measured.
 
-    python benchmarks/gpu_speed.py                   # -> benchmarks/results/gpu_speed_<gpu-name-slug>.json
+    python benchmarks/gpu_speed.py                   # -> benchmarks/results/gpu_speed_<gpu-name-slug or CPU kind>.json
     python benchmarks/gpu_speed.py --smoke           # tiny dims, bf16 on the CPU, one round: every code path, ~10 s
     bash benchmarks/run_gpu_speed.sh                 # what the GPU machine runs (output also under $OUT/)
 """
@@ -62,6 +62,7 @@ from hf_hardattn import (BeamJointRNNConfig, BeamJointRNNForConditionalGeneratio
                          RecurrentForConditionalGeneration, SoftTransformerConfig,
                          SoftTransformerForConditionalGeneration)
 from hf_hardattn.layers import SoftAttention
+from machine_kind import machine_kind
 
 BASE = dict(dims=dict(vocab_size=32000, d_model=512, encoder_layers=6, decoder_layers=6, encoder_attention_heads=8,
                       decoder_attention_heads=8, encoder_ffn_dim=2048, decoder_ffn_dim=2048),
@@ -317,7 +318,8 @@ def main(argv=None):
     env = environment(device, args)
     name = env["gpu_name"] or "cpu"
     output = args.output or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                         f"gpu_speed_{slug(name)}{'_smoke' if args.smoke else ''}.json")
+                                         f"gpu_speed_{slug(env['gpu_name']) if env['gpu_name'] else machine_kind()}"
+                                         f"{'_smoke' if args.smoke else ''}.json")
     bf16 = args.precision == "bf16"
     print(f"gpu_speed: {name} ({device}), torch {torch.__version__} (CUDA {torch.version.cuda}), transformers "
           f"{transformers.__version__}, precision {args.precision}, budget {args.budget_seconds:.0f}s, -> {output}",

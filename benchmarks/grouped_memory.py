@@ -9,7 +9,7 @@ BLEU of each, and the time of a whole test-set decode (median over rounds) with 
 
     python benchmarks/grouped_memory.py soft hard_self_cross --folder outputs/reproduce/multi30k-cpu-bf16-3267steps
 
-Writes benchmarks/results/grouped_memory.json, or ``--output``.
+Writes benchmarks/results/grouped_memory_KIND.json (KIND: benchmarks/machine_kind.py), or ``--output``.
 """
 
 import argparse
@@ -29,8 +29,7 @@ from hf_hardattn.tools.data import multi30k
 from hf_hardattn.tools.training import machine, translate
 from decode_speed import expanded_memory
 from trained_models import check_trained_args
-
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+from machine_kind import default_output
 
 
 def variants(model, packed: bool) -> dict:
@@ -50,7 +49,7 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--packed", action="store_true", help="also both paths after pack_linears()")
-    parser.add_argument("--output", default=os.path.join(RESULTS, "grouped_memory.json"))
+    parser.add_argument("--output", default=default_output("grouped_memory"))
     args = parser.parse_args(argv)
     check_trained_args(parser, args, ("batch_size", "num_beams", "rounds", "threads"))
     test = multi30k("test_2016_flickr")

@@ -9,7 +9,7 @@ A breakdown (``--profile``) times, inside ``generate()``, the encoder, the decod
 projection (``model.output_logits``) and the rest (generate()'s own per-step work: logits processors, beam
 bookkeeping, cache reordering, input preparation), and prints torch.profiler's top operators of the hybrid.
 
-    python benchmarks/hybrid_speed.py                     # table + benchmarks/results/hybrid_speed.json
+    python benchmarks/hybrid_speed.py                     # table + benchmarks/results/hybrid_speed_KIND.json
     python benchmarks/hybrid_speed.py --quick --profile   # batch 1 only, fewer repeats, plus the breakdown
 """
 
@@ -26,6 +26,7 @@ import torch
 from hf_hardattn import HybridConfig, HybridForConditionalGeneration, SoftTransformerConfig, \
     SoftTransformerForConditionalGeneration
 from hf_hardattn.tools.training import machine
+from machine_kind import machine_kind
 
 COMMON = dict(vocab_size=8000, d_model=512, encoder_layers=6, encoder_attention_heads=8, encoder_ffn_dim=2048,
               dropout=0.0)
@@ -150,7 +151,7 @@ def main(argv=None):
     parser.add_argument("--attentions", nargs="+", default=["additive"], choices=["additive", "dot", "multihead"])
     parser.add_argument("--quick", action="store_true", help="batch 1 only, 3 repeats")
     parser.add_argument("--profile", action="store_true", help="time breakdown + torch.profiler top operators")
-    parser.add_argument("--out", default=os.path.join("benchmarks", "results", "hybrid_speed.json"),
+    parser.add_argument("--out", default=os.path.join("benchmarks", "results", f"hybrid_speed_{machine_kind()}.json"),
                         help="result JSON, recorded as given (default: relative to the repository root)")
     args = parser.parse_args(argv)
     if args.quick:

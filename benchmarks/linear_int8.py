@@ -14,7 +14,7 @@ Kernels, each on the same weights and input, under no_grad, alternating round by
 Prints the time per call relative to ``fp32_packed`` (above 1: faster than it) and the relative output error
 max|y - y_fp32| / max|y_fp32| of each kernel, for every shape (out x in) and row count.
 
-    python benchmarks/linear_int8.py --threads 2      # -> benchmarks/results/linear_int8.json
+    python benchmarks/linear_int8.py --threads 2      # -> benchmarks/results/linear_int8_KIND.json
 """
 
 import argparse
@@ -29,6 +29,7 @@ import torch
 from hf_hardattn.packed_linear import pack_linears
 from hf_hardattn.tools.training import machine
 from linear_kernels import per_call  # (benchmarks/: the same timing loop)
+from machine_kind import default_output
 
 SHAPES = [(512, 512), (1536, 512), (2048, 512), (512, 2048), (8000, 512)]  # o-proj, qkv, ffn1, ffn2, vocab
 ROWS = [1, 4, 32, 128]
@@ -62,7 +63,7 @@ def main(argv=None):
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--calls", type=int, default=50)
-    parser.add_argument("--output", default=os.path.join(os.path.dirname(__file__), "results", "linear_int8.json"))
+    parser.add_argument("--output", default=default_output("linear_int8"))
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)

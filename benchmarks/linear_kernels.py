@@ -6,7 +6,7 @@ Prints the time ratio plain / packed (above 1: packed is faster), per weight sha
 count, layer call overheads included; ``pack_linears``' default ``max_rows`` is chosen from it. Both layers run in
 one process, alternating, on the same input; the median of ``--rounds`` rounds of ``--calls`` calls is taken.
 
-    python benchmarks/linear_kernels.py            # -> benchmarks/results/linear_kernels.json
+    python benchmarks/linear_kernels.py            # -> benchmarks/results/linear_kernels_KIND.json
 """
 
 import argparse
@@ -20,6 +20,7 @@ import torch
 
 from hf_hardattn.packed_linear import pack_linears
 from hf_hardattn.tools.training import machine
+from machine_kind import default_output
 
 SHAPES = [(512, 512), (1536, 512), (2048, 512), (512, 2048), (8000, 512)]  # out x in: o-proj, qkv, ffn1, ffn2, vocab
 ROWS = [1, 4, 32, 128, 768]
@@ -37,7 +38,7 @@ def main(argv=None):
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--calls", type=int, default=50)
-    parser.add_argument("--output", default=os.path.join(os.path.dirname(__file__), "results", "linear_kernels.json"))
+    parser.add_argument("--output", default=default_output("linear_kernels"))
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)

@@ -232,10 +232,14 @@ def parse_args(argv):
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output-dir", default=os.path.join("outputs", "pretrained_hard"))
-    parser.add_argument("--results", default=os.path.join("benchmarks", "results", "pretrained_hard"),
-                        help="path without extension: writes RESULTS.json and RESULTS.md")
+    parser.add_argument("--results", default=None, help="path without extension: writes RESULTS.json and RESULTS.md "
+                        "(default benchmarks/results/pretrained_hard_KIND, KIND the CPU kind: "
+                        "benchmarks/machine_kind.py)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
+    if args.results is None:
+        from machine_kind import machine_kind  # beside this script (a test loads the script by its path)
+        args.results = os.path.join("benchmarks", "results", f"pretrained_hard_{machine_kind()}")
     if any(n < 1 for n in args.steps):
         parser.error(f"--steps must be positive integers, got {args.steps}")
     args.steps = sorted(set(args.steps))

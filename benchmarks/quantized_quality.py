@@ -13,7 +13,7 @@ free-decoding timing each: a rough figure; the speed comparison is ``benchmarks/
     python benchmarks/quantized_quality.py soft hc_sa --folder outputs/reproduce/nouns-cpu --precisions fp32 int8
 
 bf16 runs only on CPUs with native bf16 matrix products unless named (elsewhere it is ~100x slower).
-Writes benchmarks/results/quantized_quality.json, or ``--output``.
+Writes benchmarks/results/quantized_quality_KIND.json (KIND: benchmarks/machine_kind.py), or ``--output``.
 """
 
 import argparse
@@ -29,8 +29,8 @@ import hf_hardattn  # noqa: F401  (registers the model types)
 from hf_hardattn.tools.reproduce import Recipe, evaluate, load_task
 from hf_hardattn.tools.training import cpu_has_bf16_matmul, machine
 from trained_models import check_trained_args
+from machine_kind import default_output
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 PRECISIONS = ("fp32", "int8", "bf16")
 
 
@@ -61,7 +61,7 @@ def main(argv=None):
     parser.add_argument("--precisions", nargs="+", choices=PRECISIONS, default=None,
                         help="default: all (bf16 only on CPUs with native bf16 matrix products)")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--output", default=os.path.join(RESULTS, "quantized_quality.json"))
+    parser.add_argument("--output", default=default_output("quantized_quality"))
     args = parser.parse_args(argv)
     if not args.models and not args.marian:
         parser.error("name at least one trained row or --marian")

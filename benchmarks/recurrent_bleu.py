@@ -24,6 +24,7 @@ from hf_hardattn.tools.data import multi30k
 from hf_hardattn.recurrent import RECURRENT_VARIANTS
 from hf_hardattn.tools.tokenization import train_tokenizer
 from hf_hardattn.tools.training import bleu, machine, tokenize_dataset, train_seq2seq
+from machine_kind import default_output
 
 DIMS = dict(d_model=256, encoder_layers=3, decoder_layers=3, encoder_attention_heads=4, decoder_attention_heads=4,
             encoder_ffn_dim=1024, decoder_ffn_dim=1024, dropout=0.1)
@@ -48,7 +49,7 @@ def main():
     parser.add_argument("--eval-size", type=int, default=None, help="first N test sentences (default: all 1000)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--no-baseline", action="store_true", help="skip the soft baseline (e.g. a second run)")
-    parser.add_argument("--output", default=os.path.join(os.path.dirname(__file__), "results", "recurrent_bleu.json"))
+    parser.add_argument("--output", default=default_output("recurrent_bleu"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 

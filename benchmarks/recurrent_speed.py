@@ -13,7 +13,7 @@ one variant: the whole decoder run one target position at a time through the cac
 Decoding: 30 forced tokens (min_new_tokens = max_new_tokens), greedy and beam 4, batch 1 and 32, sentences/s via
 ``hf_hardattn.tools.training.decode_speed`` (median of repeats), same models in eval mode.
 
-    python benchmarks/recurrent_speed.py                      # writes benchmarks/results/recurrent_speed.json
+    python benchmarks/recurrent_speed.py                      # writes benchmarks/results/recurrent_speed_KIND.json
     python benchmarks/recurrent_speed.py --rounds 3 --no-decode   # quick look
 """
 
@@ -30,6 +30,7 @@ from hf_hardattn import SoftTransformerForConditionalGeneration
 from hf_hardattn.caches import CACHE_FIELD, HardAttnCache
 from hf_hardattn.recurrent import RECURRENT_VARIANTS
 from hf_hardattn.tools.training import decode_speed, machine
+from machine_kind import default_output
 
 DIMS = dict(vocab_size=8000, d_model=256, encoder_layers=3, decoder_layers=3, encoder_attention_heads=4,
             decoder_attention_heads=4, encoder_ffn_dim=1024, decoder_ffn_dim=1024, dropout=0.1,
@@ -83,7 +84,7 @@ def main():
                         "decoder ('' to skip)")
     parser.add_argument("--no-decode", action="store_true")
     parser.add_argument("--decode-repeats", type=int, default=3)
-    parser.add_argument("--output", default=os.path.join(os.path.dirname(__file__), "results", "recurrent_speed.json"))
+    parser.add_argument("--output", default=default_output("recurrent_speed"))
     args = parser.parse_args()
     if args.sequential and args.sequential not in args.variants:
         parser.error(f"--sequential {args.sequential!r} must be one of --variants {args.variants} (or '' to skip)")

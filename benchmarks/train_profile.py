@@ -9,7 +9,7 @@
   bmm over their self time) against one large product of the same dtype alone, and the dropout masks' ns per
   element at 1 and at 2 threads (is torch's CPU random number generation parallel?).
 
-    python benchmarks/train_profile.py --bf16      # -> benchmarks/results/train_profile_bf16.json
+    python benchmarks/train_profile.py --bf16      # -> benchmarks/results/train_profile_bf16_KIND.json
     python benchmarks/train_profile.py --rows soft marian --rounds 3
 """
 

@@ -11,8 +11,8 @@ time relative to soft (and, for the GRU-decoder models, to the soft-attention hy
 
 Targets: beam-joint <= 1.3x soft's step time, recurrent <= 1.5x.
 
-    python benchmarks/train_speed.py                 # -> benchmarks/results/train_speed.json
-    python benchmarks/train_speed.py --bf16          # bf16 autocast -> benchmarks/results/train_speed_bf16.json
+    python benchmarks/train_speed.py                 # -> benchmarks/results/train_speed_KIND.json
+    python benchmarks/train_speed.py --bf16          # bf16 autocast -> benchmarks/results/train_speed_bf16_KIND.json
     python benchmarks/train_speed.py --rounds 2 --rows soft marian recurrent_expand_1
 """
 
@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from hf_hardattn.tools.reproduce import PRESETS, ROWS
 from hf_hardattn.tools.training import machine
+from machine_kind import default_output
 
 
 class VocabOnly:
@@ -76,7 +77,7 @@ def add_step_arguments(parser, script):
     parser.add_argument("--length", type=int, default=30)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--bf16", action="store_true", help="bf16 autocast, as the Multi30k cpu recipe trains")
-    parser.add_argument("--output", default=None, help=f"default benchmarks/results/{script}[_bf16].json")
+    parser.add_argument("--output", default=None, help=f"default benchmarks/results/{script}[_bf16]_KIND.json")
 
 
 def check_counts(args, *flags):
@@ -88,10 +89,10 @@ def check_counts(args, *flags):
 
 
 def output_path(args, script):
-    """``--output``, or benchmarks/results/{script}[_bf16].json."""
+    """``--output``, or benchmarks/results/{script}[_bf16]_KIND.json (KIND the CPU: benchmarks/machine_kind.py)."""
     if args.output is not None:
         return args.output
-    return os.path.join(os.path.dirname(__file__), "results", f"{script}_bf16.json" if args.bf16 else f"{script}.json")
+    return default_output(f"{script}_bf16" if args.bf16 else script)
 
 
 def main(argv=None):
