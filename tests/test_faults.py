@@ -483,7 +483,7 @@ def test_all_ignored_batch_gives_zero_loss_and_zero_gradients(name):
 
 
 def test_kd_loss_of_an_all_ignored_batch_is_zero():
-    from hf_hardattn.tools.distill import kd_loss
+    from hf_hardattn.hybrid import kd_loss
 
     student = torch.randn(2, 5, VOCAB, requires_grad=True)
     loss = kd_loss(student, torch.randn(2, 5, VOCAB), torch.full((2, 5), -100), 1.0)
