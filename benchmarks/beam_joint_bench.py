@@ -4,8 +4,8 @@ script path of the quality comparison.
 speed (default)
     The paper reports 20-30% more training time than soft attention at K=6; our target is <= 1.3x. Two settings,
     each against its own soft model (same parameters, same batch):
-      * setting 1, the paper's: Transformer encoder + RNN decoder with beam-joint output (beam_joint_rnn's defaults
-        since issue #42: Luong-style LSTM decoder with input feeding, dot attention) vs the soft model with the SAME
+      * setting 1, the paper's: Transformer encoder + RNN decoder with beam-joint output (beam_joint_rnn's defaults:
+        the paper's Luong-style LSTM decoder with input feeding, dot attention) vs the soft model with the SAME
         decoder (``HybridForConditionalGeneration`` with those fields); ``--rnn-style bahdanau`` measures the earlier
         setting (Bahdanau-style GRU, additive attention) against the soft hybrid of that decoder;
       * setting 2, future work: Transformer with beam-joint in the last decoder layer vs the soft Transformer.
@@ -49,7 +49,7 @@ RNN_DIMS = dict(DIMS, decoder_layers=1, rnn_hidden_size=256)
 
 RNN_STYLES = {  # the RNN decoder of setting 1, the same for the soft and the joint model
     "luong": dict(rnn_decoder_style="luong", rnn_cell="lstm", rnn_attention="dot"),  # the paper's (the default)
-    "bahdanau": dict(rnn_decoder_style="bahdanau", rnn_cell="gru", rnn_attention="additive"),  # before issue #42
+    "bahdanau": dict(rnn_decoder_style="bahdanau", rnn_cell="gru", rnn_attention="additive"),  # the earlier GRU setting
 }
 
 

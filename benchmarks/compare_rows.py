@@ -1,4 +1,4 @@
-"""Seeds, sets and standard errors of reproduce rows (issue #53): which verdicts hold on every scored set.
+"""Seeds, sets and standard errors of reproduce rows: which verdicts hold on every scored set.
 
 Reads the ``reproduce_TASK_PRESET.json`` files of ``benchmarks/reproduce.py`` runs (one row per seed, each its own
 folder or not), groups rows by (row name, initialisation) and prints, for every scored set (Multi30k:
@@ -26,7 +26,7 @@ import sys
 
 
 def init_name(init_std, embed_init_std=None) -> str:
-    """"xavier" (the default before issue #53's embeddings-only init), "N(0,0.02)" (every weight), "xavier, emb
+    """"xavier" (the earlier default, before the embeddings-only init), "N(0,0.02)" (every weight), "xavier, emb
     N(0,0.02)" (Xavier linears, embeddings N(0, 0.02))."""
     name = "xavier" if init_std is None else f"N(0,{init_std:g})"
     return name if embed_init_std is None else f"{name}, emb N(0,{embed_init_std:g})"

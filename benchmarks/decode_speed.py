@@ -24,14 +24,14 @@ alike.
 * ``soft_expanded`` / ``soft_packed_expanded`` / ``hybrid_dot_expanded``: the same models with the encoder output
   expanded to one row per beam (what transformers does; our models keep one row per sentence, so cross-attention
   keys/values are projected, cached and read once per sentence). Only beam 4 differs.
-* ``*_int8``: the same model after ``quantize_int8()`` (torch's dynamic int8 linear layers, issue #44);
+* ``*_int8``: the same model after ``quantize_int8()`` (torch's dynamic int8 linear layers);
   ``soft_int8`` is the MarianMTModel that CTranslate2 decodes (same seed, same weights), converted to a soft model
   with ``hf_hardattn.tools.convert`` and quantised: the same architecture and weights as ``ct2_int8``.
   ``soft_int8_expanded``: with transformers' one encoder row per beam (the grouped memory's share of the gain).
   ``soft_int8_onednn``: ``soft_int8`` with its int8 layers packed for torch's oneDNN engine instead of fbgemm (what
   torch's own "x86" engine picks on CPUs with VNNI / AMX; ``quantize_int8(engine="onednn")``, its default packs for
-  fbgemm everywhere): measured to choose the int8 kernel per CPU (issue #50; on the AVX2 EPYC 0.58 / 0.69 / 0.45 / 0.85x fbgemm's speed,
-  2026-11-27, ``decode_speed_int8_engines_epyc_avx2.json``).
+  fbgemm everywhere): measured to choose the int8 kernel per CPU (on the AVX2 EPYC 0.58 / 0.69 / 0.45 / 0.85x
+  fbgemm's speed, ``decode_speed_int8_engines_epyc_avx2.json``).
 * ``ct2_float32`` / ``ct2_int8``: the same MarianMTModel converted with ``ctranslate2`` (what a user would pick for
   fast CPU decoding), ``intra_threads`` = --threads; the reference, not a model of this package. Measured in a
   second process (its OpenMP threads keep spinning after each call and would slow down the next torch model in the
@@ -40,8 +40,8 @@ alike.
   own default for the CPU (oneDNN int8 on AMD; ``CT2_USE_MKL=1`` was 3-4x slower on the AVX2 EPYC), printed with
   ``CT2_VERBOSE=1``.
 
-Targets (issue #7): soft >= 1.2x marian; hard_retrieval >= 0.8x attention_removed; hybrid 6-1 >= 4x soft;
-sh_x >= 1.3x soft. Issue #44: soft_int8 >= 1.0x ct2_int8 at every setting and >= 1.3x at batch 1; hybrid_dot_int8
+The speed targets: soft >= 1.2x marian; hard_retrieval >= 0.8x attention_removed; hybrid 6-1 >= 4x soft;
+sh_x >= 1.3x soft. The int8 targets: soft_int8 >= 1.0x ct2_int8 at every setting and >= 1.3x at batch 1; hybrid_dot_int8
 >= 2.5x ct2_int8.
 
 Peak memory (``--memory``): each model is built and decodes once in a fresh process (batch 32, beam 4, the

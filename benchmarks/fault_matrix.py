@@ -1,4 +1,4 @@
-"""Fault and bad-input matrix of issue #41 (training arguments, corrupt weights, a killed save, diverging recurrent
+"""Fault and bad-input matrix (training arguments, corrupt weights, a killed save, diverging recurrent
 context, NaN scores in generate for every contract model, all-ignored batches): one line per case and the counts.
 
 clear = an error whose message names the parameter or the file; deep = another exception; silent = no error and a

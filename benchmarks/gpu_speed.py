@@ -21,7 +21,7 @@ setting), and the nine recurrent cross-attention variants.
 
 Claims (ratio -> the paper's claim -> held when):
   * hard_retrieval / soft, sentences/s: hard retrieval paper 1.43x -> held when >= 1.43;
-    hard_retrieval / attention_removed: the ceiling, issue #7's target >= 0.8x;
+    hard_retrieval / attention_removed: the ceiling, the project's target >= 0.8x;
   * sh_x / soft, hc_sa / soft: Gaussian paper 1.30x, 1.06x -> held when >= the claim;
   * hybrid_{additive,dot} / soft: hybrid paper "about 4x" -> held when >= 4.0 (decode_speed.py's target);
   * beam_joint_k6 / soft and beam_joint_rnn_k6 / hybrid_rnn_soft, step time: beam-joint paper 1.2-1.3x the
@@ -84,7 +84,7 @@ MODES = (("greedy", 1), ("beam4", 4))
 # training ratios: step time of numerator / denominator (> 1: numerator slower).
 CLAIMS = [
     ("decoding", "hard_retrieval", "soft", "hard retrieval paper", "1.43x soft's decoding speed", ">=", 1.43),
-    ("decoding", "hard_retrieval", "attention_removed", "issue #7 target (attention removed is the ceiling)",
+    ("decoding", "hard_retrieval", "attention_removed", "project target (attention removed is the ceiling)",
      ">= 0.8x attention removed", ">=", 0.8),
     ("decoding", "sh_x", "soft", "Gaussian paper", "1.30x soft's decoding speed", ">=", 1.30),
     ("decoding", "hc_sa", "soft", "Gaussian paper", "1.06x soft's decoding speed", ">=", 1.06),

@@ -1,4 +1,4 @@
-"""Cost of the numerical guards of issue #41 when they do not fire: the NaN/+inf check of the logits at inference
+"""Cost of the numerical guards when they do not fire: the NaN/+inf check of the logits at inference
 (``inputs.check_finite_logits``, every model type) and the bound on recurrent cross-attention's carried
 context (``RecurrentCrossAttention.check_bounded``, expand_1/2/3).
 

@@ -1,4 +1,4 @@
-"""Candidate CPU kernels for int8 decoding (issue #44), per linear layer: which library kernel is fastest at the weight
+"""Candidate CPU kernels for int8 decoding, per linear layer: which library kernel is fastest at the weight
 shapes of a Transformer-base decoder and the row counts of decoding (batch x beams), and what it costs in accuracy.
 
 Kernels, each on the same weights and input, under no_grad, alternating round by round:

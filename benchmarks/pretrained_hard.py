@@ -1,4 +1,4 @@
-"""From a trained MarianMTModel to a fine-tuned hard-retrieval model (issue #40, item 3): BLEU and decoding speed.
+"""From a trained MarianMTModel to a fine-tuned hard-retrieval model: BLEU and decoding speed.
 
 The workflow of a user with an opus-mt checkpoint, measured on Multi30k en-de. ``--source`` is a MarianMTModel (or
 BART / mBART / M2M100) folder holding its tokenizer, by default the ``marian`` row trained by ``python

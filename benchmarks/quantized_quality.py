@@ -1,4 +1,4 @@
-"""What int8 and bf16 decoding cost in quality (issue #44): models trained by ``benchmarks/reproduce.py`` decoded in
+"""What int8 and bf16 decoding cost in quality: models trained by ``benchmarks/reproduce.py`` decoded in
 fp32, after ``model.quantize_int8()`` and after ``model.to(torch.bfloat16)``, scored exactly as the reproduction
 table scores them (its stored task and recipe: Multi30k BLEU of beam 4 on test_2016_flickr, or noun-inflection exact
 match; ``hf_hardattn.tools.reproduce.evaluate``).

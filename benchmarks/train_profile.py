@@ -1,4 +1,4 @@
-"""Where one training step goes (issue #7): the steps of ``train_speed.py`` (same models, same batch: 128 sentences x
+"""Where one training step goes: the steps of ``train_speed.py`` (same models, same batch: 128 sentences x
 30 + 30 random tokens, forward + loss + backward + Adam) split three ways.
 
 - **Phases**, wall clock: forward + loss, backward, optimizer step (median over ``--rounds``).

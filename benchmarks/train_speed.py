@@ -1,4 +1,4 @@
-"""Training throughput of every variant against the soft Transformer of the same size (issue #7).
+"""Training throughput of every variant against the soft Transformer of the same size.
 
 The models are exactly those of the reproduction table (``hf_hardattn.tools.reproduce.ROWS``, preset ``cpu`` of
 Multi30k: d_model 256, 3+3 layers, 4 heads, FFN 1024, vocab 8000, dropout 0.1; hybrids and the beam-joint RNN have a

@@ -10,8 +10,8 @@ Stages:
    each from the same MLE checkpoint and with the same budget: ``eq1_sequence`` (default, the paper's Eq. 1:
    reference NLL + lambda * NLL of the teacher's beam output, Kim & Rush's sequence-level KL), ``eq1_word`` (Eq. 1
    with the per-token KL along the reference), ``sequence_word`` (not Eq. 1: the teacher's output replaces the
-   reference, NLL + lambda * per-token KL along it; this script's scheme before #42), ``sequence_only`` (not Eq. 1:
-   MLE on the teacher's outputs only);
+   reference, NLL + lambda * per-token KL along it; the scheme of an earlier version of this script), ``sequence_only``
+   (not Eq. 1: MLE on the teacher's outputs only);
 5. BLEU (sacrebleu, beam 4) of teacher, hybrid (MLE) and each hybrid + KD, and their decoding speed (beam 4, 30
    forced tokens, same test batch).
 

@@ -104,7 +104,7 @@ def run_demo(args) -> dict:
         config = config_class(vocab_size=len(tokenizer), max_position_embeddings=args.max_length, dropout=0.1,
                               pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
                               eos_token_id=tokenizer.eos_token_id, decoder_start_token_id=tokenizer.bos_token_id,
-                              embed_init_std=None,  # character level: N(0, d^-1/2) embeddings (0.02 is worse, #53)
+                              embed_init_std=None,  # character level: N(0, d^-1/2) embeddings (0.02 is worse here)
                               **size)
         model = model_class(config)
         params = sum(p.numel() for p in model.parameters())

@@ -302,10 +302,10 @@ ROWS = [
         "above rnn_luong_soft (soft)", build=_beam_joint("rnn", joint_k=6, **PAPER_RNN), baseline="rnn_luong_soft"),
     Row("beam_joint_rnn_k6_decoded_k1", "beam-joint, Table 2", "below K=6, still above rnn_luong_soft (soft)",
         source="beam_joint_rnn_k6", derive=_inference_k(1), baseline="rnn_luong_soft"),
-    Row("beam_joint_rnn_bahdanau_k6", "beam-joint on the hybrid's Bahdanau-style GRU (the row before #42; not the "
+    Row("beam_joint_rnn_bahdanau_k6", "beam-joint on the hybrid's Bahdanau-style GRU (the earlier GRU setting; not the "
         "paper's decoder)", "above hybrid_additive (soft)", build=_beam_joint("rnn", joint_k=6, **EARLIER_RNN),
         baseline="hybrid_additive"),
-    Row("beam_joint_rnn_bahdanau_k6_decoded_k1", "beam-joint, Table 2 (the row before #42)",
+    Row("beam_joint_rnn_bahdanau_k6_decoded_k1", "beam-joint, Table 2 (the earlier GRU setting)",
         "below K=6, still above hybrid_additive (soft)", source="beam_joint_rnn_bahdanau_k6", derive=_inference_k(1),
         baseline="hybrid_additive"),
     Row("beam_joint_k6", "beam-joint in the last Transformer layer (the paper's future work)", "above soft",
@@ -315,7 +315,7 @@ ROWS = [
     Row("full_joint_rnn", "full-joint, Table 1 (the paper's LSTM decoder)",
         "above rnn_luong_soft (soft), below beam_joint_rnn_k6", build=_beam_joint("rnn", full_joint=True, **PAPER_RNN),
         tasks=("nouns",), baseline="rnn_luong_soft"),
-    Row("full_joint_rnn_bahdanau", "full-joint on the Bahdanau-style GRU (the row before #42)",
+    Row("full_joint_rnn_bahdanau", "full-joint on the Bahdanau-style GRU (the earlier GRU setting)",
         "above hybrid_additive (soft), below beam_joint_rnn_bahdanau_k6",
         build=_beam_joint("rnn", full_joint=True, **EARLIER_RNN), tasks=("nouns",), baseline="hybrid_additive"),
     *[Row(f"recurrent_{v}", "recurrent cross-attention, Table 2", "about equal to soft", build=_recurrent(v))

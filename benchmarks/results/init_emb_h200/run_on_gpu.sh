@@ -1,5 +1,5 @@
 #!/bin/bash
-# Issue #53 items 1-2, second GPU call (2026-11-27): the embeddings-only init (config embed_init_std 0.02, Xavier
+# The initialisation comparison, second GPU call (2026-11-27): the embeddings-only init (config embed_init_std 0.02, Xavier
 # linears) on Multi30k, cpu preset, fp32, 1500 steps; every row scores BLEU + chrF on test_2016_flickr and val.
 # One process per row (--threads 1), run from the checkout with .devdata/ (the Multi30k files + the tokenizer trained
 # here) and .whl/ (datasets wheels) carried:

@@ -1,5 +1,5 @@
 #!/bin/bash
-# Issue #53 items 1-2 on one GPU (one call, run from the checkout with .devdata/ = the Multi30k files + the tokenizers
+# The initialisation comparison on one GPU (one call, run from the checkout with .devdata/ = the Multi30k files + the tokenizers
 # trained here, and .whl/ = datasets and german-nouns wheels, carried). Every row is its own process (--threads 1):
 #   A  Multi30k cpu preset, fp32, 1500 steps: soft, hard_cross x init {xavier, 0.02} x seed {0, 1}      (nice 0)
 #   B  nouns cpu preset, fp32, 2000 steps: one row per model type x init {xavier, 0.02} x seed {0, 1}   (nice 5)

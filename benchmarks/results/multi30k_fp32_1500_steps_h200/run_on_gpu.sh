@@ -1,6 +1,6 @@
 #!/bin/bash
 # The two calls of 2026-11-26 on one H200 (run from .devdata/ of the checkout, with the Multi30k files, the wheels
-# in .whl/ and the eq1fixed folder carried): `run_on_gpu.sh 1` trains the Multi30k rows of issues #42 / #44 (fp32, the
+# in .whl/ and the eq1fixed folder carried): `run_on_gpu.sh 1` trains the Multi30k beam-joint, hybrid-KD and int8 rows (fp32, the
 # cpu preset's recipe, 1500 steps, seed 0) in parallel, then scores fp32/int8/bf16 of hard_cross and the converted
 # Marian on that machine's CPU; `run_on_gpu.sh 2` trains soft (seeds 0 and 1) and seed 1 of the beam-joint rows.
 # LOCAL=1: smoke test on a CPU (no wheels, tiny steps). (Call 2 ran on the still-warm machine of call 1; it copied the
