@@ -74,8 +74,8 @@ def test_embeddings_only_init_is_its_own_group_and_named_inits_compare_across(tm
 
 
 def test_an_older_row_without_sets_counts_for_its_tables_test_set():
-    """Rows from before issue #53 have one ``score``: Multi30k's is test_2016_flickr's BLEU (pairs with newer rows'
-    test set, never with val), nouns' is its test accuracy."""
+    """Rows stored before the scores on two sets have one ``score``: Multi30k's is test_2016_flickr's BLEU (pairs with
+    newer rows' test set, never with val), nouns' is its test accuracy."""
     old = dict(row="soft", seed=0, metric="BLEU", score=33.1, task="multi30k")
     assert compare_rows.scores_of(old) == {("BLEU", "test_2016_flickr"): 33.1}
     assert compare_rows.scores_of(dict(old, task="nouns", metric="accuracy")) == {("accuracy", "test"): 33.1}

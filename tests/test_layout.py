@@ -1,4 +1,4 @@
-"""The package's own layout (issue #51): runtime apart from tooling, no import circle, short files, no reach into
+"""The package's own layout: runtime apart from tooling, no import circle, short files, no reach into
 another module's private names, one registry of attention kinds, roles and model types, and saved folders that carry
 the files their config uses. Each check reads the source files (``ast``), so it holds for every module, imports inside
 functions included."""
@@ -166,7 +166,7 @@ def imported_distributions(root=PACKAGE):
 
 
 def test_every_declared_dependency_is_imported_or_says_why(tmp_path):
-    """No dependency that nothing uses (issue #52: ``evaluate`` was declared and never imported)."""
+    """No dependency that nothing uses (e.g. a declared package that no module imports)."""
     unused = declared_dependencies(REPO / "pyproject.toml") - imported_distributions() - set(NOT_IMPORTED)
     assert unused == set()
     mutant = tmp_path / "pyproject.toml"

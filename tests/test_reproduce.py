@@ -109,7 +109,7 @@ def test_scores_match_an_independent_evaluation(run_dir, name, kinds):
     ("soft_decoded_hard", dict(decoder_attention="hard_retrieval", cross_attention="hard_retrieval")),
 ])
 def test_rows_score_bleu_and_chrf_on_test_and_validation(run_dir, name, kinds):
-    """Issue #53: every Multi30k row scores BLEU and chrF on test_2016_flickr and on the validation split, each equal
+    """Every Multi30k row scores BLEU and chrF on test_2016_flickr and on the validation split, each equal
     to sacrebleu's scores of the saved model's own translations (the table shows both sets)."""
     folder = run_dir["out"] / "models" / "soft"
     model = AutoModelForSeq2SeqLM.from_pretrained(folder).eval()
