@@ -44,3 +44,23 @@ def test_bad_input_is_one_line_and_status_2(argv, expected, tmp_path, capsys, mo
     err = capsys.readouterr().err.strip().splitlines()
     assert err and err[-1].startswith(f"hf-hardattn {argv[0]}: error:") and expected in err[-1], err[-3:]
     assert "Traceback" not in "\n".join(err)
+
+
+@pytest.mark.parametrize("extra, expected", [
+    (["--model-type", "no_such_transformer"], "--model-type='no_such_transformer' is not an hf_hardattn model type"),
+    (["--model-type", "soft_transformer", "--set", "cross_atention=soft"], "did you mean `cross_attention`"),
+    (["--model-type", "soft_transformer", "--set", "d_model=-4"], "d_model"),
+    (["--model-type", "soft_transformer", "--gaussian-preset", "hc-sa"], "--gaussian-preset='hc-sa' applies to"),
+    (["--model-type", "gaussian_transformer", "--gaussian-preset", "hc-all", "--set", "dropuot=0.1"], "did you mean `dropout`"),
+])
+def test_train_checks_every_argument_before_any_work(extra, expected, tmp_path, capsys, monkeypatch):
+    """A bad model type or config field ends `train` before a tokenizer is trained: no OUT folder is made."""
+    monkeypatch.chdir(tmp_path)
+    for lang, text in (("en", "a small house\n"), ("de", "ein kleines Haus\n")):
+        (tmp_path / f"train.{lang}").write_text(text * 20)
+    argv = ["train", "--train", "train", "--source-lang", "en", "--target-lang", "de", "--output-dir", "OUT",
+            "--max-steps", "1", "--tokenizer-kind", "char", "--vocab-size", "40"] + extra
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("hf-hardattn train: error:") and expected in err[-1], err[-3:]
+    assert not (tmp_path / "OUT").exists()

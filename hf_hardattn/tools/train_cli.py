@@ -28,6 +28,7 @@ import json
 import os
 import shlex
 import sys
+import warnings
 
 import numpy as np
 import sacrebleu
@@ -130,6 +131,29 @@ def model_classes(model_type: str):
     return registered_classes(model_type)
 
 
+def check_model_arguments(args, fields):
+    """Before any work (no tokenizer trained, no folder made): the model type, --gaussian-preset's type and the config
+    fields (--config, the size flags, --set) are built into a trial config, so a bad type, a misspelled field or a
+    refused value ends the command here. A saved --init-from model is checked for misspelled fields only (its
+    config is read later)."""
+    config_class, _ = model_classes(args.model_type)
+    if args.gaussian_preset and args.model_type != "gaussian_transformer":
+        raise _error(f"--gaussian-preset={args.gaussian_preset!r} applies to --model-type gaussian_transformer only, "
+                     f"got --model-type={args.model_type!r}.")
+    try:
+        if args.init_from:
+            config_class.check_typed_keys(fields)
+            return
+        with warnings.catch_warnings():  # (an unknown field's warning comes once, from the real config)
+            warnings.simplefilter("ignore")
+            if args.gaussian_preset:
+                config_class.preset(args.gaussian_preset, **fields)
+            else:
+                config_class(**fields)
+    except (ValueError, TypeError) as error:
+        raise _error(f"--model-type={args.model_type!r} with --config / --set {fields}: {error}") from error
+
+
 def build_model(args, tokenizer, splits, fields):
     """(model, how it was made)."""
     config_class, model_class = model_classes(args.model_type)
@@ -210,9 +234,10 @@ def run_train(args) -> dict:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not args.tokenizer and not args.init_from:
         raise _error("a multi-process run needs --tokenizer (or --init-from with one): train it first with "
                      "`hf-hardattn tokenizer`, so that every process reads the same vocabulary.")
-    os.makedirs(args.output_dir, exist_ok=True)
-    splits = load_data(args)
     fields = config_fields(args)
+    check_model_arguments(args, fields)
+    splits = load_data(args)
+    os.makedirs(args.output_dir, exist_ok=True)  # only once every argument has passed: bad input leaves no folder
     tokenizer, tokenizer_source = build_tokenizer(args, splits)
     set_seed(args.seed)  # the initial weights too (every process of a multi-process run builds the same model)
     model, origin = build_model(args, tokenizer, splits, fields)
