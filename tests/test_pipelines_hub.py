@@ -15,7 +15,7 @@ from huggingface_hub import HfApi, ModelCard
 from safetensors.torch import load as load_safetensors
 from transformers import AutoModelForSeq2SeqLM, GPT2Config, GPT2LMHeadModel, MarianConfig, MarianMTModel, pipeline
 
-from common import BOS, EOS, PAD, VOCAB, fitted, randomize, tiny_kwargs, toy_tokenizer
+from common import BOS, EOS, PAD, VOCAB, as_float64, fitted, randomize, tiny_kwargs, toy_tokenizer
 from hf_hardattn import (BeamJointRNNConfig, BeamJointRNNForConditionalGeneration, BeamJointTransformerConfig,
                          BeamJointTransformerForConditionalGeneration, GaussianConfig,
                          GaussianForConditionalGeneration, HardRetrievalConfig, HardRetrievalForConditionalGeneration,
@@ -49,9 +49,11 @@ def by_hand(model, tokenizer, text, **generate_kwargs):
 
 @pytest.fixture(scope="module")
 def fitted_soft():
-    """Outputs that depend on the source (the reversal task), so a batch that mixed up rows would show."""
+    """Outputs that depend on the source (the reversal task), so a batch that mixed up rows would show. Fitted in fp32,
+    then float64: the tests compare a padded batch with each source alone (two code paths), exact text, which fp32
+    rounding could flip at a near tie (see common.as_float64)."""
     torch.manual_seed(0)
-    return fitted(MODELS["soft"]())
+    return as_float64(fitted(MODELS["soft"]()))
 
 
 def varied_model(name, tokenizer, seeds=range(20)):
@@ -158,6 +160,47 @@ def test_only_the_translation_task_changes_and_the_other_removed_tasks_keep_thei
     if hasattr(transformers.pipelines, "REMOVED_TASKS"):  # (later 5.x releases)
         with pytest.raises(KeyError, match="The task summarization has been removed from transformers"):
             pipeline("summarization", model=MODELS["soft"](), tokenizer=tokenizer)
+
+
+class LanguageTokenizer:
+    """A multilingual tokenizer's translation hook (as M2M100's): records the languages it is given and tokenizes as
+    the toy tokenizer, naming the target language's first token (token 7 for "de", 8 otherwise)."""
+
+    def __init__(self):
+        self.inner, self.calls = toy_tokenizer(), []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def _build_translation_inputs(self, text, src_lang, tgt_lang, **kwargs):
+        self.calls.append((src_lang, tgt_lang))
+        inputs = self.inner(text, **kwargs)
+        inputs["forced_bos_token_id"] = 7 if tgt_lang == "de" else 8
+        return inputs
+
+
+def test_language_pair_task_names_translate_as_translation(fitted_soft):
+    """transformers 4's task names ``translation_XX_to_YY``: the translation pipeline, outputs equal generate() by hand;
+    the languages reach a tokenizer that takes them (a call's src_lang / tgt_lang replace the name's) and its target
+    token reaches generate(); a tokenizer of one language pair ignores them. Other names keep transformers' error."""
+    tokenizer = toy_tokenizer()
+    expected = [{"translation_text": by_hand(fitted_soft, tokenizer, text, **FORCED)[0]} for text in TEXTS]
+    translator = pipeline("translation_en_to_de", model=fitted_soft, tokenizer=tokenizer)
+    assert type(translator) is TranslationPipeline
+    assert translator(TEXTS, batch_size=2, **FORCED) == expected
+
+    languages = LanguageTokenizer()
+    translator = pipeline("translation_en_to_de", model=fitted_soft, tokenizer=languages)
+    (got,) = translator(TEXTS[0], return_tensors=True, **FORCED)
+    first = got["translation_token_ids"][1]  # after the decoder start token
+    assert languages.calls == [("en", "de")] and first == 7
+    (got,) = translator(TEXTS[0], return_tensors=True, src_lang="fr", tgt_lang="it", **FORCED)
+    assert languages.calls[-1] == ("fr", "it") and got["translation_token_ids"][1] == 8
+    with pytest.raises(ValueError, match=r"`tgt_lang` must be a language code \(str\), got 5"):
+        translator(TEXTS[0], tgt_lang=5)
+    for name in ("translation_en", "translation_en_to_de_x", "translation_to_de"):
+        with pytest.raises(KeyError, match=f"Unknown task {name}"):
+            pipeline(name, model=fitted_soft, tokenizer=tokenizer)
 
 
 def test_translation_pipeline_bad_input():
