@@ -10,6 +10,12 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "numerics: compares two code paths whose rounding depends on the CPU's kernels (fp32 paths, int8, "
+        "packed linears, fused attention); `.ci/run` runs these once more under other kernels (`-m numerics`)")
+
+
 @pytest.fixture(autouse=True)
 def seed_rng():
     """A model built in a test draws its initial weights from the global RNG; seeding it per test makes them (and

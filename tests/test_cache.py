@@ -19,6 +19,7 @@ from hf_hardattn.caches import CACHE_FIELD, cropped_length
 # ----------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", CONTRACT_MODELS)
 @pytest.mark.parametrize("mode", ["greedy", "sample"])
+@pytest.mark.numerics
 def test_generate_continues_from_a_returned_cache(name, mode):
     """4 tokens, then 4 more from the returned cache (the sequence so far as decoder input, its mask covering it, as
     transformers asks of MarianMTModel too): the same tokens and scores (common.assert_step_scores_close) as 8 tokens

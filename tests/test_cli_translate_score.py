@@ -93,6 +93,7 @@ def one_by_one(folder, tok, sources, **kwargs):
 
 
 @pytest.mark.parametrize("name", ["hard", "marian"])
+@pytest.mark.numerics
 def test_translate_file_equals_generate_sentence_by_sentence(saved, tmp_path, name, capsys):
     folder, tok = saved
     lines = SOURCES[:3] + [""] + SOURCES[3:]  # an empty line stays empty, in place

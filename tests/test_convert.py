@@ -47,7 +47,7 @@ def m2m100(**overrides):  # pre-norm, fairseq sinusoidal positions from pad + 1,
 FAMILIES = {"marian": marian, "bart": bart, "mbart": mbart, "m2m_100": m2m100}
 _FITTED = {}
 MARGIN = 1.0  # logits: each memorised token wins by this much (two fp32 paths part by ~1e-4 x max|logit| at most)
-pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: faster on one thread, much faster on shared cores
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.numerics]  # tiny models: faster on one thread, much faster on shared cores
 
 
 def memorised_rows():

@@ -333,6 +333,7 @@ def test_mismatched_teacher_raises(tmp_path):
         _trainer(student, soft(), tmp_path, kd_lambda=-1)
 
 
+@pytest.mark.numerics
 def test_sequence_level_kd_is_resumable(tmp_path, monkeypatch):
     import datasets
 

@@ -181,6 +181,7 @@ def eager_matches_sdpa(model_type, dtype, padding_side, use_attention_mask, enab
 @pytest.mark.parametrize("model_type", list(MODEL_TYPES))
 @pytest.mark.parametrize("name,dtype,padding_side,use_attention_mask,output_attentions,enable_kernels", CASES,
                          ids=[case[0] for case in CASES])
+@pytest.mark.numerics
 def test_eager_matches_sdpa_inference(model_type, name, dtype, padding_side, use_attention_mask, output_attentions,
                                       enable_kernels):
     # output_attentions: the mixin sets it only for decoder-only models; an encoder-decoder runs the case without it.
@@ -197,6 +198,7 @@ def test_eager_matches_sdpa_inference(model_type, name, dtype, padding_side, use
 @pytest.mark.parametrize("model_type", list(MODEL_TYPES))
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("padding_side,use_attention_mask", [("right", True), ("right", False)])
+@pytest.mark.numerics
 def test_eager_matches_the_fused_kernel_beyond_the_mixins_shapes(model_type, dtype, padding_side, use_attention_mask):
     """At the mixin's shapes (7 x 7 tokens) "sdpa" on CPU without gradient writes attention out as "eager" does
     (hf_hardattn/layers.py SoftAttention.attend: at most WRITTEN_OUT_QUERIES = 8 queries per row is the decoding-step

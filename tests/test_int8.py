@@ -14,6 +14,8 @@ from hf_hardattn import SoftTransformerConfig, SoftTransformerForConditionalGene
 from hf_hardattn.int8 import INT8_ENGINES
 from hf_hardattn.packed_linear import Int8Linear
 
+pytestmark = pytest.mark.numerics  # CPU-dependent rounding: .ci/run runs these under other kernels too
+
 
 def quantized_linears(model):
     """The int8 layers: torch's dynamic int8 Linear, as ``packed_linear.Int8Linear`` (its shorter call path)."""

@@ -135,6 +135,7 @@ def assert_step_matches(step, full, t, causal):
 
 
 @pytest.mark.parametrize("name", CONTRACT_MODELS)
+@pytest.mark.numerics
 def test_generate_returns_the_weights_and_states_of_every_step(name):
     """Each generate() step's weights and hidden states equal the teacher-forced forward's row of that step. Float64
     (see common.as_float64): the cached step and the full forward are two code paths whose scores differ by ~1e-15

@@ -23,7 +23,8 @@ from hf_hardattn import packed_linear
 from hf_hardattn.packed_linear import is_packed, pack_linears, packed_layers, unpack_linears
 
 RNN_KW = dict(decoder_layers=1, rnn_hidden_size=32)
-pytestmark = pytest.mark.skipif(not packed_linear.packing_available(), reason="no oneDNN prepacked linear")
+pytestmark = [pytest.mark.skipif(not packed_linear.packing_available(), reason="no oneDNN prepacked linear"),
+              pytest.mark.numerics]
 HALF = 0.5  # of the decisions (sentences x steps) at least this share clear of rounding (seen: 0.87-1 for beams)
 
 MODELS = {

@@ -83,6 +83,7 @@ def varied_model(name, tokenizer, seeds=range(20)):
 
 @pytest.mark.usefixtures("one_thread")  # tiny models: much faster on one thread when the cores are shared
 @pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.numerics
 def test_translation_pipeline_equals_generate_by_hand_one_by_one_and_batched(name):
     tokenizer = toy_tokenizer()
     model, expected = varied_model(name, tokenizer)
@@ -93,6 +94,7 @@ def test_translation_pipeline_equals_generate_by_hand_one_by_one_and_batched(nam
         assert translator(TEXTS, batch_size=batch_size, **FORCED) == [{"translation_text": t} for t in expected]
 
 
+@pytest.mark.numerics
 def test_returned_sequences_grouped_per_source_at_call_or_at_init(fitted_soft):
     tokenizer = toy_tokenizer()
     beam = dict(num_beams=3, num_return_sequences=2, **FORCED)
@@ -105,6 +107,7 @@ def test_returned_sequences_grouped_per_source_at_call_or_at_init(fitted_soft):
     assert built_with(TEXTS) == expected
 
 
+@pytest.mark.numerics
 def test_token_ids_equal_generate(fitted_soft):
     tokenizer = toy_tokenizer()
     translator = pipeline("translation", model=fitted_soft, tokenizer=tokenizer)
@@ -116,6 +119,7 @@ def test_token_ids_equal_generate(fitted_soft):
             assert torch.equal(ids[: len(expected)], expected) and set(ids[len(expected):].tolist()) <= {PAD}
 
 
+@pytest.mark.numerics
 def test_a_left_padding_tokenizer_batches_like_one_by_one(fitted_soft):
     """Encoder positions are absolute: left-padded sources would move them. The pipeline pads on the right."""
     tokenizer = toy_tokenizer()

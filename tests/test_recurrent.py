@@ -175,6 +175,7 @@ def test_cache_padding_save_load(variant, tmp_path):
     check_save_load(model, tmp_path)
 
 
+@pytest.mark.numerics
 def test_beam_search_needs_the_state_reordered(monkeypatch):
     """Negative control: if reorder_cache skipped the recurrent state, beam outputs would change. Float64 (cached and
     uncached beam search are two code paths: see common.as_float64), so their exact tokens cannot part by rounding."""
