@@ -8,7 +8,7 @@ import copy
 
 import pytest
 import torch
-from common import (FP32_PATHS_RTOL, assert_nontrivial, assert_output_layer_premise,
+from common import (FP32_PATHS_RTOL, assert_fp32_path_premise, assert_nontrivial, assert_output_layer_premise,
                     assert_same_tokens_where_margins_allow, decoding_batch, fitted, generate_kwargs, randomize,
                     recorded_generate, source_batch, tiny_kwargs)
 from transformers import AutoModelForSeq2SeqLM, MarianConfig, MarianMTModel
@@ -67,6 +67,8 @@ def test_packed_decoding_equals_plain(name):
     plain = fitted(MODELS[name]())  # varied outputs (random tied-embedding models repeat one token)
     packed = copy.deepcopy(plain).pack_linears()
     assert_output_layer_premise(plain)
+    for model in (plain, packed):  # each path within half the bound of exact arithmetic: the two within the bound
+        assert_fp32_path_premise(model)
     expected = logits(plain)  # the bound is relative to each position's largest |logit|
     assert ((logits(packed) - expected).abs() <= FP32_PATHS_RTOL * expected.abs().amax(-1, keepdim=True)).all()
     for mode, beams in (("greedy", 1), ("beam", 4)):
@@ -84,7 +86,12 @@ def test_marian_too():
     torch.manual_seed(0)
     plain = randomize(MarianMTModel(config))
     packed = pack_linears(copy.deepcopy(plain))
+    assert_output_layer_premise(plain)  # FP32_PATHS_RTOL's premises, on both paths (where they agree bit for bit, the
+    for model in (plain, packed):  # float64 comparison still exercises each path's half of the bound)
+        assert_fp32_path_premise(model)
     ids, mask = decoding_batch()
+    expected = logits(plain, ids, mask)
+    assert ((logits(packed, ids, mask) - expected).abs() <= FP32_PATHS_RTOL * expected.abs().amax(-1, keepdim=True)).all()
     kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, min_new_tokens=8, num_beams=3)
     expected = recorded_generate(plain, **kwargs)
     got = recorded_generate(packed, **kwargs)
