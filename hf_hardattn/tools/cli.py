@@ -34,7 +34,6 @@ import time
 
 import datasets
 import huggingface_hub
-import sacrebleu
 import torch
 import transformers
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
@@ -51,6 +50,7 @@ from .arguments import (CommandError, assignment, check_model_type, offline_by_d
 from .convert import convert
 from .distill import add_distill_arguments, run_distill
 from .plot import attention_maps, plot_comparison, plot_layers
+from .scores import corpus_scores
 from .tokenization import min_vocab_size, train_tokenizer
 
 # Demo model sizes: "small" learns visibly in ~3 minutes on 2 CPU cores; "tiny" is for tests (seconds).
@@ -377,22 +377,22 @@ SCORE_METRICS = ("bleu", "chrf")
 
 
 def run_score(args) -> list[dict]:
-    """sacrebleu's corpus BLEU / chrF of HYP against one or more reference files (same number of lines)."""
+    """sacrebleu's corpus BLEU / chrF of HYP against one or more reference files (same number of lines), computed by
+    :func:`hf_hardattn.tools.scores.corpus_scores` as the package's evaluate metric computes them."""
     hypotheses = read_lines(args.hypotheses, "HYP")
     references = [read_lines(path, "REF") for path in args.references]
+    if not hypotheses:
+        raise CommandError(f"HYP={args.hypotheses!r} has no lines; a corpus score needs at least one hypothesis.")
     for path, lines in zip(args.references, references):
         if len(lines) != len(hypotheses):
             raise CommandError(f"REF={path!r} has {len(lines)} lines and HYP={args.hypotheses!r} has "
                                f"{len(hypotheses)}; every reference file needs one line per hypothesis.")
-    results = []
-    for name in args.metrics:
-        if name == "bleu":
-            metric = sacrebleu.BLEU(tokenize=args.tokenize, lowercase=args.lowercase)
-        else:
-            metric = sacrebleu.CHRF(lowercase=args.lowercase)
-        score = metric.corpus_score(hypotheses, references)
-        results.append(dict(name=score.name, score=round(score.score, 4), signature=str(metric.get_signature()),
-                            text=score.format(signature=str(metric.get_signature()))))
+    results = []  # the evaluate metric's numbers (hf_hardattn.tools.metrics), without importing evaluate
+    scores = corpus_scores(hypotheses, references, metrics=args.metrics, tokenize=args.tokenize,
+                           lowercase=args.lowercase)
+    for score, signature in scores.values():
+        results.append(dict(name=score.name, score=round(score.score, 4), signature=signature,
+                            text=score.format(signature=signature)))
     if args.json:
         print(json.dumps([{k: v for k, v in r.items() if k != "text"} for r in results], indent=1), flush=True)
     else:

@@ -7,6 +7,8 @@
   and a tqdm progress bar;
 * :func:`translate`, :func:`bleu` (detokenised sacrebleu), :func:`accuracy` (exact match) - batched
   ``generate()`` over inputs sorted by length;
+* :func:`translation_metrics` - the Trainer's ``compute_metrics`` (``predict_with_generate``): BLEU and chrF from the
+  package's ``evaluate`` metric (:mod:`hf_hardattn.tools.metrics`, offline);
 * :func:`decode_speed` - sentences per second of ``generate()`` with a fixed number of new tokens.
 """
 
@@ -39,6 +41,8 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 
 from ..safe_io import CorruptFileError, verify_folder
+from . import metrics
+from .scores import corpus_scores
 from .trainer_card import Seq2SeqCardTrainer
 
 logger = logging.get_logger(__name__)
@@ -589,9 +593,31 @@ def bleu(model, tokenizer, sources, references, num_beams: int = 4, batch_size: 
         raise ValueError(f"`sources` ({len(sources)}) and `references` ({len(references)}) must have the same length.")
     hypotheses = translate(model, tokenizer, sources, num_beams=num_beams, batch_size=batch_size,
                            max_new_tokens=max_new_tokens, **generate_kwargs)
-    score = sacrebleu.corpus_bleu(hypotheses, [references], tokenize=tokenize)
+    score, _ = corpus_scores(hypotheses, [references], metrics="bleu", tokenize=tokenize)["bleu"]
     score.hypotheses = hypotheses
     return score
+
+
+def translation_metrics(tokenizer, metric=None, **options):
+    """``compute_metrics`` for a ``Seq2SeqTrainer`` with ``predict_with_generate=True`` (``train_seq2seq(...,
+    compute_metrics=translation_metrics(tokenizer))``): decodes the generated ids and the labels (-100 and special
+    tokens dropped, text stripped) and returns ``{"bleu": ..., "chrf": ...}``, sacrebleu's corpus scores (one
+    reference per example) from ``metric``, by default the package's ``evaluate`` metric
+    (:func:`hf_hardattn.tools.metrics.load`, loaded once, offline). ``options`` go to ``metric.compute`` (e.g.
+    ``tokenize="intl"``, ``lowercase=True``)."""
+    metric = metric if metric is not None else metrics.load()
+
+    def decode(ids):
+        return [text.strip() for text in tokenizer.batch_decode([[t for t in row if t >= 0] for row in ids.tolist()],
+                                                                skip_special_tokens=True)]
+
+    def compute(prediction):
+        generated = prediction.predictions[0] if isinstance(prediction.predictions, tuple) else prediction.predictions
+        scores = metric.compute(predictions=decode(generated),
+                                references=[[text] for text in decode(prediction.label_ids)], **options)
+        return {"bleu": scores["bleu"], "chrf": scores["chrf"]}
+
+    return compute
 
 
 def accuracy(model, tokenizer, sources, references, num_beams: int = 1, batch_size: int = 256,
@@ -642,5 +668,6 @@ def decode_speed(model, input_ids, attention_mask=None, num_beams: int = 1, new_
     return input_ids.shape[0] / statistics.median(times)
 
 
-__all__ = ["tokenize_dataset", "train_seq2seq", "translate", "bleu", "accuracy", "decode_speed", "TimeBudget",
+__all__ = ["tokenize_dataset", "train_seq2seq", "translate", "bleu", "translation_metrics", "accuracy", "decode_speed",
+           "TimeBudget",
            "ProgressBar", "checkpoint_problem", "last_complete_checkpoint"]
