@@ -3,8 +3,9 @@
 What importing the package changes in transformers, and nothing else (``tests/test_import_effects.py`` holds it to
 this list): every model type is registered with ``AutoConfig`` / ``AutoModelForSeq2SeqLM`` (and its classes marked for
 remote-code saving, so a saved folder also loads with ``trust_remote_code=True`` where hf_hardattn is not installed);
-the ``translation`` pipeline task is registered, for any seq2seq model, and its entry leaves transformers'
-``REMOVED_TASKS`` (``hf_hardattn.pipelines``); the ``hard_retrieval`` attention implementations are registered with
+the ``translation`` pipeline task is registered, for any seq2seq model, its entry leaves transformers'
+``REMOVED_TASKS``, and the registry's lookup reads transformers 4's names ``translation_XX_to_YY``
+(``hf_hardattn.pipelines``); the ``hard_retrieval`` attention implementations are registered with
 ``AttentionInterface`` and ``AttentionMaskInterface`` (``hf_hardattn.attention_interface``).
 
 ``hf_hardattn.convert(source, model_type, **config_overrides)`` maps a pretrained Marian / BART / mBART / M2M100 model

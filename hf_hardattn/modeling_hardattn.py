@@ -391,6 +391,18 @@ class HardAttnForConditionalGeneration(HardAttnPreTrainedModel, GenerationMixin)
         check_generation_config(generation_config, self)
         super()._validate_generation_mode(generation_mode, generation_config, generation_mode_kwargs)
 
+    def _beam_search(self, *args, **kwargs):
+        """transformers' beam search, its sequences (and beam indices) returned contiguous: transformers crops them
+        from its fixed-width buffer to the generated length, a view that ``.view()`` refuses (MarianMTModel's loss
+        reads ``labels.view(-1)``, so a beam output passed back as ``labels=`` failed there)."""
+        output = super()._beam_search(*args, **kwargs)
+        if isinstance(output, torch.Tensor):
+            return output.contiguous()
+        output.sequences = output.sequences.contiguous()
+        if getattr(output, "beam_indices", None) is not None:
+            output.beam_indices = output.beam_indices.contiguous()
+        return output
+
     def _validate_generated_length(self, generation_config, input_ids_length, has_default_max_length):
         """transformers' check of the generated length, plus the decoder's learned position table: a ``max_length``
         / ``max_new_tokens`` beyond it is refused before the first decoding step

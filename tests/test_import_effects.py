@@ -1,14 +1,15 @@
 """What ``import hf_hardattn`` (then saving a model, then loading one as remote code) changes in transformers and in the
 process: exactly the listed registrations, nothing else.
 
-Reference: a fresh process snapshots transformers' pipeline registry (``SUPPORTED_TASKS``, ``PIPELINE_REGISTRY``,
-``REMOVED_TASKS``), the attributes of ``Trainer``, ``Seq2SeqTrainer`` and other classes models and pipelines run
-through, the top-level names of the transformers modules that hold them, ``sys.meta_path`` / ``sys.path_hooks``, the
-``AttentionInterface`` / ``AttentionMaskInterface`` registries, the ``AutoConfig`` and every ``AutoModel*`` mapping, and
-the package folder's files, before and after each step; the differences are compared with ``INTENDED`` (the list
-docs/usage.md gives). The remote-code load is transformers' own (``get_class_from_dynamic_module``) of a saved soft
-model that decodes with hard retrieval, whose model file does not import the kind's file: that file is read from the
-saved folder, and the folder transformers copied the code into gains no file.
+Reference: a fresh process snapshots transformers' pipeline registry (``SUPPORTED_TASKS``, ``PIPELINE_REGISTRY`` and the
+registry object's own attributes, ``REMOVED_TASKS``), the attributes of ``Trainer``, ``Seq2SeqTrainer`` and other
+classes models and pipelines run through, the top-level names of the transformers modules that hold them,
+``sys.meta_path`` / ``sys.path_hooks``, the ``AttentionInterface`` / ``AttentionMaskInterface`` registries, the
+``AutoConfig`` and every ``AutoModel*`` mapping, and the package folder's files, before and after each step; the
+differences are compared with ``INTENDED`` (the list docs/usage.md gives). The remote-code load is transformers' own
+(``get_class_from_dynamic_module``) of a saved soft model that decodes with hard retrieval, whose model file does not
+import the kind's file: that file is read from the saved folder, and the folder transformers copied the code into gains
+no file.
 """
 
 import json
@@ -64,6 +65,8 @@ def snapshot():
     found = {"SUPPORTED_TASKS": tasks(transformers.pipelines.SUPPORTED_TASKS),
              "PIPELINE_REGISTRY": tasks(transformers.pipelines.PIPELINE_REGISTRY.supported_tasks),
              "PIPELINE_REGISTRY.task_aliases": dict(transformers.pipelines.PIPELINE_REGISTRY.task_aliases),
+             "PIPELINE_REGISTRY attributes": {k: described(v) for k, v in
+                                              vars(transformers.pipelines.PIPELINE_REGISTRY).items()},
              "REMOVED_TASKS": dict(getattr(transformers.pipelines, "REMOVED_TASKS", {})),
              "sys.meta_path": {str(i): described(f) for i, f in enumerate(sys.meta_path)},
              "sys.path_hooks": {str(i): described(h) for i, h in enumerate(sys.path_hooks)},
@@ -144,6 +147,8 @@ def intended():
         "SUPPORTED_TASKS": {"added": {"translation": translation}},
         "PIPELINE_REGISTRY": {"added": {"translation": translation}},  # (the same dict as SUPPORTED_TASKS)
         "REMOVED_TASKS": {"removed": {"translation"}},
+        # the registry's lookup, which also reads transformers 4's names translation_XX_to_YY
+        "PIPELINE_REGISTRY attributes": {"added": {"check_task"}},
         "AttentionInterface": {"added": {"hard_retrieval", "hard_retrieval_cross", "hard_retrieval_all"}},
         "AttentionMaskInterface": {"added": {"hard_retrieval", "hard_retrieval_cross", "hard_retrieval_all"}},
     }
@@ -154,8 +159,8 @@ def comparable(changes):
     reduced to their keys."""
     out = {}
     for section, kinds in changes.items():
-        out[section] = {kind: set(entries) if section in ("REMOVED_TASKS", "AttentionInterface",
-                                                          "AttentionMaskInterface") else entries
+        reduced = ("REMOVED_TASKS", "AttentionInterface", "AttentionMaskInterface", "PIPELINE_REGISTRY attributes")
+        out[section] = {kind: set(entries) if section in reduced else entries
                         for kind, entries in kinds.items()}
     return out
 
