@@ -2,10 +2,13 @@
 ends with one line on stderr and exit status 2 (not a traceback)."""
 
 import argparse
+import warnings
 
 import pytest
 
+from hf_hardattn import SoftTransformerConfig, SoftTransformerForConditionalGeneration
 from hf_hardattn.tools.cli import build_parser, main
+from hf_hardattn.tools.tokenization import train_tokenizer
 
 
 def subparsers():
@@ -64,3 +67,20 @@ def test_train_checks_every_argument_before_any_work(extra, expected, tmp_path, 
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("hf-hardattn train: error:") and expected in err[-1], err[-3:]
     assert not (tmp_path / "OUT").exists()
+
+
+def test_plot_labels_a_control_character_without_a_font_warning(tmp_path, capsys):
+    """A byte-level piece that decodes to a control character (here the target's \\x05) is labelled as its escape:
+    matplotlib has no glyph for it and warned "Glyph 5 missing from font(s)" at every save."""
+    tokenizer = train_tokenizer(["Ein Hund l\u00e4uft.\x05"] * 20, kind="bpe", vocab_size=300, min_frequency=1)
+    config = SoftTransformerConfig(vocab_size=len(tokenizer), d_model=16, encoder_layers=1, decoder_layers=1,
+                                   encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32,
+                                   decoder_ffn_dim=32, pad_token_id=tokenizer.pad_token_id,
+                                   bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                                   decoder_start_token_id=tokenizer.bos_token_id)
+    SoftTransformerForConditionalGeneration(config).save_pretrained(tmp_path / "soft", tokenizer=tokenizer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        assert main(["plot", str(tmp_path / "soft"), "--source", "Ein Hund", "--target", "Hund\x05",
+                     "--out", str(tmp_path / "out")]) == 0
+    assert (tmp_path / "out" / "soft_cross.png").is_file()

@@ -80,11 +80,17 @@ def attention_maps(model, tokenizer, source: str, target: str | None = None, rol
                 out.append(tokenizer.convert_tokens_to_string([token]).strip() or token)
             except Exception:  # a tokenizer without convert_tokens_to_string for single tokens
                 out.append(token)
-        return out
+        return [printable(label) for label in out]
 
     return dict(source_tokens=key_tokens, target_tokens=query_tokens, source_labels=readable(key_tokens),
                 target_labels=readable(query_tokens), layers=layers, topk=topk, joint_layer=joint, target=target,
                 role=role)
+
+
+def printable(label: str) -> str:
+    """An axis label with its control characters written as escapes (``\\x05``): a byte-level piece of a multi-byte
+    character (or of an untrained model's output) decodes to one, which no font has a glyph for."""
+    return "".join(char if char.isprintable() else repr(char)[1:-1] for char in label)
 
 
 def _draw(axis, matrix, maps, topk=None, title=None, labels=True):
