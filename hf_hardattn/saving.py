@@ -4,6 +4,7 @@
 Runtime code shipped with saved models (``trust_remote_code``): keep it flat, same-folder relative imports only.
 """
 
+import json
 import os
 import shutil
 import tempfile
@@ -13,7 +14,7 @@ from huggingface_hub.utils import HFValidationError, validate_repo_id
 from transformers.dynamic_module_utils import get_relative_import_files
 from transformers.utils.hub import hf_api
 
-from .model_card import RESULTS_FILE, write_model_card
+from .model_card import CARD_METADATA, RESULTS_FILE, write_model_card
 from .registry import kind_files, runtime_module
 from .safe_io import atomic_folder, stale_weights, target_folder, verify_folder, write_checksums
 
@@ -78,18 +79,31 @@ class SavingMixin:
             self.upload_folder_to_hub(final, repo_id, before, token=kwargs.get("token"), **hub)
 
     def trainer_model_card(self, output_dir, *, language=None, license=None, tags=None, model_name=None,
-                           finetuned_from=None, tasks=None, dataset_tags=None, dataset=None, dataset_args=None):
+                           finetuned_from=None, tasks=None, dataset_tags=None, dataset=None, dataset_args=None,
+                           eval_results=None, metrics=None, training=None, repo_id=None):
         """``Trainer.create_model_card`` for this model (``hf_hardattn.tools.trainer_card.Seq2SeqCardTrainer`` calls it
         in place of transformers' ``generated_from_trainer`` card): this package's card in
         ``output_dir`` (with the folder's ``hardattn_results.json``), its metadata joined with the Trainer's
         arguments (language, license, tags, the repo name for the model-index, datasets, a Hub ``finetuned_from``
-        as ``base_model``). ``tasks`` and ``dataset_args`` have no field in this card (the task is translation)."""
+        as ``base_model``). ``tasks`` and ``dataset_args`` have no field in this card (the task is translation).
+        What the Trainer measured: ``eval_results`` (EvalResult fields) join the model-index for each metric the
+        folder's results do not report (those were measured on the saved model), ``metrics`` the YAML's metric ids,
+        ``training`` (markdown: hyperparameters, training results, framework versions) goes after the results;
+        ``repo_id`` is the repo the snippets load."""
         if isinstance(finetuned_from, str) and os.path.isdir(finetuned_from):
             finetuned_from = None  # a local folder is no Hub id (and must not leak into the card)
         datasets = dataset_tags if dataset_tags is not None else dataset
+        own = []
+        path = os.path.join(str(output_dir), RESULTS_FILE)
+        if eval_results and os.path.isfile(path):
+            with open(path) as handle:
+                own = (json.load(handle).get(CARD_METADATA) or {}).get("eval_results") or []
+        reported = {row.get("metric_type") for row in own}
+        evals = own + [row for row in eval_results or [] if row.get("metric_type") not in reported]
         return write_model_card(self, output_dir, metadata=dict(
             language=language, license=license, tags=tags, model_name=model_name, base_model=finetuned_from,
-            datasets=[datasets] if isinstance(datasets, str) else datasets))
+            datasets=[datasets] if isinstance(datasets, str) else datasets, metrics=metrics,
+            eval_results=evals or None), training=training, repo_id=repo_id)
 
     def save_kind_files(self, folder):
         """Copy into ``folder`` the runtime file of every attention kind the config uses (with that file's relative

@@ -73,6 +73,8 @@ def test_trained_model_pushes_a_card_with_hub_metadata_from_its_run(trained, hub
     for local in (str(out), str(out.parent), "run_hr/tokenizer", "checkpoint-", str(tmp_path.parent.parent)):
         assert local not in text, local
     assert "hf-hardattn train --train train --validation valid" in text  # the command, paths cut to their names
+    # the snippets load the repo pushed to
+    assert text.count('"me/rev-en-de"') == 3 and "PATH_OR_REPO" not in text
     # every table row has its two cells: the signatures' `|` are escaped
     rows = [row for row in table_rows(card.text) if row[0] in ("bleu_signature", "chrf_signature")]
     assert len(rows) == 2 and all(len(row) == 2 and "\\|" in row[1] for row in rows)
@@ -178,14 +180,17 @@ def test_trainer_push_to_hub_keeps_our_card_and_its_metadata(name, trainer_class
     results = {"test_bleu": 1.5, "bleu_signature": "nrefs:1|tok:13a",
                CARD_METADATA: dict(language=["en", "de"], license="apache-2.0", eval_results=evals)}
     (output_dir / RESULTS_FILE).write_text(json.dumps(results))  # a trained folder's results
-    trainer_for(model, output_dir, tokenizer, trainer_class).push_to_hub(language="fr", tags="mine",
-                                                                          dataset_tags="someone/data")
+    trainer = trainer_for(model, output_dir, tokenizer, trainer_class)
+    trainer.push_to_hub(language="fr", tags="mine", dataset_tags="someone/data")
     (commit,) = validated.commits
     text = commit["files"]["README.md"].decode()
     assert validated.validated == [text]
     assert "generated_from_trainer" not in text
     pushed = ModelCard(text)
-    assert pushed.text == ModelCard(render_model_card(model, results)).text  # our card, with the results table
+    # our card, with the results table, the Trainer's sections (tests/test_trainer_card.py) and the repo in its snippets
+    training = trainer.card_measurements()["training"]
+    assert pushed.text == ModelCard(render_model_card(model, results, training=training, repo_id="me/tiny")).text
+    assert "## Training procedure" in training and "PATH_OR_REPO" not in text
     assert pushed.data.language == "fr" and pushed.data.license == "apache-2.0"  # the Trainer's argument wins
     assert pushed.data.datasets == ["someone/data"]
     assert pushed.data.tags[:3] == ["hf_hardattn", model.config.model_type, "trust_remote_code"]

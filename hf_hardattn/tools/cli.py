@@ -512,7 +512,9 @@ def run_publish(args) -> dict:
         if results:
             with open(os.path.join(staging, RESULTS_FILE), "w") as handle:
                 json.dump(results, handle, indent=2)
-            write_model_card(model, staging, metadata=dict(model_name=args.repo_id.split("/")[-1]))
+        # the card's snippets load the repo pushed to
+        write_model_card(model, staging, metadata=dict(model_name=args.repo_id.split("/")[-1]) if results else None,
+                         repo_id=args.repo_id)
         validate_folder(staging, model, tokenizer, args.sentence)
         _print(f"validated: {staging} loads as remote code in a fresh offline process and decodes as this model")
         if args.dry_run is not None:
