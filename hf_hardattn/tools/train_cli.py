@@ -37,7 +37,6 @@ from transformers import AutoConfig, AutoModelForSeq2SeqLM, AutoTokenizer, Early
 
 from ..gaussian import PRESETS, length_ratio_unless_given
 from ..model_card import CARD_METADATA, RESULTS_FILE, write_model_card
-from ..modeling_hardattn import set_translation_generation_defaults
 from ..registry import MODEL_TYPES
 from ..registry import model_classes as registered_classes
 from ..safe_io import atomic_folder, write_json_atomic
@@ -258,12 +257,15 @@ def run_train(args) -> dict:
     if args.eval_steps:
         extra.update(save_steps=args.eval_steps, load_best_model_at_end=True, metric_for_best_model="bleu",
                      greater_is_better=True, predict_with_generate=True, generation_num_beams=args.num_beams,
-                     generation_max_length=max_length, save_total_limit=args.save_total_limit)
+                     save_total_limit=args.save_total_limit)
         if args.early_stopping:
             callbacks.append(EarlyStoppingCallback(early_stopping_patience=args.early_stopping))
     elif args.save_steps:
         extra.update(save_steps=args.save_steps, save_total_limit=args.save_total_limit)
     kwargs = dict(resume_from_checkpoint=True) if args.resume else {}
+    # the run's one decoding setting, in the model's generation config from the start: the Trainer's evaluations, each
+    # checkpoint, the final model, its scores below and generate() without arguments all decode with it
+    model.generation_config.num_beams, model.generation_config.max_new_tokens = args.num_beams, max_length
     try:
         trainer = training.train_seq2seq(
             model, tokenizer, tokenized["train"], tokenized.get("validation") if args.eval_steps else None,
@@ -277,22 +279,23 @@ def run_train(args) -> dict:
     model = trainer.model
     results = dict(model_type=args.model_type, origin=origin, tokenizer=tokenizer_source, steps=trainer.state.global_step,
                    batch_size=batch_size, processes=trainer.args.world_size, skipped_long=skipped, command=" ".join(["hf-hardattn"] + [shlex.quote(a) for a in getattr(args, "argv", sys.argv[1:])]))
+    results["decoding"] = training.decoding_setting(model)  # of every score below and of the saved model
     if args.eval_steps:
-        results["best_validation_bleu"] = trainer.state.best_metric
+        results["best_validation_bleu"] = round(trainer.state.best_metric, 2)
         results["best_checkpoint"] = trainer.state.best_model_checkpoint
     for name in ("validation", "test"):
-        if name in splits and trainer.is_world_process_zero():  # sacrebleu on the final model, beam --num-beams
-            hypotheses = training.translate(model, tokenizer, splits[name]["source"], num_beams=args.num_beams)
+        if name in splits and trainer.is_world_process_zero():  # sacrebleu on the final model, its saved decoding
+            hypotheses = training.translate(model, tokenizer, splits[name]["source"],
+                                            num_beams=model.generation_config.num_beams,
+                                            max_new_tokens=model.generation_config.max_new_tokens, max_length=max_length)
             for key, metric in (("bleu", sacrebleu.BLEU()), ("chrf", sacrebleu.CHRF())):
                 results[f"{name}_{key}"] = round(metric.corpus_score(hypotheses, [splits[name]["target"]]).score, 2)
-                results[f"{key}_signature"] = f"{metric.get_signature()} (beam {args.num_beams})"
+                results[f"{key}_signature"] = f"{metric.get_signature()} ({results['decoding']})"
             with open(os.path.join(args.output_dir, f"{name}.hyp"), "w", encoding="utf-8") as handle:
                 handle.write("".join(line + "\n" for line in hypotheses))
     results = {k: v for k, v in results.items() if v is not None}
     if trainer.is_world_process_zero():
         folder = os.path.join(args.output_dir, "model")
-        # generate() without arguments decodes as this run scored it: beam --num-beams (a beam count set already stays)
-        set_translation_generation_defaults(model, num_beams=args.num_beams)
         model.save_pretrained(folder, tokenizer=tokenizer)
         write_json_atomic(os.path.join(folder, RESULTS_FILE), card_results(args, results, tokenizer_source))
         write_model_card(model, folder)
@@ -353,7 +356,7 @@ def card_results(args, results: dict, tokenizer_source: str) -> dict:
                               dataset_type=dataset_id, dataset_name=dataset_id,
                               dataset_config=config or f"{args.source_lang}-{args.target_lang}", dataset_split=split,
                               metric_type=key, metric_value=results[f"{name}_{key}"],
-                              metric_name=f"{name} {pretty} (beam {args.num_beams})",
+                              metric_name=f"{name} {pretty} ({results['decoding']})",
                               metric_config=results[f"{key}_signature"].rsplit(" (beam", 1)[0]))
     hub_datasets = hub_dataset(args.train)
     if hub_datasets:

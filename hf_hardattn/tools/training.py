@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import json
@@ -182,6 +183,17 @@ class Seq2SeqLengthTrainer(Seq2SeqCardTrainer):
         if self.args.should_save and os.path.isdir(folder):
             shutil.rmtree(folder)
         return super()._save_checkpoint(model, trial)
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None, **gen_kwargs):
+        """transformers' step, leaving the model's generation config as it was: with ``predict_with_generate`` it
+        fills every unset field with transformers' default (``num_beams`` 1, ...), which each checkpoint would then
+        save and the final model keep, so that a beam set later only where unset
+        (``set_translation_generation_defaults``) would never be set."""
+        kept = copy.deepcopy(self.model.generation_config)
+        try:
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys, **gen_kwargs)
+        finally:
+            self.model.generation_config = kept
 
     def create_scheduler(self, num_training_steps, optimizer=None):
         """With ``time_decay`` (a :func:`time_decay_schedule` factor) the learning rate follows wall-clock time
@@ -409,6 +421,28 @@ def end_processes() -> None:
         torch.distributed.destroy_process_group()
 
 
+def save_decoding_setting(model, args) -> None:
+    """Write the decoding setting of the Trainer's evaluations (``generation_num_beams``, ``generation_max_length``,
+    with ``predict_with_generate``) into ``model.generation_config``: every checkpoint and the final model then save
+    the setting their BLEU was measured with, and ``generate()`` without arguments decodes so."""
+    if not args.predict_with_generate:
+        return
+    generation = model.generation_config
+    if args.generation_num_beams is not None:
+        generation.num_beams = args.generation_num_beams
+    if args.generation_max_length is not None:
+        generation.max_length, generation.max_new_tokens = args.generation_max_length, None
+
+
+def decoding_setting(model) -> str:
+    """The decoding setting of ``model``'s generation config in words, e.g. "beam 4, at most 128 new tokens": what
+    :func:`translate` and the Trainer's evaluations decode with when given no other, stated beside a score."""
+    generation = model.generation_config
+    length = (f"at most {generation.max_new_tokens} new tokens" if generation.max_new_tokens is not None
+              else f"max_length {generation.max_length}")
+    return f"beam {generation.num_beams or 1}, {length}"
+
+
 def train_seq2seq(
     model,
     tokenizer,
@@ -490,6 +524,7 @@ def train_seq2seq(
                  eval_steps=eval_steps, train_sampling_strategy="group_by_length" if group_by_length else "random")
     args = training_arguments(output_dir, batch_size, eval_ds, eval_steps, fixed, training_args)
     resume = resolve_checkpoint(resume_from_checkpoint, args.output_dir)
+    save_decoding_setting(model, args)
     budget = TimeBudget(minutes) if minutes is not None else None
     trainer = (trainer_class or Seq2SeqLengthTrainer)(
         model=model.train(),
@@ -554,8 +589,9 @@ def new_tokens_limit(model, new_tokens: int, generate_kwargs: dict) -> dict:
 def translate(model, tokenizer, sources, num_beams: int = 4, batch_size: int = 64, max_new_tokens: int | None = None,
               max_length: int = 128, progress: bool = False, do_sample: bool = False, **generate_kwargs) -> list[str]:
     """Decoded outputs of ``model.generate`` for every string of ``sources`` (in order). The inputs are sorted by
-    length and batched (little padding); ``max_new_tokens`` defaults to 1.5 x the batch's source length + 10. No
-    sources give no outputs. ``do_sample=True`` samples (with ``num_beams`` > 1: beam sampling); other
+    length and batched (little padding); ``max_new_tokens`` defaults to the model's generation config's
+    ``max_new_tokens`` where it sets one (a model trained by ``hf-hardattn train``), else 1.5 x the batch's source
+    length + 10. No sources give no outputs. ``do_sample=True`` samples (with ``num_beams`` > 1: beam sampling); other
     ``generate()`` keywords (``top_k``, ``top_p``, ``temperature``, ...) pass through."""
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"`batch_size` must be a positive integer, got {batch_size!r}.")
@@ -569,12 +605,14 @@ def translate(model, tokenizer, sources, num_beams: int = 4, batch_size: int = 6
         return []
     was_training = model.training
     model.eval()
+    # a generation config's max_new_tokens (a trained model's, `hf-hardattn train`) is the model's own length rule
+    saved_limit = getattr(getattr(model, "generation_config", None), "max_new_tokens", None)
     outputs = [None] * len(sources)
     for index, batch in tqdm(length_sorted_batches(tokenizer, sources, batch_size, max_length), desc="decode",
                              total=math.ceil(len(sources) / batch_size), disable=not progress):
         batch = batch.to(model.device)
-        limit = max_new_tokens or default_max_new_tokens(batch["input_ids"])
-        generated = model.generate(**batch, num_beams=num_beams, do_sample=do_sample,
+        limit = max_new_tokens or saved_limit or default_max_new_tokens(batch["input_ids"])
+        generated = model.generate(input_ids=batch["input_ids"], num_beams=num_beams, do_sample=do_sample,
                                    **new_tokens_limit(model, limit, generate_kwargs), **generate_kwargs)
         for i, text in zip(index, tokenizer.batch_decode(generated, skip_special_tokens=True)):
             outputs[i] = text.strip()
