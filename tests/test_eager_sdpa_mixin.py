@@ -216,11 +216,9 @@ def test_eager_matches_sdpa_inference(model_type, name, dtype, padding_side, use
 @pytest.mark.parametrize("padding_side,use_attention_mask", [("right", True), ("right", False)])
 @pytest.mark.numerics
 def test_eager_matches_the_fused_kernel_beyond_the_mixins_shapes(model_type, dtype, padding_side, use_attention_mask):
-    """At the mixin's shapes (7 x 7 tokens) "sdpa" on CPU without gradient writes attention out as "eager" does
-    (hf_hardattn/layers.py SoftAttention.attend: at most WRITTEN_OUT_QUERIES = 8 queries per row is the decoding-step
-    shortcut), so its comparison is exact. With 12 tokens the "sdpa" model runs torch's fused kernel: the same check,
-    with the mixin's tolerances, against the written-out softmax. Design difference: in bf16 the decoders that select
-    keys (DISCRETE_SELECTION) are compared on their (soft) encoder's output instead."""
+    """The same check at 12 tokens, beyond the decoding-step shortcut (hf_hardattn/layers.py SoftAttention.attend:
+    at most WRITTEN_OUT_QUERIES = 8 queries per row are written out), where "sdpa" runs torch's fused kernel without
+    the patch; with the mixin's tolerances, the key-selecting types as `selection_case` says."""
     dtype, encoder, required = selection_case(model_type, dtype)
     share, atol, diff, fused = eager_matches_sdpa(model_type, dtype, padding_side, use_attention_mask, False, seq=12,
                                                   encoder=encoder)
