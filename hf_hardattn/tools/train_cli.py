@@ -349,11 +349,13 @@ def card_results(args, results: dict, tokenizer_source: str) -> dict:
             datasets.append(known[0])
         if f"{name}_bleu" not in results:
             continue
-        dataset_id, config, split = known or ((args.dataset[0], None, name) if args.dataset else (
-            os.path.basename(os.path.normpath(spec)), None, name))
+        # a Hub dataset id only for data from the Hub (hf:NAME, --dataset); local data: dataset_type None, so the
+        # card names it local:NAME (model_card.eval_result), never read as a Hub id
+        dataset_id, config, split = known or ((args.dataset[0], None, name) if args.dataset else (None, None, name))
+        dataset_name = dataset_id or os.path.basename(os.path.normpath(spec))
         for key, pretty in (("bleu", "BLEU"), ("chrf", "chrF")):
             evals.append(dict(task_type="translation", task_name=f"Translation {args.source_lang}-{args.target_lang}",
-                              dataset_type=dataset_id, dataset_name=dataset_id,
+                              dataset_type=dataset_id, dataset_name=dataset_name,
                               dataset_config=config or f"{args.source_lang}-{args.target_lang}", dataset_split=split,
                               metric_type=key, metric_value=results[f"{name}_{key}"],
                               metric_name=f"{name} {pretty} ({results['decoding']})",
