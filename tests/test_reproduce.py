@@ -94,14 +94,22 @@ def test_on_accelerator_moves_a_model_to_the_gpu_where_there_is_one(monkeypatch)
     ("soft_decoded_hard", dict(decoder_attention="hard_retrieval", cross_attention="hard_retrieval")),
 ])
 def test_scores_match_an_independent_evaluation(run_dir, name, kinds):
+    """The row's outputs are the saved model's own (decoded as the row says), and its score is their BLEU. The tiny
+    models' outputs are near-empty, so their BLEU is ~0 whatever was decoded: the check that can fail is on the
+    outputs themselves (the three samples each row keeps), which differ between the soft and the hard decoding of the
+    one soft model, so a row decoded with the other attention, beam or length fails it."""
     folder = run_dir["out"] / "models" / "soft"
-    model = AutoModelForSeq2SeqLM.from_pretrained(folder).eval()
-    if kinds:
-        model = model.with_attention(**kinds)
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    hypotheses = translate(model, tokenizer, EN, num_beams=4, batch_size=8, max_length=32)
-    expected = sacrebleu.corpus_bleu(hypotheses, [DE]).score
-    assert load_results(run_dir["out"])["rows"][name]["score"] == pytest.approx(expected, abs=0.01)
+    decoded = {}
+    for kind in ({}, dict(decoder_attention="hard_retrieval", cross_attention="hard_retrieval")):
+        model = AutoModelForSeq2SeqLM.from_pretrained(folder).eval()
+        model = model.with_attention(**kind) if kind else model
+        decoded[bool(kind)] = translate(model, tokenizer, EN, num_beams=4, batch_size=8, max_length=32)
+    hypotheses, other = decoded[bool(kinds)], decoded[not kinds]
+    assert hypotheses != other, "soft and hard decoding give the same outputs: the sample check could not fail"
+    row = load_results(run_dir["out"])["rows"][name]
+    assert row["samples"] == [[s, h, r] for s, h, r in zip(EN[:3], hypotheses[:3], DE[:3])]
+    assert row["score"] == pytest.approx(sacrebleu.corpus_bleu(hypotheses, [DE]).score, abs=0.01)
 
 
 @pytest.mark.parametrize("name, kinds", [
@@ -123,6 +131,10 @@ def test_rows_score_bleu_and_chrf_on_test_and_validation(run_dir, name, kinds):
         assert row["scores"][split] == pytest.approx(sacrebleu.corpus_bleu(hypotheses, [de]).score, abs=0.01), split
         assert row["chrf"][split] == pytest.approx(sacrebleu.corpus_chrf(hypotheses, [de]).score, abs=0.01), split
     assert row["scores"]["test_2016_flickr"] == row["score"] and "nc:6" in row["chrf_signature"]
+    # the outputs scored above are the row's (its samples): BLEU and chrF of near-empty outputs are ~0 whatever was
+    # decoded, the outputs are not
+    test_outputs = translate(model, tokenizer, EN, num_beams=4, batch_size=8, max_length=32)
+    assert [sample[1] for sample in row["samples"]] == test_outputs[:3]
     header = (run_dir["out"] / "reproduce_multi30k_tiny.md").read_text().splitlines()[2]
     assert "BLEU val" in header and "chrF test_2016_flickr / val" in header
 
