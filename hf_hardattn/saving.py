@@ -14,7 +14,7 @@ from huggingface_hub.utils import HFValidationError, validate_repo_id
 from transformers.dynamic_module_utils import get_relative_import_files
 from transformers.utils.hub import hf_api
 
-from .model_card import CARD_METADATA, RESULTS_FILE, write_model_card
+from .model_card import CARD_METADATA, RESULTS_FILE, name_repo, write_model_card
 from .registry import kind_files, runtime_module
 from .safe_io import atomic_folder, stale_weights, target_folder, verify_folder, write_checksums
 
@@ -143,12 +143,18 @@ class SavingMixin:
 
     def upload_folder_to_hub(self, folder, repo_id, files_timestamps, *, private=None, token=None, tags=None,
                              **commit):
-        """Create the repo if needed, add the model's and the given ``tags`` to the card (as transformers does), and
-        upload the files of ``folder`` written after ``files_timestamps`` in one commit (``_upload_modified_files``)."""
+        """Create the repo if needed, name it in the card's snippets, add the model's and the given ``tags`` to the card
+        (as transformers does), and upload the files of ``folder`` written after ``files_timestamps`` in one commit (``_upload_modified_files``)."""
         repo_id = hf_api().create_repo(repo_id, private=private, token=token, exist_ok=True).repo_id
         tags = list(self.model_tags or []) + ([tags] if isinstance(tags, str) else list(tags or []))
+        path = os.path.join(folder, "README.md")
+        if os.path.isfile(path):  # the card's snippets load the repo pushed to, not the placeholder
+            with open(path, encoding="utf-8") as handle:
+                text = handle.read()
+            if name_repo(text, repo_id) != text:
+                with open(path, "w", encoding="utf-8") as handle:
+                    handle.write(name_repo(text, repo_id))
         if tags:
-            path = os.path.join(folder, "README.md")
             card = ModelCard.load(path)
             card.data.tags = list(dict.fromkeys((card.data.tags or []) + tags))
             card.save(path)

@@ -277,10 +277,11 @@ def test_push_to_hub_uploads_weights_code_tokenizer_and_our_card_in_one_commit(h
     assert (commit["commit_description"], commit["create_pr"], commit["revision"]) == ("tiny", True, "dev")
     files = commit.pop("files")
     assert set(files) == set(local)
-    assert files["README.md"].decode() == render_model_card(model)
+    assert files["README.md"].decode() == render_model_card(model, repo_id="someone/tiny-soft")  # snippets load it
+    assert "someone/tiny-soft" not in local["README.md"].decode()
     check_weights(model, files["model.safetensors"])
-    assert {name: data for name, data in files.items() if name != "model.safetensors"} == {
-        name: data for name, data in local.items() if name != "model.safetensors"}
+    assert {name: data for name, data in files.items() if name not in ("model.safetensors", "README.md")} == {
+        name: data for name, data in local.items() if name not in ("model.safetensors", "README.md")}
 
 
 def test_push_to_hub_without_tokenizer_and_with_tags(hub):
@@ -290,7 +291,8 @@ def test_push_to_hub_without_tokenizer_and_with_tags(hub):
     (commit,) = hub.commits
     assert commit["commit_message"] == "Upload HybridForConditionalGeneration"  # transformers' default for the name
     assert not any(name.startswith("tokenizer") for name in commit["files"])
-    pushed, ours = ModelCard(commit["files"]["README.md"].decode()), ModelCard(render_model_card(model))
+    pushed = ModelCard(commit["files"]["README.md"].decode())
+    ours = ModelCard(render_model_card(model, repo_id="someone/tiny-hybrid"))
     assert pushed.text == ours.text
     assert pushed.data.tags == ours.data.tags + ["distilled", "mine"]
     assert pushed.data.pipeline_tag == "translation"
@@ -311,7 +313,7 @@ def test_save_pretrained_push_to_hub_pushes_what_it_writes_with_the_commit_argum
     local = saved_files(folder)
     assert set(files) == set(local) - {"notes.txt"}
     assert all(files[name] == local[name] for name in files)
-    assert files["README.md"].decode() == render_model_card(model)
+    assert files["README.md"].decode() == render_model_card(model, repo_id="tiny-gaussian")
     assert "tokenizer.json" in files
 
 
