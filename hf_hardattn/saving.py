@@ -144,7 +144,8 @@ class SavingMixin:
     def upload_folder_to_hub(self, folder, repo_id, files_timestamps, *, private=None, token=None, tags=None,
                              **commit):
         """Create the repo if needed, name it in the card's snippets, add the model's and the given ``tags`` to the card
-        (as transformers does), and upload the files of ``folder`` written after ``files_timestamps`` in one commit (``_upload_modified_files``)."""
+        (as transformers does), and upload the files of ``folder`` written after ``files_timestamps`` in one commit
+        (``_upload_modified_files``)."""
         repo_id = hf_api().create_repo(repo_id, private=private, token=token, exist_ok=True).repo_id
         tags = list(self.model_tags or []) + ([tags] if isinstance(tags, str) else list(tags or []))
         path = os.path.join(folder, "README.md")
