@@ -2,9 +2,11 @@
 
 ``hf_hardattn.tools.convert`` maps the checkpoint's weights into a ``hard_retrieval_transformer`` (decoder self- and
 cross-attention each read ONE key: sampled with straight-through gradients in training, the argmax at inference);
-converted, it is the soft-trained model decoded hard, which fine-tuning then adapts. The loss on the validation data
-(the training data when none is given) is measured before and after, and the result saved with its tokenizer and
-model card.
+converted, it is the soft-trained model decoded hard, which fine-tuning then adapts. The loss, BLEU and chrF on the
+validation data (the training data when none is given) are measured before and after (the Trainer generates with the
+model's generation config; the scores come from the package's offline ``evaluate`` metric,
+``hf_hardattn.tools.metrics``, through ``translation_metrics``), and the result saved with its tokenizer and model
+card.
 
     python examples/finetune_hard_retrieval.py --model-name-or-path Helsinki-NLP/opus-mt-en-de \\
         --train-file data/train --validation-file data/valid --source-lang en --target-lang de \\
@@ -16,6 +18,7 @@ convert too.
 """
 
 import argparse
+import copy
 import json
 import os
 
@@ -24,6 +27,7 @@ from transformers import (AutoModelForSeq2SeqLM, AutoTokenizer, DataCollatorForS
 
 import hf_hardattn
 from hf_hardattn.tools.data import load_split
+from hf_hardattn.tools.training import translation_metrics
 
 
 def parse_args(argv=None):
@@ -69,20 +73,25 @@ def main(argv=None):
         warmup_steps=args.warmup_steps, lr_scheduler_type="constant_with_warmup",
         per_device_train_batch_size=args.batch_size, per_device_eval_batch_size=args.batch_size,
         logging_steps=max(1, args.max_steps // 10), save_strategy="no", report_to=[], seed=args.seed,
+        predict_with_generate=True, generation_max_length=args.max_source_length,
     )
     trainer = Seq2SeqTrainer(model=model, args=training_args, train_dataset=train, eval_dataset=valid,
-                             processing_class=tokenizer, data_collator=DataCollatorForSeq2Seq(tokenizer, model=model))
+                             processing_class=tokenizer, data_collator=DataCollatorForSeq2Seq(tokenizer, model=model),
+                             compute_metrics=translation_metrics(tokenizer))  # BLEU and chrF, offline
+    generation = copy.deepcopy(model.generation_config)  # evaluating with generate() fills in transformers' defaults
     before = trainer.evaluate(metric_key_prefix="before")
     train_result = trainer.train()
     after = trainer.evaluate(metric_key_prefix="after")
     metrics = {**train_result.metrics, **before, **after}
     trainer.log_metrics("all", metrics)
 
+    model.generation_config = generation  # save the converted model's decoding setting, not those fill-ins
     model.save_pretrained(args.output_dir, tokenizer=tokenizer)  # weights, modeling code, model card, tokenizer
     with open(os.path.join(args.output_dir, "all_results.json"), "w") as handle:
         json.dump(metrics, handle, indent=2)
-    print(f"loss (hard retrieval, eval mode) {before['before_loss']:.4f} -> {after['after_loss']:.4f}; "
-          f"saved in {args.output_dir}")
+    print(f"loss (hard retrieval, eval mode) {before['before_loss']:.4f} -> {after['after_loss']:.4f}, BLEU "
+          f"{before['before_bleu']:.2f} -> {after['after_bleu']:.2f}, chrF {before['before_chrf']:.2f} -> "
+          f"{after['after_chrf']:.2f}; saved in {args.output_dir}")
     return metrics
 
 
