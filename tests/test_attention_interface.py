@@ -399,18 +399,17 @@ def test_generate_cache_equals_no_cache_and_padded_batch_equals_alone(name, mode
     inputs = batch()
     ids, mask = inputs["input_ids"], inputs["attention_mask"]
     cached, uncached = (_generate(model, ids, mask, mode, use_cache) for use_cache in (True, False))
-    assert len(cached.sequences.unique()) >= 4, cached.sequences  # non-degenerate: the checks could fail
+    # (>= 4 distinct tokens and other tokens than sdpa's: chosen so by generate_model's search, not asserted again)
     assert torch.equal(cached.sequences, uncached.sequences)
     for a, b in zip(cached.scores, uncached.scores, strict=True):
         assert torch.allclose(a, b, atol=1e-9)
     per_row = cached.sequences.shape[0] // ids.shape[0]
+    # the two sentences decode differently, so the comparison with each alone below sees rows mixed in the batch
+    assert not torch.equal(cached.sequences[:per_row], cached.sequences[per_row:])
     for i in range(ids.shape[0]):
         length = int(mask[i].sum())
         alone = _generate(model, ids[i:i + 1, :length], mask[i:i + 1, :length], mode, True).sequences
         assert torch.equal(alone, cached.sequences[i * per_row:(i + 1) * per_row])
-    model.set_attn_implementation("sdpa")
-    stock = _generate(model, ids, mask, mode, True).sequences
-    assert not torch.equal(stock, cached.sequences)  # hard retrieval decodes differently here
 
 
 def test_generate_output_attentions_under_the_cache_equal_one_full_forward():
