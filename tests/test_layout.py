@@ -326,11 +326,11 @@ def test_every_module_has_one_import_path():
     imports (the package's ``__init__``, the public surface, excepted)."""
     import importlib
     import inspect
-    import sys
 
     code = ("import sys, hf_hardattn, hf_hardattn.tools.cli; "
             "print([type(f).__module__ for f in sys.meta_path if 'hf_hardattn' in type(f).__module__]); "
-            "print([k for k, m in sys.modules.items() if k.startswith('hf_hardattn') and getattr(m, '__name__', k) != k])")
+            "print([k for k, m in list(sys.modules.items())"
+            " if k.startswith('hf_hardattn') and getattr(m, '__name__', k) != k])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=300)
     assert out.returncode == 0 and out.stdout.split() == ["[]", "[]"], out.stdout + out.stderr[-2000:]
     tools = sorted(p.stem for p in (PACKAGE / "tools").glob("*.py") if p.stem != "__init__")
