@@ -612,7 +612,7 @@ def translate(model, tokenizer, sources, num_beams: int = 4, batch_size: int = 6
                              total=math.ceil(len(sources) / batch_size), disable=not progress):
         batch = batch.to(model.device)
         limit = max_new_tokens or saved_limit or default_max_new_tokens(batch["input_ids"])
-        generated = model.generate(input_ids=batch["input_ids"], num_beams=num_beams, do_sample=do_sample,
+        generated = model.generate(**batch, num_beams=num_beams, do_sample=do_sample,
                                    **new_tokens_limit(model, limit, generate_kwargs), **generate_kwargs)
         for i, text in zip(index, tokenizer.batch_decode(generated, skip_special_tokens=True)):
             outputs[i] = text.strip()
