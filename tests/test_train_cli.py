@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, MarianConfig, MarianMTModel
 
+from hf_hardattn.tools import train_cli
 from hf_hardattn.tools.cli import main
 from hf_hardattn.tools.tokenization import train_tokenizer
 from hf_hardattn.tools.training import translate
@@ -156,37 +157,62 @@ LAUNCHERS = {  # on a CPU machine both start 2 processes (gloo); `accelerate lau
 }
 
 
+# run in a launched process: `hf-hardattn` with the model cast to float64 before training (the CLI has no dtype flag)
+FLOAT64_MAIN = """import sys
+from hf_hardattn.tools import train_cli
+from hf_hardattn.tools.cli import main
+build = train_cli.build_model
+train_cli.build_model = lambda *args, **kwargs: (lambda made: (made[0].double(), made[1]))(build(*args, **kwargs))
+sys.exit(main(sys.argv[1:]))
+"""
+
+
 @pytest.mark.parametrize("launcher", list(LAUNCHERS))
-def test_two_processes_equal_one_process_with_the_doubled_batch(data, tmp_path, launcher):
-    """Each step covers the whole 16-pair set in both runs (gloo DDP averages the gradients of the two halves).
-    Only the key projections' biases may differ: their gradient is zero in exact arithmetic (a constant added to
-    every score of a softmax row), so Adam turns float noise into steps of either sign."""
+def test_two_processes_equal_one_process_with_the_doubled_batch(data, tmp_path, launcher, monkeypatch):
+    """One Adam step over the whole 16-pair set in both runs (gloo DDP averages the gradients of the two halves of 8),
+    in float64, every weight compared.
+
+    Bound: Adam's first step is lr g / (|g| + eps) (m^ = g, v^ = g^2), whose derivative in g is eps / (|g| + eps)^2
+    <= 1 / eps: two gradients dg apart move a weight at most lr |dg| / eps apart, whatever g is (gradient clipping
+    rescales g by one common factor, which this ratio does not see). The two runs reduce the same float64 products in
+    another order and other GEMM shapes: |dg| <= K u sum|terms| with u = 2^-53, K <= 500 (128 target tokens, inner
+    dimensions <= 64) and sum|terms| <= 1 (a mean loss's softmax gradients, each <= 1 / tokens, times activations of
+    order 1): |dg| <= 6e-14, so |dw| <= 0.01 * 6e-14 / 1e-9 = 6e-7 < atol 1e-6. The loss takes its softmax in fp32
+    (loss.py): float64 logits 1e-16 apart give the same fp32 value unless one lies within that of an fp32 rounding
+    boundary (about 2^-29 per logit, ~10^-5 for the ~3,000 logits here). In fp32 the same bound is lr 1e-7 / eps: two
+    runs could step a weight with a near-zero gradient by +-lr (the key projections' biases, whose gradient is zero in
+    exact arithmetic, always did); several steps would feed such a flip into every later gradient."""
     common = ["--train", str(data / "small"), "--source-lang", "en", "--target-lang", "de", "--model-type",
-              "soft_transformer", *SIZES, "--dropout", "0", "--tokenizer", str(data / "tok"), "--max-steps", "3",
+              "soft_transformer", *SIZES, "--dropout", "0", "--tokenizer", str(data / "tok"), "--max-steps", "1",
               "--warmup-steps", "0", "--learning-rate", "0.01", "--quiet", "--threads", "1",
-              # N(0, d^-1/2) embeddings: with the type's default N(0, 0.02) the first steps' logits are nearly uniform
-              # and many gradients nearly cancel, so Adam's normalised step turns their float noise (the two runs sum
-              # in another order) into differences of ~3e-5; this test is about splitting the batch, not the init
+              # N(0, d^-1/2) embeddings: with the type's default N(0, 0.02) the first step's logits are nearly uniform
+              # and many gradients nearly cancel; this test is about splitting the batch, not the init
               "--set", "embed_init_std=null"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    two = subprocess.run([*LAUNCHERS[launcher], "-m", "hf_hardattn", "train", *common, "--batch-size", "8",
-                          "--output-dir", str(tmp_path / "ddp")], capture_output=True, text=True, env=env, timeout=600)
+    script = tmp_path / "float64_main.py"
+    script.write_text(FLOAT64_MAIN)
+    two = subprocess.run([*LAUNCHERS[launcher], str(script), "train", *common, "--batch-size", "8", "--output-dir",
+                          str(tmp_path / "ddp")], capture_output=True, text=True, env=env, timeout=600)
     assert two.returncode == 0, two.stderr[-3000:]
+    build = train_cli.build_model
+    monkeypatch.setattr(train_cli, "build_model", lambda *args, **kwargs: (lambda made: (made[0].double(), made[1]))(
+        build(*args, **kwargs)))
     assert main(["train", *common, "--batch-size", "16", "--output-dir", str(tmp_path / "one")]) == 0
+    monkeypatch.setattr(train_cli, "build_model", build)
+    assert main(["train", *common, "--batch-size", "16", "--learning-rate", "1e-30",
+                 "--output-dir", str(tmp_path / "start")]) == 0  # the initial weights (a step of ~1e-30)
     ddp = load_file(tmp_path / "ddp" / "model" / "model.safetensors")
     one = load_file(tmp_path / "one" / "model" / "model.safetensors")
-    d = 32
-    key_bias = {"qkv_proj.bias": slice(d, 2 * d), "kv_proj.bias": slice(0, d)}
+    start = load_file(tmp_path / "start" / "model" / "model.safetensors")
+    assert ddp.keys() == one.keys() and all(tensor.dtype == torch.float64 for tensor in one.values())
     for name, tensor in one.items():
-        other = ddp[name]
-        rows = next((rows for suffix, rows in key_bias.items() if name.endswith(suffix)), None)
-        if rows is not None:
-            keep = torch.ones(tensor.shape[0], dtype=torch.bool)
-            keep[rows] = False
-            tensor, other = tensor[keep], other[keep]
-        assert torch.allclose(tensor, other, atol=1e-5), (name, (tensor - other).abs().max())
+        assert torch.allclose(tensor, ddp[name], rtol=0, atol=1e-6), (name, (tensor - ddp[name]).abs().max())
+    # the step is not degenerate: most weights moved by about lr (|g| >> eps), so the comparison sees the gradients'
+    # signs; a process that stepped on its own half's gradient would differ by 2 lr wherever the halves disagree
+    moved = torch.cat([(one[name] - start[name].double()).abs().flatten() for name in one if name in start])
+    assert (moved > 0.005).float().mean() > 0.5, (moved > 0.005).float().mean()
     results = json.loads((tmp_path / "ddp" / "results.json").read_text())
-    assert results["steps"] == 3 and results["processes"] == 2
+    assert results["steps"] == 1 and results["processes"] == 2
 
 
 def test_end_processes_destroys_the_process_group(tmp_path):
