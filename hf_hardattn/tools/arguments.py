@@ -3,8 +3,10 @@ and running a command offline unless told otherwise."""
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import os
+import sys
 
 import huggingface_hub
 
@@ -65,6 +67,22 @@ def assignment(text):
         return key, value
 
 
+def lazy_import(name: str):
+    """The module ``name``, loaded when one of its attributes is first read (``importlib.util.LazyLoader``): a command
+    module names at its top what it uses, and ``--help`` or a light command does not pay for the rest. Already
+    imported: that module."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.find_spec(name)
+    if spec is None:
+        raise ImportError(f"lazy_import: no module named {name!r}")
+    spec.loader = importlib.util.LazyLoader(spec.loader)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 @contextlib.contextmanager
 def offline_by_default():
     """A command runs offline unless ``HF_HUB_OFFLINE`` is set (``HF_HUB_OFFLINE=0`` lets it reach the Hub): while it
@@ -83,4 +101,4 @@ def offline_by_default():
         huggingface_hub.constants.HF_HUB_OFFLINE = before
 
 
-__all__ = ["CommandError", "assignment", "offline_by_default", "positive_float", "positive_int"]
+__all__ = ["CommandError", "assignment", "lazy_import", "offline_by_default", "positive_float", "positive_int"]

@@ -23,6 +23,7 @@ and exit status 2 (``HF_HARDATTN_TRACEBACK=1`` shows the traceback instead).
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import random
@@ -31,8 +32,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from importlib.metadata import PackageNotFoundError, version
 
-import datasets
 import huggingface_hub
 import torch
 import transformers
@@ -44,14 +45,21 @@ from ..model_card import CARD_METADATA, RESULTS_FILE, metrics_table, write_model
 from ..registry import MODEL_TYPES, ROLES
 from ..safe_io import atomic_folder, write_json_atomic
 from ..soft import SoftTransformerConfig, SoftTransformerForConditionalGeneration
-from . import data, reproduce, train_cli, training
-from .arguments import (CommandError, assignment, check_model_type, offline_by_default, positive_float,
+from .arguments import (CommandError, assignment, check_model_type, lazy_import, offline_by_default, positive_float,
                         positive_int)
 from .convert import convert
-from .distill import add_distill_arguments, run_distill
 from .plot import attention_maps, plot_comparison, plot_layers
 from .scores import corpus_scores
-from .tokenization import min_vocab_size, train_tokenizer
+
+# Loaded on first use (``lazy_import``), so that --help and --version start without them: the Trainer, the data and
+# tokenizer tooling and datasets.
+datasets = lazy_import("datasets")
+data = lazy_import("hf_hardattn.tools.data")
+hf_hardattn_distill = lazy_import("hf_hardattn.tools.distill")  # (not `distill`: build_parser's subparser)
+reproduce = lazy_import("hf_hardattn.tools.reproduce")
+tokenization = lazy_import("hf_hardattn.tools.tokenization")
+train_cli = lazy_import("hf_hardattn.tools.train_cli")
+training = lazy_import("hf_hardattn.tools.training")
 
 # Demo model sizes: "small" learns visibly in ~3 minutes on 2 CPU cores; "tiny" is for tests (seconds).
 DEMO_SIZES = {
@@ -82,7 +90,7 @@ def run_demo(args) -> dict:
     # -- data + tokenizer -----------------------------------------------------------------------------------------
     start = time.perf_counter()
     nouns = data.german_nouns(seed=args.seed, max_examples=args.max_examples)
-    tokenizer = train_tokenizer(nouns["train"], kind="char", min_frequency=2)
+    tokenizer = tokenization.train_tokenizer(nouns["train"], kind="char", min_frequency=2)
     train = training.tokenize_dataset(nouns["train"], tokenizer, max_length=args.max_length)
     test = nouns["test"].shuffle(seed=args.seed)
     test = test.select(range(min(args.eval_examples, len(test))))
@@ -207,11 +215,11 @@ def run_tokenizer(args):
     missing = [path for path in args.files if not os.path.isfile(path)]
     if missing:
         raise FileNotFoundError(f"--files: not found: {missing}")
-    least = min_vocab_size(args.kind)
+    least = tokenization.min_vocab_size(args.kind)
     if args.vocab_size < least:
         raise CommandError(f"--vocab-size={args.vocab_size} is below {least}, the least a {args.kind} tokenizer has "
                            f"(see hf_hardattn.tools.tokenization.min_vocab_size); allowed: >= {least}.")
-    tokenizer = train_tokenizer(args.files, vocab_size=args.vocab_size, kind=args.kind,
+    tokenizer = tokenization.train_tokenizer(args.files, vocab_size=args.vocab_size, kind=args.kind,
                                 min_frequency=args.min_frequency)
     with atomic_folder(args.out) as staging:  # a killed save leaves the earlier tokenizer (or none), never half one
         tokenizer.save_pretrained(staging)
@@ -271,8 +279,9 @@ def read_lines(path: str, name: str) -> list[str]:
         return [line.rstrip("\n") for line in sys.stdin]
     if not os.path.isfile(path):
         raise CommandError(f"{name}={path!r} is not a file.")
-    try:
-        return data.read_lines(path)
+    try:  # (as data.read_lines, without loading the data tooling and datasets: score starts light)
+        with (gzip.open if path.endswith(".gz") else open)(path, "rt", encoding="utf-8") as handle:
+            return [line.rstrip("\n") for line in handle]
     except (UnicodeDecodeError, OSError) as error:
         raise CommandError(f"{name}={path!r} cannot be read as UTF-8 text ({error}).") from error
 
@@ -535,8 +544,27 @@ def run_publish(args) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-def build_parser() -> argparse.ArgumentParser:
+def versions() -> str:
+    """``hf-hardattn VERSION (torch T, transformers V, Python P)``, from the installed distributions' metadata."""
+    def installed(name):
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "not installed"
+
+    return (f"hf-hardattn {installed('hf-hardattn')} (torch {installed('torch')}, transformers "
+            f"{installed('transformers')}, Python {sys.version.split()[0]})")
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser of every subcommand; with ``command`` (what main() does), only that subcommand gets the options
+    that its own module defines (distill, train, reproduce: modules loaded on first use), the others their help line."""
+    def full(name):
+        return command is None or command == name
+
     parser = argparse.ArgumentParser(prog="hf-hardattn", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--version", action="version", version=versions(),
+                        help="print the package's version and those of torch, transformers and Python")
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="train soft + hard-retrieval models on German noun inflection (CPU, minutes)")
@@ -575,8 +603,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     distill = sub.add_parser("distill", help="sequence-level KD: translate a dataset with a teacher (beam search, "
                                              "resumable shards) into a distilled dataset")
-    add_distill_arguments(distill)
-    distill.set_defaults(func=run_distill)
+    if full("distill"):
+        hf_hardattn_distill.add_distill_arguments(distill)
+    distill.set_defaults(func=lambda args: hf_hardattn_distill.run_distill(args))
 
     convert = sub.add_parser(
         "convert", help="map a pretrained MarianMTModel / BART / mBART / M2M100 checkpoint into an hf_hardattn model",
@@ -605,15 +634,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser(
         "train", help="train any model type (or a pretrained / converted checkpoint) on your own parallel data",
-        description=train_cli.__doc__.split("\n\n")[0] + " Bad input ends with a one-line error; see "
-                    "hf_hardattn/tools/train_cli.py for the details.")
-    train_cli.add_arguments(train)
-    train.set_defaults(func=train_cli.run_train)
+        description=(train_cli.__doc__.split("\n\n")[0] + " Bad input ends with a one-line error; see "
+                     "hf_hardattn/tools/train_cli.py for the details.") if full("train") else None)
+    if full("train"):
+        train_cli.add_arguments(train)
+    train.set_defaults(func=lambda args: train_cli.run_train(args))
 
     rerun = sub.add_parser("reproduce", help="train and evaluate every variant with one recipe (the papers' "
                                              "tables; resumable) -> JSON + markdown table")
-    reproduce.add_arguments(rerun)
-    rerun.set_defaults(func=reproduce.run)
+    if full("reproduce"):
+        reproduce.add_arguments(rerun)
+    rerun.set_defaults(func=lambda args: reproduce.run(args))
 
     tr = sub.add_parser(
         "translate", help="translate a text file (or stdin) with a saved model, one sentence a line",
@@ -708,8 +739,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)  # the exact command, for results and cards
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = next((word for word in argv if not word.startswith("-")), "")  # (none for --help / --version)
+    args = build_parser(command).parse_args(argv)
+    args.argv = argv  # the exact command, for results and cards
     try:
         with offline_by_default():
             args.func(args)
