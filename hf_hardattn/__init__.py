@@ -17,7 +17,7 @@ same-folder imports) and the two registrations with transformers (``pipelines``,
 that path (``hf_hardattn.tools.training``, ...). ``registry.py`` lists the attention kinds and the model types.
 """
 
-from transformers import AutoConfig, AutoModelForSeq2SeqLM
+from transformers import AutoConfig, AutoModel, AutoModelForSeq2SeqLM
 
 from .attention_interface import register as _register_attention_interface
 from .beam_joint import (BeamJointRNNConfig, BeamJointRNNForConditionalGeneration, BeamJointTransformerConfig,
@@ -31,7 +31,7 @@ from .modeling_hardattn import HardAttnForConditionalGeneration
 from .pipelines import TranslationPipeline
 from .pipelines import register as _register_pipelines
 from .recurrent import RecurrentConfig, RecurrentForConditionalGeneration
-from .registry import MODEL_TYPES, model_classes
+from .registry import MODEL_TYPES, base_model_class, model_classes
 from .soft import SoftTransformerConfig, SoftTransformerForConditionalGeneration
 from .tools.convert import ConversionReport, convert
 
@@ -42,10 +42,13 @@ MODEL_CLASSES = dict(model_classes(model_type) for model_type in MODEL_TYPES)  #
 
 def _register():
     for config_class, model_class in MODEL_CLASSES.items():
+        bare_class = base_model_class(config_class.model_type)  # the bare encoder-decoder, model_class's `.model`
         AutoConfig.register(config_class.model_type, config_class, exist_ok=True)
         AutoModelForSeq2SeqLM.register(config_class, model_class, exist_ok=True)
+        AutoModel.register(config_class, bare_class, exist_ok=True)
         config_class.register_for_auto_class()
         model_class.register_for_auto_class("AutoModelForSeq2SeqLM")
+        bare_class.register_for_auto_class("AutoModel")
 
 
 _register()

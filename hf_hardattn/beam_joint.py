@@ -59,14 +59,16 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from transformers import GenerationMixin
+from transformers.utils import ModelOutput
 
 from .configuration_hardattn import HardAttnConfig
-from .hybrid import HybridConfig, HybridForConditionalGeneration
+from .caches import CACHE_FIELD, HardAttnCache
+from .hybrid import HybridConfig, HybridForConditionalGeneration, HybridModel
 from .inputs import is_tracing
 from .joint_kernel import JointWorkspace, at_least_fp32, joint_log_probs, select_candidates
 from .layers import DecoderResult, check_memory_rows
 from .loss import token_mean
-from .modeling_hardattn import HardAttnForConditionalGeneration
+from .modeling_hardattn import HardAttnForConditionalGeneration, HardAttnModel
 
 
 
@@ -94,12 +96,8 @@ def check_joint_fields(config):
                          "vocabulary projection) has no bias; allowed: False.")
 
 
-class JointOutputMixin:
-    """Shared by both settings: the active K, the full-joint length guard, the mixture head and the loss."""
-
-    # quantize_int8 keeps these fp32: the chunked mixture reads the vocabulary projection's weight, and the RNN
-    # setting's candidates split the readout's weight (candidate_readouts)
-    INT8_KEEP = ("lm_head", "decoder.readout_proj", ".score")
+class JointDecoding:
+    """Shared by both settings' bare and full models: the active K and the checks of the candidates' inputs."""
 
     def active_k(self) -> int:
         check_joint_fields(self.config)  # fields may have been edited after construction
@@ -131,6 +129,57 @@ class JointOutputMixin:
                 f"`full_joint_max_source_length`={limit}. Allowed: sources of at most {limit} positions (raise the "
                 f"limit, or use full_joint=False with joint_k)."
             )
+
+
+
+@dataclass
+class BeamJointModelOutput(ModelOutput):
+    """The bare beam-joint model's output (``AutoModel``): its decoder gives no single hidden state per position but
+    K candidates and their mixture weights, which the full model's output layer turns into the mixture (Eq. 4-5).
+
+    Args:
+        candidate_hidden_states: [B, T, K, d_model], the output-layer input of each candidate a_k (hard attention on
+            one source state; see the full model's class docstring), i.e. ``lm_head`` gives log P_t(y | x_{a_k}).
+        candidate_log_weights: [B, T, K], log P_t(a_k) (renormalised over the K when ``renormalize_joint``, see
+            :meth:`JointDecoding.renormalizes`); log sum_k exp(w_k + log_softmax(lm_head(h_k))) is the full model's
+            ``logits``.
+        cache (``past_key_values`` before transformers 5.24), decoder_hidden_states, decoder_attentions,
+        cross_attentions, encoder_last_hidden_state, encoder_hidden_states, encoder_attentions: as
+        ``Seq2SeqModelOutput``'s (the decoder's as the full model's ``forward`` describes them).
+    """
+
+    candidate_hidden_states: torch.Tensor | None = None
+    candidate_log_weights: torch.Tensor | None = None
+    __annotations__[CACHE_FIELD] = HardAttnCache | None  # the cache's field name of the installed transformers
+    locals()[CACHE_FIELD] = None
+    decoder_hidden_states: tuple | None = None
+    decoder_attentions: tuple | None = None
+    cross_attentions: tuple | None = None
+    encoder_last_hidden_state: torch.Tensor | None = None
+    encoder_hidden_states: tuple | None = None
+    encoder_attentions: tuple | None = None
+
+
+class JointModelMixin(JointDecoding):
+    """The bare beam-joint models: their output is :class:`BeamJointModelOutput`."""
+
+    def model_output(self, encoder_outputs, decoded, cache):
+        candidates = decoded.last_hidden_state
+        return BeamJointModelOutput(
+            candidate_hidden_states=candidates.hidden, candidate_log_weights=candidates.log_weights,
+            decoder_hidden_states=decoded.hidden_states, decoder_attentions=decoded.attentions,
+            cross_attentions=decoded.cross_attentions, encoder_last_hidden_state=encoder_outputs.last_hidden_state,
+            encoder_hidden_states=encoder_outputs.hidden_states, encoder_attentions=encoder_outputs.attentions,
+            **{CACHE_FIELD: cache},
+        )
+
+
+class JointOutputMixin(JointDecoding):
+    """The full beam-joint models: the mixture head and the loss."""
+
+    # quantize_int8 keeps these fp32: the chunked mixture reads the vocabulary projection's weight, and the RNN
+    # setting's candidates split the readout's weight (candidate_readouts)
+    INT8_KEEP = ("lm_head", "decoder.readout_proj", ".score")
 
     def output_logits(self, hidden, **kwargs):
         """LOG-probabilities [B, T, V] of the mixture (Eq. 4-5), fp32."""
@@ -245,56 +294,18 @@ class BeamJointTransformerConfig(JointFields, HardAttnConfig):
         return layer
 
 
-class BeamJointTransformerForConditionalGeneration(JointOutputMixin, HardAttnForConditionalGeneration,
-                                                   GenerationMixin):
-    """Beam-joint attention on a multi-head Transformer decoder (the paper's "future work").
-
-    In the joint layer L (``config.joint_layer``): P_t(a) = mean over heads of softmax(q k^T / sqrt(d_k)) (Eq. 1,
-    head-averaged); for each of the top-K positions a every head attends only to a, i.e. the attention output is
-    out_proj(concat_h v_h[a]) = x_a; the residual, norms and FFN of layer L, every later layer and the vocabulary
-    projection run once per candidate, and the K output distributions are mixed (Eq. 5). Decoder positions
-    are causal: the state of position t that later positions (and later layers' self-attention) see is the soft
-    one (as in the paper's RNN, where the soft context feeds the next step, Sec. 2.1); a candidate at t attends to
-    that soft history plus its own state. Attention dropout is not applied to the mixture weights P_t(a) (it still
-    applies to the soft stream that later layers see).
-
-    Outputs (``output_attentions`` / ``output_hidden_states``): layers before the joint layer as in the soft model.
-    The joint layer's ``cross_attentions`` slot holds every head's softmax [B, H, T, S]: P_t(a) is its mean over the
-    heads (dim 1), and the top-K set of position t is ``P_t.topk(K).indices`` (K = ``joint_k`` in training,
-    ``joint_inference_k`` when set in eval; ties aside; ``full_joint``: every position). From the joint layer on,
-    ``decoder_hidden_states`` are the candidates' states [B, T, K, d] (the last one: the output layer's input, whose K
-    distributions mix into the logits), and the attentions of later layers are the candidates': queries flattened as
-    t * K + k, self-attention [B, H, T * K, past + T + 1] over the soft history plus (last column) the candidate's own
-    state, cross-attention [B, H, T * K, S].
-    """
+class BeamJointTransformerModel(JointModelMixin, HardAttnModel):
+    """The bare beam-joint Transformer (``AutoModel``): encoder + decoder up to the K candidates of each position
+    (:class:`BeamJointModelOutput`), without the vocabulary projection and mixture."""
 
     config_class = BeamJointTransformerConfig
-    card_title = "Transformer with beam-joint attention"
-    card_description = (
-        "Output mechanism of Shankar, Garg & Sarawagi (2018), extended to a multi-head Transformer decoder as the "
-        "paper's future work proposes. In one designated cross-attention layer (`joint_layer`, default the last "
-        "decoder layer) the attention distribution P_t(a) over source positions is the head-averaged softmax "
-        "attention. For each of the top-K positions (`joint_k`, default 6), every head attends only to that "
-        "position; the rest of that layer (output projection, residual, FFN, norms), any later decoder layers "
-        "(whose self-attention sees the soft decoder's history) and the tied vocabulary projection are computed per "
-        "candidate, and the K output distributions are mixed: log sum_k P_t(a_k) P_t(y | x_{a_k}) (Eq. 5, top-K "
-        "weights renormalised to sum to one by default, `renormalize_joint`). `full_joint=True` mixes over every "
-        "source position (Eq. 4). `joint_inference_k` sets another K for decoding (the paper's Table 2 decodes a "
-        "K=6 model with K=1). The model returns LOG-PROBABILITIES as `logits` (mixture in log space, fp32), so "
-        "generate() and the Trainer work unchanged; K x vocabulary logits are computed in chunks "
-        "(`joint_chunk_size`)."
-    )
-    card_citation = (
-        "Shiv Shankar, Siddhant Garg, Sunita Sarawagi. Surprisingly Easy Hard-Attention for Sequence to Sequence "
-        "Learning. EMNLP 2018."
-    )
 
     def decode(self, decoder_input_ids, encoder_hidden_states, attention_mask, decoder_attention_mask,
                decoder_inputs_embeds, cache, output_attentions=False, output_hidden_states=False):
         """The skeleton decoder's layers up to the joint layer, the joint layer with its cross-attention made hard on
         the top-K positions of P_t(a) (:meth:`DecoderLayer.forward_hard_cross`), the later layers per candidate beside
         the soft stream (:meth:`DecoderLayer.forward_with_candidates`), the final norm on the candidates."""
-        config, decoder = self.config, self.model.decoder
+        config, decoder = self.config, self.decoder
         joint = config.joint_layer_index()
         k_active = self.active_k()
         self.check_source_length(encoder_hidden_states.shape[1])
@@ -319,6 +330,52 @@ class BeamJointTransformerForConditionalGeneration(JointOutputMixin, HardAttnFor
                 output_attentions)
             state.record(y, self_weights, cross_weights)
         return decoder.finish(state)._replace(last_hidden_state=JointCandidates(state.x, log_w))
+
+
+class BeamJointTransformerForConditionalGeneration(JointOutputMixin, HardAttnForConditionalGeneration,
+                                                   GenerationMixin):
+    """Beam-joint attention on a multi-head Transformer decoder (the paper's "future work").
+
+    In the joint layer L (``config.joint_layer``): P_t(a) = mean over heads of softmax(q k^T / sqrt(d_k)) (Eq. 1,
+    head-averaged); for each of the top-K positions a every head attends only to a, i.e. the attention output is
+    out_proj(concat_h v_h[a]) = x_a; the residual, norms and FFN of layer L, every later layer and the vocabulary
+    projection run once per candidate, and the K output distributions are mixed (Eq. 5). Decoder positions
+    are causal: the state of position t that later positions (and later layers' self-attention) see is the soft
+    one (as in the paper's RNN, where the soft context feeds the next step, Sec. 2.1); a candidate at t attends to
+    that soft history plus its own state. Attention dropout is not applied to the mixture weights P_t(a) (it still
+    applies to the soft stream that later layers see).
+
+    Outputs (``output_attentions`` / ``output_hidden_states``): layers before the joint layer as in the soft model.
+    The joint layer's ``cross_attentions`` slot holds every head's softmax [B, H, T, S]: P_t(a) is its mean over the
+    heads (dim 1), and the top-K set of position t is ``P_t.topk(K).indices`` (K = ``joint_k`` in training,
+    ``joint_inference_k`` when set in eval; ties aside; ``full_joint``: every position). From the joint layer on,
+    ``decoder_hidden_states`` are the candidates' states [B, T, K, d] (the last one: the output layer's input, whose K
+    distributions mix into the logits), and the attentions of later layers are the candidates': queries flattened as
+    t * K + k, self-attention [B, H, T * K, past + T + 1] over the soft history plus (last column) the candidate's own
+    state, cross-attention [B, H, T * K, S].
+    """
+
+    config_class = BeamJointTransformerConfig
+    model_class = BeamJointTransformerModel
+    card_title = "Transformer with beam-joint attention"
+    card_description = (
+        "Output mechanism of Shankar, Garg & Sarawagi (2018), extended to a multi-head Transformer decoder as the "
+        "paper's future work proposes. In one designated cross-attention layer (`joint_layer`, default the last "
+        "decoder layer) the attention distribution P_t(a) over source positions is the head-averaged softmax "
+        "attention. For each of the top-K positions (`joint_k`, default 6), every head attends only to that "
+        "position; the rest of that layer (output projection, residual, FFN, norms), any later decoder layers "
+        "(whose self-attention sees the soft decoder's history) and the tied vocabulary projection are computed per "
+        "candidate, and the K output distributions are mixed: log sum_k P_t(a_k) P_t(y | x_{a_k}) (Eq. 5, top-K "
+        "weights renormalised to sum to one by default, `renormalize_joint`). `full_joint=True` mixes over every "
+        "source position (Eq. 4). `joint_inference_k` sets another K for decoding (the paper's Table 2 decodes a "
+        "K=6 model with K=1). The model returns LOG-PROBABILITIES as `logits` (mixture in log space, fp32), so "
+        "generate() and the Trainer work unchanged; K x vocabulary logits are computed in chunks "
+        "(`joint_chunk_size`)."
+    )
+    card_citation = (
+        "Shiv Shankar, Siddhant Garg, Sunita Sarawagi. Surprisingly Easy Hard-Attention for Sequence to Sequence "
+        "Learning. EMNLP 2018."
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -370,47 +427,18 @@ def _log_probs(probs):
     return torch.where(positive, torch.where(positive, probs, torch.ones_like(probs)).log(), float("-inf"))
 
 
-class BeamJointRNNForConditionalGeneration(JointOutputMixin, HybridForConditionalGeneration, GenerationMixin):
-    """Beam-joint attention in the paper's own setting, an attentional RNN decoder (``hybrid.py``).
-
-    ``rnn_decoder_style="luong"`` (default, the paper's): at step t the RNN reads y_{t-1} and the previous soft
-    attentional output h~_{t-1} (input feeding) into s_t; the attention queried with s_t gives P_t(a) (Eq. 1). For
-    each of the top-K positions a the output layer reads h~_{t,a} = tanh(W_c [s_t; x_a] + b_c) (x_a: the hard context
-    of a, :meth:`HybridDecoder.hard_contexts`), P_t(y | x_a) = softmax(lm_head(h~_{t,a})), and the K distributions
-    are mixed (Eq. 5). The soft h~_t = tanh(W_c [s_t; c_t] + b_c) is what the next step reads: the candidates never
-    contain the soft context of their own step.
-
-    ``rnn_decoder_style="bahdanau"`` (earlier saved models; not the paper's): P_t(a) is queried with s_{t-1}, the soft
-    context c_t enters s_t = RNN([E y_{t-1}; c_t], s_{t-1}), and the candidates are readout(s_t, x_a), each still
-    carrying c_t through s_t."""
+class BeamJointRNNModel(JointModelMixin, HybridModel):
+    """The bare beam-joint RNN model (``AutoModel``): encoder + RNN decoder up to the K candidates' readouts of each
+    position (:class:`BeamJointModelOutput`), without the vocabulary projection and mixture."""
 
     config_class = BeamJointRNNConfig
-    card_title = "Transformer encoder + attentional RNN decoder with beam-joint attention"
-    card_description = (
-        "Output mechanism of Shankar, Garg & Sarawagi (2018) in the paper's own setting, an attentional RNN decoder "
-        "over a Transformer encoder. Default (`rnn_decoder_style=\"luong\"`, `rnn_cell=\"lstm\"`, `rnn_attention="
-        "\"dot\"`, as the paper's LSTM decoder with Luong attention and input feeding): the LSTM reads the previous "
-        "word and the previous soft attentional output; the attention queried with the new state s_t gives P_t(a); "
-        "for each of the top-K source positions (`joint_k`, default 6) the output layer reads tanh(W_c [s_t; x_a] + b) "
-        "from s_t and that single encoder state x_a (pure hard attention) and the K distributions are mixed: "
-        "log sum_k P_t(a_k) P_t(y | x_{a_k}) (Eq. 5; the top-K weights are renormalised to sum to one by default, "
-        "`renormalize_joint`). Trained with plain likelihood (`label_smoothing` 0, as the paper). "
-        "`rnn_decoder_style=\"bahdanau\"` (the hybrid paper's GRU decoder, the setting of models saved before the "
-        "field existed) queries the attention with the previous state and feeds its soft context into the state that "
-        "every candidate reads: not the paper's. For multi-head RNN attention P_t(a) is the head average and the hard "
-        "context has every head attend to a. `full_joint=True` mixes over every source position (Eq. 4, e.g. "
-        "character-level inflection). `joint_inference_k` sets another K for decoding (Table 2: train K=6, decode "
-        "K=1). The model returns LOG-PROBABILITIES as `logits` (mixture in log space, fp32), so generate() and the "
-        "Trainer work unchanged; K x vocabulary logits are computed in chunks (`joint_chunk_size`)."
-    )
-    card_citation = BeamJointTransformerForConditionalGeneration.card_citation
 
     def hard_contexts(self, encoder_hidden_states, cache):
         """[B, S, C] hard contexts, computed once per sentence during cached decoding (kept in
         ``cache.sentence_states``: the same for every beam of a sentence, so beam search does not reorder them)."""
         if cache is not None and "beam_joint.hard_contexts" in cache.sentence_states:
             return cache.sentence_states["beam_joint.hard_contexts"]
-        hard = self.model.decoder.hard_contexts(encoder_hidden_states)
+        hard = self.decoder.hard_contexts(encoder_hidden_states)
         if cache is not None:
             cache.sentence_states["beam_joint.hard_contexts"] = hard
         return hard
@@ -420,7 +448,7 @@ class BeamJointRNNForConditionalGeneration(JointOutputMixin, HybridForConditiona
         [B, S, C], index [B, T, K] -> [B, T, K, d]. The readout is tanh(W [s; c] + b) (HybridDecoder.readout), so
         W = [W_s | W_c] splits: W_s s_t once per step, W_c x_a once per source position, and each candidate costs
         one gather + add + tanh (tested against ``decoder.readout`` on explicitly built candidates)."""
-        proj = self.model.decoder.readout_proj
+        proj = self.decoder.readout_proj
         hidden = states.shape[-1]
         from_state = F.linear(states, proj.weight[:, :hidden], proj.bias)  # [B, T, d]
         from_context = F.linear(hard, proj.weight[:, hidden:])  # [B, S, d]
@@ -455,10 +483,58 @@ class BeamJointRNNForConditionalGeneration(JointOutputMixin, HybridForConditiona
                              (heads,) if output_attentions else None)
 
 
+class BeamJointRNNForConditionalGeneration(JointOutputMixin, HybridForConditionalGeneration, GenerationMixin):
+    """Beam-joint attention in the paper's own setting, an attentional RNN decoder (``hybrid.py``).
+
+    ``rnn_decoder_style="luong"`` (default, the paper's): at step t the RNN reads y_{t-1} and the previous soft
+    attentional output h~_{t-1} (input feeding) into s_t; the attention queried with s_t gives P_t(a) (Eq. 1). For
+    each of the top-K positions a the output layer reads h~_{t,a} = tanh(W_c [s_t; x_a] + b_c) (x_a: the hard context
+    of a, :meth:`HybridDecoder.hard_contexts`), P_t(y | x_a) = softmax(lm_head(h~_{t,a})), and the K distributions
+    are mixed (Eq. 5). The soft h~_t = tanh(W_c [s_t; c_t] + b_c) is what the next step reads: the candidates never
+    contain the soft context of their own step.
+
+    ``rnn_decoder_style="bahdanau"`` (earlier saved models; not the paper's): P_t(a) is queried with s_{t-1}, the soft
+    context c_t enters s_t = RNN([E y_{t-1}; c_t], s_{t-1}), and the candidates are readout(s_t, x_a), each still
+    carrying c_t through s_t."""
+
+    config_class = BeamJointRNNConfig
+    model_class = BeamJointRNNModel
+    card_title = "Transformer encoder + attentional RNN decoder with beam-joint attention"
+    card_description = (
+        "Output mechanism of Shankar, Garg & Sarawagi (2018) in the paper's own setting, an attentional RNN decoder "
+        "over a Transformer encoder. Default (`rnn_decoder_style=\"luong\"`, `rnn_cell=\"lstm\"`, `rnn_attention="
+        "\"dot\"`, as the paper's LSTM decoder with Luong attention and input feeding): the LSTM reads the previous "
+        "word and the previous soft attentional output; the attention queried with the new state s_t gives P_t(a); "
+        "for each of the top-K source positions (`joint_k`, default 6) the output layer reads tanh(W_c [s_t; x_a] + b) "
+        "from s_t and that single encoder state x_a (pure hard attention) and the K distributions are mixed: "
+        "log sum_k P_t(a_k) P_t(y | x_{a_k}) (Eq. 5; the top-K weights are renormalised to sum to one by default, "
+        "`renormalize_joint`). Trained with plain likelihood (`label_smoothing` 0, as the paper). "
+        "`rnn_decoder_style=\"bahdanau\"` (the hybrid paper's GRU decoder, the setting of models saved before the "
+        "field existed) queries the attention with the previous state and feeds its soft context into the state that "
+        "every candidate reads: not the paper's. For multi-head RNN attention P_t(a) is the head average and the hard "
+        "context has every head attend to a. `full_joint=True` mixes over every source position (Eq. 4, e.g. "
+        "character-level inflection). `joint_inference_k` sets another K for decoding (Table 2: train K=6, decode "
+        "K=1). The model returns LOG-PROBABILITIES as `logits` (mixture in log space, fp32), so generate() and the "
+        "Trainer work unchanged; K x vocabulary logits are computed in chunks (`joint_chunk_size`)."
+    )
+    card_citation = BeamJointTransformerForConditionalGeneration.card_citation
+
+    def hard_contexts(self, encoder_hidden_states, cache):
+        """The bare model's :meth:`BeamJointRNNModel.hard_contexts`."""
+        return self.model.hard_contexts(encoder_hidden_states, cache)
+
+    def candidate_readouts(self, states, hard, index):
+        """The bare model's :meth:`BeamJointRNNModel.candidate_readouts`."""
+        return self.model.candidate_readouts(states, hard, index)
+
+
 __all__ = [
+    "BeamJointModelOutput",
     "BeamJointRNNConfig",
     "BeamJointRNNForConditionalGeneration",
+    "BeamJointRNNModel",
     "BeamJointTransformerConfig",
     "BeamJointTransformerForConditionalGeneration",
+    "BeamJointTransformerModel",
     "JointCandidates",
 ]

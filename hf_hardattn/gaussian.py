@@ -55,7 +55,7 @@ from transformers import GenerationMixin
 
 from .configuration_hardattn import HardAttnConfig
 from .inputs import is_tracing
-from .modeling_hardattn import HardAttnForConditionalGeneration
+from .modeling_hardattn import HardAttnForConditionalGeneration, HardAttnModel
 from .registry import KINDS, ROLES
 
 GAUSSIAN_IMPLEMENTATIONS = ("full", "conv", "index")
@@ -611,8 +611,15 @@ def length_ratio_unless_given(config, dataset, tokenizer, given=None):
     return config.length_ratio
 
 
+class GaussianModel(HardAttnModel):
+    """The bare encoder-decoder (``AutoModel``): last_hidden_state = the decoder's last hidden state."""
+
+    config_class = GaussianConfig
+
+
 class GaussianForConditionalGeneration(HardAttnForConditionalGeneration, GenerationMixin):
     config_class = GaussianConfig
+    model_class = GaussianModel
     card_title = "Transformer with hard-coded Gaussian attention"
     card_description = (
         "Attention heads replaced by fixed standard normal distributions over positions (Eq. 2), centred at i - 1, "
@@ -634,6 +641,7 @@ __all__ = [
     "GaussianAttention",
     "GaussianConfig",
     "GaussianForConditionalGeneration",
+    "GaussianModel",
     "GAUSSIAN_IMPLEMENTATIONS",
     "check_gaussian_settings",
     "cutoff_radius",

@@ -24,7 +24,7 @@ from transformers import GenerationMixin
 
 from .configuration_hardattn import HardAttnConfig
 from .layers import SoftAttention, full_mask
-from .modeling_hardattn import HardAttnForConditionalGeneration
+from .modeling_hardattn import HardAttnForConditionalGeneration, HardAttnModel
 
 
 def gather_rows(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -131,8 +131,15 @@ class HardRetrievalConfig(HardAttnConfig):
     cross_attention: str | list[str] = "hard_retrieval"
 
 
+class HardRetrievalModel(HardAttnModel):
+    """The bare encoder-decoder (``AutoModel``): last_hidden_state = the decoder's last hidden state."""
+
+    config_class = HardRetrievalConfig
+
+
 class HardRetrievalForConditionalGeneration(HardAttnForConditionalGeneration, GenerationMixin):
     config_class = HardRetrievalConfig
+    model_class = HardRetrievalModel
     card_title = "Transformer with hard retrieval decoder attention"
     card_description = (
         "Each head of a hard-retrieval attention layer attends to exactly one token. Training samples one index per "
@@ -152,6 +159,7 @@ __all__ = [
     "HardRetrieval",
     "HardRetrievalConfig",
     "HardRetrievalForConditionalGeneration",
+    "HardRetrievalModel",
     "gather_rows",
     "sample_indices",
     "masked_scores",

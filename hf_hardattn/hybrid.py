@@ -566,9 +566,31 @@ class HybridPreTrainedModel(HardAttnPreTrainedModel):
 
 
 class HybridModel(HybridPreTrainedModel, HardAttnModel):
-    """Shared token embeddings + Transformer encoder + RNN decoder (no output layer)."""
+    """Shared token embeddings + Transformer encoder + RNN decoder (no output layer): the hybrid's bare model
+    (``AutoModel``); ``last_hidden_state`` is the readout o_t (bahdanau) or h~_t (luong), the output layer's input."""
 
     decoder_class = HybridDecoder
+
+    def decoder_outputs(self, decoder_input_ids, encoder_hidden_states, attention_mask, decoder_inputs_embeds=None,
+                        cache=None, output_hidden_states=False) -> HybridDecoderOutput:
+        """The full :class:`HybridDecoderOutput` (readout, states, contexts, attentions, hidden states when asked)."""
+        return self.decoder(decoder_input_ids, encoder_hidden_states, attention_mask, decoder_inputs_embeds, cache,
+                            output_hidden_states=output_hidden_states)
+
+    decode_reads_memory_grouped = True  # see HardAttnForConditionalGeneration._memory_grouped_decoding
+
+    def decode(self, decoder_input_ids, encoder_hidden_states, attention_mask, decoder_attention_mask,
+               decoder_inputs_embeds, cache, output_attentions=False, output_hidden_states=False) -> DecoderResult:
+        """Readout vectors [B, T, d_model]. Decoder inputs are right-padded (padding comes after the tokens that
+        matter), so ``decoder_attention_mask`` is not needed by a left-to-right RNN. With ``output_attentions`` the
+        RNN decoder's attention over the source is its one ``cross_attentions`` layer [B, heads, T, S] (one head for
+        additive and dot attention) and ``decoder_attentions`` holds None for each RNN layer (no self-attention);
+        ``output_hidden_states`` gives (embeddings, every RNN layer's output [B, T, rnn_hidden_size], the readout)."""
+        out = self.decoder_outputs(decoder_input_ids, encoder_hidden_states, attention_mask, decoder_inputs_embeds,
+                                   cache, output_hidden_states)
+        attentions = (None,) * self.config.decoder_layers if output_attentions else None
+        return DecoderResult(out.readout, out.hidden_states, attentions,
+                             (out.attentions,) if output_attentions else None)
 
 
 class HybridForConditionalGeneration(HybridPreTrainedModel, HardAttnForConditionalGeneration, GenerationMixin):
@@ -614,26 +636,9 @@ class HybridForConditionalGeneration(HybridPreTrainedModel, HardAttnForCondition
             f"| decoder attention over the encoder output | {config.rnn_attention}{heads} (one per step, queried with "
             f"{query}) |"])
 
-    def decoder_outputs(self, decoder_input_ids, encoder_hidden_states, attention_mask, decoder_inputs_embeds=None,
-                        cache=None, output_hidden_states=False) -> HybridDecoderOutput:
-        """The full :class:`HybridDecoderOutput` (readout, states, contexts, attentions, hidden states when asked)."""
-        return self.model.decoder(decoder_input_ids, encoder_hidden_states, attention_mask, decoder_inputs_embeds,
-                                  cache, output_hidden_states=output_hidden_states)
-
-    decode_reads_memory_grouped = True  # see HardAttnForConditionalGeneration._memory_grouped_decoding
-
-    def decode(self, decoder_input_ids, encoder_hidden_states, attention_mask, decoder_attention_mask,
-               decoder_inputs_embeds, cache, output_attentions=False, output_hidden_states=False) -> DecoderResult:
-        """Readout vectors [B, T, d_model]. Decoder inputs are right-padded (padding comes after the tokens that
-        matter), so ``decoder_attention_mask`` is not needed by a left-to-right RNN. With ``output_attentions`` the
-        RNN decoder's attention over the source is its one ``cross_attentions`` layer [B, heads, T, S] (one head for
-        additive and dot attention) and ``decoder_attentions`` holds None for each RNN layer (no self-attention);
-        ``output_hidden_states`` gives (embeddings, every RNN layer's output [B, T, rnn_hidden_size], the readout)."""
-        out = self.decoder_outputs(decoder_input_ids, encoder_hidden_states, attention_mask, decoder_inputs_embeds,
-                                   cache, output_hidden_states)
-        attentions = (None,) * self.config.decoder_layers if output_attentions else None
-        return DecoderResult(out.readout, out.hidden_states, attentions,
-                             (out.attentions,) if output_attentions else None)
+    def decoder_outputs(self, *args, **kwargs) -> HybridDecoderOutput:
+        """The bare model's :meth:`HybridModel.decoder_outputs`."""
+        return self.model.decoder_outputs(*args, **kwargs)
 
 
 __all__ = [

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
-from transformers.modeling_outputs import BaseModelOutput, Seq2SeqLMOutput
+from transformers.modeling_outputs import BaseModelOutput, Seq2SeqLMOutput, Seq2SeqModelOutput
 from transformers.utils import logging
 
 from .caches import CACHE_FIELD, HardAttnCache
@@ -179,7 +179,9 @@ class HardAttnPreTrainedModel(Int8Mixin, SavingMixin, PreTrainedModel):
 
 
 class HardAttnModel(HardAttnPreTrainedModel):
-    """Shared token embeddings + encoder + decoder (no output layer)."""
+    """Shared token embeddings + encoder + decoder (no output layer): the bare encoder-decoder, what ``AutoModel``
+    loads (as ``MarianModel``). Its :meth:`run` is the one path of the decoder states; the full model
+    (:class:`HardAttnForConditionalGeneration`, whose ``.model`` this is) projects them to the vocabulary."""
 
     _tied_weights_keys = {"encoder.embed_tokens.weight": "shared.weight", "decoder.embed_tokens.weight": "shared.weight"}
 
@@ -201,6 +203,118 @@ class HardAttnModel(HardAttnPreTrainedModel):
 
     def get_encoder(self, *args, **kwargs):
         return self.encoder
+
+    def get_decoder(self, *args, **kwargs):
+        return self.decoder
+
+    decode_reads_memory_grouped = True  # declared beside each ``decode`` that passes a grouped memory through
+
+    def decode(self, decoder_input_ids, encoder_hidden_states, attention_mask, decoder_attention_mask,
+               decoder_inputs_embeds, cache, output_attentions=False, output_hidden_states=False) -> DecoderResult:
+        """The decoder's :class:`DecoderResult` (hidden states [B, T, d] for the output layer; per-layer weights and
+        states when asked). Variants whose decoder is not the skeleton's override this."""
+        return self.decoder.run(decoder_input_ids, encoder_hidden_states, attention_mask, decoder_attention_mask,
+                                decoder_inputs_embeds, cache, output_attentions, output_hidden_states)
+
+    def decoder_checkpointing(self) -> bool:
+        """Whether gradient checkpointing is on for any part of the decoder (``gradient_checkpointing_enable()``)."""
+        return any(getattr(module, "gradient_checkpointing", False) for module in self.decoder.modules())
+
+    def run(self, input_ids=None, attention_mask=None, decoder_input_ids=None, decoder_attention_mask=None,
+            encoder_outputs=None, cache=None, inputs_embeds=None, decoder_inputs_embeds=None, use_cache=None,
+            output_attentions=False, output_hidden_states=False):
+        """The encoder (unless ``encoder_outputs`` is given) and the decoder: (encoder outputs, the decoder's
+        :class:`DecoderResult`, the cache or None). The one path of :meth:`forward` and of the full model's."""
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        if use_cache and self.training and torch.is_grad_enabled() and self.decoder_checkpointing():
+            # a checkpointed layer runs again in backward: it would write its keys/values into the cache twice
+            logger.warning_once("`use_cache=True` is incompatible with gradient checkpointing in training. Setting "
+                                "`use_cache=False`.")
+            use_cache = False
+        source_given = encoder_outputs is not None  # (else the encoder checks the source as it reads it)
+        if encoder_outputs is None:
+            encoder_outputs = self.encoder(input_ids, attention_mask, inputs_embeds, return_dict=True,
+                                           output_attentions=output_attentions,
+                                           output_hidden_states=output_hidden_states)
+        elif isinstance(encoder_outputs, (tuple, list)):  # as transformers' models read a tuple
+            encoder_outputs = BaseModelOutput(*encoder_outputs[:3])
+        cache = HardAttnCache.from_cache(cache) if use_cache else None
+        self.check_decoder_inputs(decoder_input_ids, decoder_attention_mask, decoder_inputs_embeds,
+                                  encoder_outputs.last_hidden_state, attention_mask if source_given else None, cache)
+        decoded = self.decode(
+            decoder_input_ids, encoder_outputs.last_hidden_state, attention_mask, decoder_attention_mask,
+            decoder_inputs_embeds, cache, output_attentions=output_attentions, output_hidden_states=output_hidden_states,
+        )
+        return encoder_outputs, decoded, cache
+
+    def check_decoder_inputs(self, decoder_input_ids, decoder_attention_mask, decoder_inputs_embeds, memory,
+                             attention_mask, cache):
+        """Clear errors where the decoder's inputs enter: ids in the vocabulary or embeddings of d_model (one of the
+        two), a right-padded 0/1 ``decoder_attention_mask`` of [B, T] or [B, cached + T] (continuing from a cache),
+        and a given encoder output's ``attention_mask`` of its [B, S]."""
+        check_one_of("decoder_input_ids", decoder_input_ids, "decoder_inputs_embeds", decoder_inputs_embeds)
+        if decoder_inputs_embeds is None:
+            check_ids("decoder_input_ids", decoder_input_ids, self.config.vocab_size)
+            rows, length = decoder_input_ids.shape
+        else:
+            if decoder_inputs_embeds.dim() != 3 or decoder_inputs_embeds.shape[-1] != self.config.d_model \
+                    or 0 in decoder_inputs_embeds.shape:
+                raise ValueError(f"`decoder_inputs_embeds` must be [batch, length, d_model={self.config.d_model}] (not "
+                                 f"empty), got {tuple(decoder_inputs_embeds.shape)}.")
+            rows, length = decoder_inputs_embeds.shape[:2]
+        if decoder_attention_mask is not None:
+            past = cache.get_seq_length() if cache is not None else 0
+            check_mask("decoder_attention_mask", decoder_attention_mask, [(rows, length), (rows, past + length)],
+                       right_padded=True)
+        if attention_mask is not None:  # (its values once per sentence: generate() passes the same mask at every step)
+            check_mask("attention_mask", attention_mask, [memory.shape[:2]],
+                       values=cache is None or cache.get_seq_length() == 0)
+
+    def model_output(self, encoder_outputs, decoded, cache):
+        """The :meth:`forward` output: ``Seq2SeqModelOutput`` (variants whose decoder output is not one hidden state
+        override this)."""
+        return Seq2SeqModelOutput(
+            last_hidden_state=decoded.last_hidden_state, decoder_hidden_states=decoded.hidden_states,
+            decoder_attentions=decoded.attentions, cross_attentions=decoded.cross_attentions,
+            encoder_last_hidden_state=encoder_outputs.last_hidden_state,
+            encoder_hidden_states=encoder_outputs.hidden_states, encoder_attentions=encoder_outputs.attentions,
+            **{CACHE_FIELD: cache},
+        )
+
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        decoder_input_ids=None,
+        decoder_attention_mask=None,
+        encoder_outputs=None,
+        past_key_values=None,
+        inputs_embeds=None,
+        decoder_inputs_embeds=None,
+        use_cache=None,
+        return_dict=None,
+        cache=None,
+        output_attentions=None,
+        output_hidden_states=None,
+        **kwargs,
+    ):
+        """``Seq2SeqModelOutput`` as ``MarianModel``'s (a tuple in its field order with ``return_dict=False``):
+        ``last_hidden_state`` is the decoder's last hidden state (the full model's output-layer input), with the cache
+        and, when asked, the decoder's and encoder's hidden states and attention weights (as the full model's
+        ``forward`` describes them)."""
+        config = self.config
+        output_attentions = config.output_attentions if output_attentions is None else output_attentions
+        output_hidden_states = config.output_hidden_states if output_hidden_states is None else output_hidden_states
+        return_dict = config.return_dict if return_dict is None else return_dict
+        if cache is not None and past_key_values is not None:
+            raise ValueError("Pass the decoding cache as `cache` or as `past_key_values` (its name before "
+                             "transformers 5.24), not both.")
+        encoder_outputs, decoded, cache = self.run(
+            input_ids, attention_mask, decoder_input_ids, decoder_attention_mask, encoder_outputs,
+            past_key_values if cache is None else cache, inputs_embeds, decoder_inputs_embeds, use_cache,
+            output_attentions, output_hidden_states)
+        output = self.model_output(encoder_outputs, decoded, cache)
+        return output if return_dict else output.to_tuple()
 
 
 class HardAttnForConditionalGeneration(HardAttnPreTrainedModel, GenerationMixin):
@@ -257,12 +371,9 @@ class HardAttnForConditionalGeneration(HardAttnPreTrainedModel, GenerationMixin)
     def prepare_decoder_input_ids_from_labels(self, labels: torch.Tensor):
         return shift_tokens_right(labels, self.config.pad_token_id, self.config.decoder_start_token_id)
 
-    def decode(self, decoder_input_ids, encoder_hidden_states, attention_mask, decoder_attention_mask,
-               decoder_inputs_embeds, cache, output_attentions=False, output_hidden_states=False) -> DecoderResult:
-        """The decoder's :class:`DecoderResult` (hidden states [B, T, d] for the output layer; per-layer weights and
-        states when asked). Variants whose decoder is not the skeleton's override this."""
-        return self.model.decoder.run(decoder_input_ids, encoder_hidden_states, attention_mask, decoder_attention_mask,
-                                      decoder_inputs_embeds, cache, output_attentions, output_hidden_states)
+    def decode(self, *args, **kwargs) -> DecoderResult:
+        """The bare model's :meth:`HardAttnModel.decode` (the decoder states the output layer reads)."""
+        return self.model.decode(*args, **kwargs)
 
     def output_logits(self, hidden, **kwargs):
         """Vocabulary scores [B, T, V] from decoder states (the beam-joint variant overrides this)."""
@@ -322,32 +433,16 @@ class HardAttnForConditionalGeneration(HardAttnPreTrainedModel, GenerationMixin)
         if cache is not None and past_key_values is not None:
             raise ValueError("Pass the decoding cache as `cache` or as `past_key_values` (its name before "
                              "transformers 5.24), not both.")
-        use_cache = self.config.use_cache if use_cache is None else use_cache
         if labels is not None:
             check_labels(labels, self.config.vocab_size)
             check_labels_match(labels, decoder_input_ids, decoder_inputs_embeds)
             use_cache = False
             if decoder_input_ids is None and decoder_inputs_embeds is None:
                 decoder_input_ids = self.prepare_decoder_input_ids_from_labels(labels)
-        if use_cache and self.training and torch.is_grad_enabled() and self._decoder_checkpointing():
-            # a checkpointed layer runs again in backward: it would write its keys/values into the cache twice
-            logger.warning_once("`use_cache=True` is incompatible with gradient checkpointing in training. Setting "
-                                "`use_cache=False`.")
-            use_cache = False
-        source_given = encoder_outputs is not None  # (else the encoder checks the source as it reads it)
-        if encoder_outputs is None:
-            encoder_outputs = self.model.encoder(input_ids, attention_mask, inputs_embeds, return_dict=True,
-                                                 output_attentions=output_attentions,
-                                                 output_hidden_states=output_hidden_states)
-        elif isinstance(encoder_outputs, (tuple, list)):  # as transformers' models read a tuple
-            encoder_outputs = BaseModelOutput(*encoder_outputs[:3])
-        cache = HardAttnCache.from_cache(past_key_values if cache is None else cache) if use_cache else None
-        self.check_decoder_inputs(decoder_input_ids, decoder_attention_mask, decoder_inputs_embeds,
-                                  encoder_outputs.last_hidden_state, attention_mask if source_given else None, cache)
-        decoded = self.decode(
-            decoder_input_ids, encoder_outputs.last_hidden_state, attention_mask, decoder_attention_mask,
-            decoder_inputs_embeds, cache, output_attentions=output_attentions, output_hidden_states=output_hidden_states,
-        )
+        encoder_outputs, decoded, cache = self.model.run(  # the bare model's path (as MarianMTModel's self.model)
+            input_ids, attention_mask, decoder_input_ids, decoder_attention_mask, encoder_outputs,
+            past_key_values if cache is None else cache, inputs_embeds, decoder_inputs_embeds, use_cache,
+            output_attentions, output_hidden_states)
         logits = self.output_logits(decoded.last_hidden_state, encoder_hidden_states=encoder_outputs.last_hidden_state,
                                     attention_mask=attention_mask)
         if not self.training and not is_tracing():
@@ -361,29 +456,6 @@ class HardAttnForConditionalGeneration(HardAttnPreTrainedModel, GenerationMixin)
             **{CACHE_FIELD: cache},
         )
         return output if return_dict else output.to_tuple()
-
-    def check_decoder_inputs(self, decoder_input_ids, decoder_attention_mask, decoder_inputs_embeds, memory,
-                             attention_mask, cache):
-        """Clear errors where the decoder's inputs enter: ids in the vocabulary or embeddings of d_model (one of the
-        two), a right-padded 0/1 ``decoder_attention_mask`` of [B, T] or [B, cached + T] (continuing from a cache),
-        and a given encoder output's ``attention_mask`` of its [B, S]."""
-        check_one_of("decoder_input_ids", decoder_input_ids, "decoder_inputs_embeds", decoder_inputs_embeds)
-        if decoder_inputs_embeds is None:
-            check_ids("decoder_input_ids", decoder_input_ids, self.config.vocab_size)
-            rows, length = decoder_input_ids.shape
-        else:
-            if decoder_inputs_embeds.dim() != 3 or decoder_inputs_embeds.shape[-1] != self.config.d_model \
-                    or 0 in decoder_inputs_embeds.shape:
-                raise ValueError(f"`decoder_inputs_embeds` must be [batch, length, d_model={self.config.d_model}] (not "
-                                 f"empty), got {tuple(decoder_inputs_embeds.shape)}.")
-            rows, length = decoder_inputs_embeds.shape[:2]
-        if decoder_attention_mask is not None:
-            past = cache.get_seq_length() if cache is not None else 0
-            check_mask("decoder_attention_mask", decoder_attention_mask, [(rows, length), (rows, past + length)],
-                       right_padded=True)
-        if attention_mask is not None:  # (its values once per sentence: generate() passes the same mask at every step)
-            check_mask("attention_mask", attention_mask, [memory.shape[:2]],
-                       values=cache is None or cache.get_seq_length() == 0)
 
     def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs):
         """transformers' check of generate()'s settings, plus those it lets through to a deep failure (``num_beams``
@@ -412,10 +484,6 @@ class HardAttnForConditionalGeneration(HardAttnPreTrainedModel, GenerationMixin)
                   if isinstance(module, PositionEmbedding) and module.kind == "learned"]
         check_generated_length(generation_config, min(limits, default=None))
 
-    def _decoder_checkpointing(self) -> bool:
-        """Whether gradient checkpointing is on for any part of the decoder (``gradient_checkpointing_enable()``)."""
-        return any(getattr(module, "gradient_checkpointing", False) for module in self.model.decoder.modules())
-
     def _expand_inputs_for_generation(self, expand_size=1, is_encoder_decoder=False, input_ids=None, **model_kwargs):
         """``generate()`` repeats every sentence ``expand_size`` times (beams, ``num_return_sequences``). When the
         decoder reads a grouped memory (skeleton decoder and output layer, cross-attention kinds that allow it), the
@@ -432,13 +500,12 @@ class HardAttnForConditionalGeneration(HardAttnPreTrainedModel, GenerationMixin)
         model_kwargs.update(kept)
         return input_ids, model_kwargs
 
-    decode_reads_memory_grouped = True  # declared beside each ``decode`` that passes a grouped memory through
-
     def _memory_grouped_decoding(self) -> bool:
-        """Whether generate() may hand the decoder a grouped memory: the class that defines ``decode`` declares that it
-        passes one through, the output layer is this one, and the decoder reads it. A variant that overrides
-        ``decode`` or ``output_logits`` (beam-joint) keeps the expanded memory unless it declares otherwise."""
-        owner = next(cls for cls in type(self).__mro__ if "decode" in vars(cls))
+        """Whether generate() may hand the decoder a grouped memory: the bare model's class that defines ``decode``
+        declares that it passes one through, the output layer is this one, and the decoder reads it. A variant that
+        overrides ``decode`` or ``output_logits`` (beam-joint) keeps the expanded memory unless it declares
+        otherwise."""
+        owner = next(cls for cls in type(self.model).__mro__ if "decode" in vars(cls))
         return (vars(owner).get("decode_reads_memory_grouped", False)
                 and type(self).output_logits is HardAttnForConditionalGeneration.output_logits
                 and self.model.decoder.reads_memory_grouped)

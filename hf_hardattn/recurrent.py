@@ -43,7 +43,7 @@ from transformers import initialization as init
 from .configuration_hardattn import HardAttnConfig
 from .inputs import is_tracing
 from .layers import SoftAttention
-from .modeling_hardattn import HardAttnForConditionalGeneration
+from .modeling_hardattn import HardAttnForConditionalGeneration, HardAttnModel, HardAttnPreTrainedModel
 from .registry import KINDS
 
 RECURRENT_VARIANTS = (
@@ -337,8 +337,23 @@ class RecurrentConfig(HardAttnConfig):
                                  self.coverage_lambda, self.recurrent_context_norm)
 
 
-class RecurrentForConditionalGeneration(HardAttnForConditionalGeneration, GenerationMixin):
+class RecurrentPreTrainedModel(HardAttnPreTrainedModel):
     config_class = RecurrentConfig
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        if isinstance(module, RecurrentCrossAttention):
+            module.reset_recurrent_parameters()
+
+
+class RecurrentModel(RecurrentPreTrainedModel, HardAttnModel):
+    """The bare encoder-decoder (``AutoModel``): last_hidden_state = the decoder's last hidden state."""
+
+
+class RecurrentForConditionalGeneration(RecurrentPreTrainedModel, HardAttnForConditionalGeneration, GenerationMixin):
+    config_class = RecurrentConfig
+    model_class = RecurrentModel
     card_title = "Transformer with recurrent cross-attention"
     card_description = (
         "The encoder-decoder attention of each decoder layer depends explicitly on its own previous decoding step, "
@@ -353,17 +368,12 @@ class RecurrentForConditionalGeneration(HardAttnForConditionalGeneration, Genera
         "Jan Rosendahl, Christian Herold, Frithjof Petrick, Hermann Ney. Recurrent Attention for the Transformer."
     )
 
-    @torch.no_grad()
-    def _init_weights(self, module):
-        super()._init_weights(module)
-        if isinstance(module, RecurrentCrossAttention):
-            module.reset_recurrent_parameters()
-
 
 __all__ = [
     "RECURRENT_VARIANTS",
     "RecurrentCrossAttention",
     "RecurrentConfig",
     "RecurrentForConditionalGeneration",
+    "RecurrentModel",
     "check_recurrent_settings",
 ]

@@ -56,20 +56,25 @@ class ModelType(NamedTuple):
     module: str  # the runtime file defining its classes
     config_class: str
     model_class: str
+    base_model_class: str  # the bare encoder-decoder (AutoModel), the model class's ``.model``
     rnn_decoder: bool = False  # an RNN decoder (no Transformer decoder layers to convert into)
 
 
 MODEL_TYPES = {
-    "soft_transformer": ModelType("soft", "SoftTransformerConfig", "SoftTransformerForConditionalGeneration"),
+    "soft_transformer": ModelType("soft", "SoftTransformerConfig", "SoftTransformerForConditionalGeneration",
+                                  "SoftTransformerModel"),
     "hard_retrieval_transformer": ModelType("hard_retrieval", "HardRetrievalConfig",
-                                            "HardRetrievalForConditionalGeneration"),
-    "gaussian_transformer": ModelType("gaussian", "GaussianConfig", "GaussianForConditionalGeneration"),
-    "hybrid_transformer": ModelType("hybrid", "HybridConfig", "HybridForConditionalGeneration", rnn_decoder=True),
-    "recurrent_transformer": ModelType("recurrent", "RecurrentConfig", "RecurrentForConditionalGeneration"),
+                                            "HardRetrievalForConditionalGeneration", "HardRetrievalModel"),
+    "gaussian_transformer": ModelType("gaussian", "GaussianConfig", "GaussianForConditionalGeneration",
+                                      "GaussianModel"),
+    "hybrid_transformer": ModelType("hybrid", "HybridConfig", "HybridForConditionalGeneration", "HybridModel",
+                                    rnn_decoder=True),
+    "recurrent_transformer": ModelType("recurrent", "RecurrentConfig", "RecurrentForConditionalGeneration",
+                                       "RecurrentModel"),
     "beam_joint_transformer": ModelType("beam_joint", "BeamJointTransformerConfig",
-                                        "BeamJointTransformerForConditionalGeneration"),
+                                        "BeamJointTransformerForConditionalGeneration", "BeamJointTransformerModel"),
     "beam_joint_rnn": ModelType("beam_joint", "BeamJointRNNConfig", "BeamJointRNNForConditionalGeneration",
-                                rnn_decoder=True),
+                                "BeamJointRNNModel", rnn_decoder=True),
 }
 
 
@@ -105,6 +110,12 @@ def model_classes(model_type: str) -> tuple:
     return getattr(module, entry.config_class), getattr(module, entry.model_class)
 
 
+def base_model_class(model_type: str):
+    """The bare encoder-decoder class of ``model_type`` (``AutoModel``'s; the model class's ``.model``)."""
+    entry = MODEL_TYPES[model_type]
+    return getattr(runtime_module(entry.module), entry.base_model_class)
+
+
 def runtime_module(name: str, config=None):
     """The runtime module ``name`` of this package. Loaded as remote code, a model's package holds the files that
     transformers copied for it (its model type's file and that file's relative imports): the file of another kind that
@@ -138,5 +149,5 @@ def import_beside(qualified_name: str, path: str):
     return module
 
 
-__all__ = ["KINDS", "MODEL_TYPES", "ROLES", "AttentionKind", "ModelType", "Role", "attention_class", "import_beside",
-           "kind_files", "kinds_allowed", "model_classes", "runtime_module", "used_kinds"]
+__all__ = ["KINDS", "MODEL_TYPES", "ROLES", "AttentionKind", "ModelType", "Role", "attention_class", "base_model_class",
+           "import_beside", "kind_files", "kinds_allowed", "model_classes", "runtime_module", "used_kinds"]

@@ -64,6 +64,7 @@ class SavingMixin:
         # transformers' rule: push the files this call (re)writes, not older ones in the folder
         before = self._get_files_timestamps(final) if os.path.isdir(final) else {}
         with atomic_folder(final, drop=stale_weights(kwargs.get("variant"))) as staging:
+            self.add_base_model_auto_map()
             super().save_pretrained(staging, *args, **kwargs)
             if self._auto_class is not None:  # (as transformers: it has copied the model type's file and its imports)
                 self.save_kind_files(staging)
@@ -77,6 +78,16 @@ class SavingMixin:
         if push_to_hub:
             repo_id = hub.pop("repo_id", os.path.basename(os.path.normpath(str(save_directory))))
             self.upload_folder_to_hub(final, repo_id, before, token=kwargs.get("token"), **hub)
+
+    def add_base_model_auto_map(self):
+        """A full model registered for remote code also names its bare encoder-decoder (its ``.model``, registered
+        for ``AutoModel``) in the config's ``auto_map``, as transformers names the saved class itself: the saved
+        folder then loads with ``AutoModel.from_pretrained(folder, trust_remote_code=True)`` too."""
+        base = self.base_model
+        if self._auto_class is None or base is self or getattr(base, "_auto_class", None) is None:
+            return
+        entry = f"{type(base).__module__.rpartition('.')[2]}.{type(base).__name__}"
+        self.config.auto_map = {**(getattr(self.config, "auto_map", None) or {}), base._auto_class: entry}
 
     def trainer_model_card(self, output_dir, *, language=None, license=None, tags=None, model_name=None,
                            finetuned_from=None, tasks=None, dataset_tags=None, dataset=None, dataset_args=None,

@@ -6,7 +6,7 @@ Runtime code shipped with saved models: flat, same-folder relative imports only.
 from transformers import GenerationMixin
 
 from .configuration_hardattn import HardAttnConfig
-from .modeling_hardattn import HardAttnForConditionalGeneration
+from .modeling_hardattn import HardAttnForConditionalGeneration, HardAttnModel
 
 
 class SoftTransformerConfig(HardAttnConfig):
@@ -15,8 +15,15 @@ class SoftTransformerConfig(HardAttnConfig):
     model_type = "soft_transformer"
 
 
+class SoftTransformerModel(HardAttnModel):
+    """The bare encoder-decoder (``AutoModel``): last_hidden_state = the decoder's last hidden state."""
+
+    config_class = SoftTransformerConfig
+
+
 class SoftTransformerForConditionalGeneration(HardAttnForConditionalGeneration, GenerationMixin):
     config_class = SoftTransformerConfig
+    model_class = SoftTransformerModel
     card_title = "Soft Transformer baseline"
     card_description = (
         "The standard Transformer encoder-decoder (post-norm, tied embeddings, sinusoidal positions) with "
@@ -25,4 +32,4 @@ class SoftTransformerForConditionalGeneration(HardAttnForConditionalGeneration, 
     )
 
 
-__all__ = ["SoftTransformerConfig", "SoftTransformerForConditionalGeneration"]
+__all__ = ["SoftTransformerConfig", "SoftTransformerForConditionalGeneration", "SoftTransformerModel"]

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 import hf_hardattn
-from hf_hardattn.registry import MODEL_TYPES, model_classes
+from hf_hardattn.registry import MODEL_TYPES, base_model_class, model_classes
 
 REPO = Path(hf_hardattn.__file__).parent.parent
 
@@ -144,6 +144,8 @@ def intended():
         "AutoConfig": {"added": {config.model_type: name(config) for config, _ in classes}},
         # AutoModelForSeq2SeqLM's mapping
         "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING": {"added": {name(config): name(model) for config, model in classes}},
+        # AutoModel's mapping: the bare encoder-decoder of each type (the full model's `.model`)
+        "MODEL_MAPPING": {"added": {name(config): name(base_model_class(config.model_type)) for config, _ in classes}},
         "SUPPORTED_TASKS": {"added": {"translation": translation}},
         "PIPELINE_REGISTRY": {"added": {"translation": translation}},  # (the same dict as SUPPORTED_TASKS)
         "REMOVED_TASKS": {"removed": {"translation"}},
