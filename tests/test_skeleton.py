@@ -141,26 +141,36 @@ def test_refuses_a_static_cache_naming_cache_implementation():
 def test_seq2seq_trainer_lowers_loss_and_reports_bleu(name, tmp_path):
     """The BLEU that Seq2SeqTrainer.predict reports (predict_with_generate through our generate()) equals sacrebleu
     of the trained model's own greedy outputs for the same test batch, written out here; the outputs are not empty,
-    share tokens with the references and are not all correct (a BLEU of 0 or 100 would compare too little)."""
+    share tokens with the references and are not all correct (a BLEU of 0 or 100 would compare too little).
+
+    How 60 steps round decides whether a fit meets that last criterion, so the initial weights are searched: seeds
+    0, 1, 2 in turn (the first that meets it is used; where seed 0 does, the run is that of seed 0 alone), and a
+    clear failure naming the criterion if none does, never a pass on a degenerate fit."""
     import sacrebleu
     from transformers import DataCollatorForSeq2Seq
 
-    if name == "soft":
-        model = SoftTransformerForConditionalGeneration(SoftTransformerConfig(**tiny_kwargs()))
-    else:
-        model = HardRetrievalForConditionalGeneration(HardRetrievalConfig(**tiny_kwargs()))
-    first, last, bleu = check_trainer(model, tmp_path)
+    config_class, model_class = {"soft": (SoftTransformerConfig, SoftTransformerForConditionalGeneration),
+                                 "hard": (HardRetrievalConfig, HardRetrievalForConditionalGeneration)}[name]
     test = copy_task(16, seed=1)  # check_trainer's test set: one batch of its collator
-    batch = DataCollatorForSeq2Seq(toy_tokenizer(), model=model)(test)
-    with torch.no_grad():
-        generated = model.eval().generate(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                                          max_new_tokens=12)
-    hypotheses = [" ".join(str(t) for t in row if t > EOS) for row in generated.tolist()]
     references = [" ".join(str(t) for t in row["labels"] if t > EOS) for row in test]
-    assert all(hypotheses), hypotheses
-    expected = sacrebleu.corpus_bleu(hypotheses, [references])
+    tried = []
+    for seed in range(3):
+        torch.manual_seed(seed)
+        model = model_class(config_class(**tiny_kwargs()))
+        first, last, bleu = check_trainer(model, tmp_path / f"seed{seed}")
+        batch = DataCollatorForSeq2Seq(toy_tokenizer(), model=model)(test)
+        with torch.no_grad():
+            generated = model.eval().generate(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                              max_new_tokens=12)
+        hypotheses = [" ".join(str(t) for t in row if t > EOS) for row in generated.tolist()]
+        expected = sacrebleu.corpus_bleu(hypotheses, [references])
+        tried.append((seed, expected.score, sum(not h for h in hypotheses)))
+        if all(hypotheses) and expected.counts[0] > 0 and expected.score < 100.0:
+            break
+    else:
+        pytest.fail(f"no seed of 0-2 gave a fit whose outputs are all non-empty with a BLEU in (0, 100) after 60 "
+                    f"steps (seed, BLEU, empty outputs): {tried}; the BLEU comparison would compare too little")
     assert bleu == pytest.approx(expected.score, rel=1e-12, abs=1e-12)
-    assert expected.counts[0] > 0 and expected.score < 100.0, (expected, hypotheses, references)
 
 
 def test_buffered_cache_layer_equals_dynamic_layer():
