@@ -603,9 +603,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
     distill = sub.add_parser("distill", help="sequence-level KD: translate a dataset with a teacher (beam search, "
                                              "resumable shards) into a distilled dataset")
-    if full("distill"):
+    if full("distill"):  # (a subcommand not named has no options and is not run)
         hf_hardattn_distill.add_distill_arguments(distill)
-    distill.set_defaults(func=lambda args: hf_hardattn_distill.run_distill(args))
+        distill.set_defaults(func=hf_hardattn_distill.run_distill)
 
     convert = sub.add_parser(
         "convert", help="map a pretrained MarianMTModel / BART / mBART / M2M100 checkpoint into an hf_hardattn model",
@@ -638,13 +638,13 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                      "hf_hardattn/tools/train_cli.py for the details.") if full("train") else None)
     if full("train"):
         train_cli.add_arguments(train)
-    train.set_defaults(func=lambda args: train_cli.run_train(args))
+        train.set_defaults(func=train_cli.run_train)
 
     rerun = sub.add_parser("reproduce", help="train and evaluate every variant with one recipe (the papers' "
                                              "tables; resumable) -> JSON + markdown table")
     if full("reproduce"):
         reproduce.add_arguments(rerun)
-    rerun.set_defaults(func=lambda args: reproduce.run(args))
+        rerun.set_defaults(func=reproduce.run)
 
     tr = sub.add_parser(
         "translate", help="translate a text file (or stdin) with a saved model, one sentence a line",
