@@ -1,7 +1,8 @@
 """hf_hardattn: alternatives to Transformer attention for encoder-decoder translation, as HuggingFace models.
 
 What importing the package changes in transformers, and nothing else (``tests/test_import_effects.py`` holds it to
-this list): every model type is registered with ``AutoConfig`` / ``AutoModelForSeq2SeqLM`` (and its classes marked for
+this list): every model type is registered with ``AutoConfig`` / ``AutoModelForSeq2SeqLM`` / ``AutoModel`` (the bare
+encoder-decoder, ``SoftTransformerModel`` etc.; its classes marked for
 remote-code saving, so a saved folder also loads with ``trust_remote_code=True`` where hf_hardattn is not installed);
 the ``translation`` pipeline task is registered, for any seq2seq model, its entry leaves transformers'
 ``REMOVED_TASKS``, and the registry's lookup reads transformers 4's names ``translation_XX_to_YY``
@@ -20,19 +21,20 @@ that path (``hf_hardattn.tools.training``, ...). ``registry.py`` lists the atten
 from transformers import AutoConfig, AutoModel, AutoModelForSeq2SeqLM
 
 from .attention_interface import register as _register_attention_interface
-from .beam_joint import (BeamJointRNNConfig, BeamJointRNNForConditionalGeneration, BeamJointTransformerConfig,
-                         BeamJointTransformerForConditionalGeneration)
+from .beam_joint import (BeamJointModelOutput, BeamJointRNNConfig, BeamJointRNNForConditionalGeneration,
+                         BeamJointRNNModel, BeamJointTransformerConfig, BeamJointTransformerForConditionalGeneration,
+                         BeamJointTransformerModel)
 from .caches import HardAttnCache
 from .configuration_hardattn import ATTENTION_KINDS, HardAttnConfig
-from .gaussian import GaussianConfig, GaussianForConditionalGeneration, fit_length_ratio
-from .hard_retrieval import HardRetrievalConfig, HardRetrievalForConditionalGeneration
-from .hybrid import HybridConfig, HybridForConditionalGeneration
+from .gaussian import GaussianConfig, GaussianForConditionalGeneration, GaussianModel, fit_length_ratio
+from .hard_retrieval import HardRetrievalConfig, HardRetrievalForConditionalGeneration, HardRetrievalModel
+from .hybrid import HybridConfig, HybridForConditionalGeneration, HybridModel
 from .modeling_hardattn import HardAttnForConditionalGeneration
 from .pipelines import TranslationPipeline
 from .pipelines import register as _register_pipelines
-from .recurrent import RecurrentConfig, RecurrentForConditionalGeneration
+from .recurrent import RecurrentConfig, RecurrentForConditionalGeneration, RecurrentModel
 from .registry import MODEL_TYPES, base_model_class, model_classes
-from .soft import SoftTransformerConfig, SoftTransformerForConditionalGeneration
+from .soft import SoftTransformerConfig, SoftTransformerForConditionalGeneration, SoftTransformerModel
 from .tools.convert import ConversionReport, convert
 
 __version__ = "0.1.0"
@@ -57,26 +59,34 @@ _register_attention_interface()  # "hard_retrieval" etc. for stock models (atten
 
 __all__ = [
     "ATTENTION_KINDS",
+    "BeamJointModelOutput",
     "BeamJointRNNConfig",
     "BeamJointRNNForConditionalGeneration",
+    "BeamJointRNNModel",
     "BeamJointTransformerConfig",
     "BeamJointTransformerForConditionalGeneration",
+    "BeamJointTransformerModel",
     "ConversionReport",
+    "convert",
+    "fit_length_ratio",
     "GaussianConfig",
     "GaussianForConditionalGeneration",
+    "GaussianModel",
     "HardAttnCache",
     "HardAttnConfig",
     "HardAttnForConditionalGeneration",
     "HardRetrievalConfig",
     "HardRetrievalForConditionalGeneration",
+    "HardRetrievalModel",
     "HybridConfig",
     "HybridForConditionalGeneration",
+    "HybridModel",
     "MODEL_CLASSES",
-    "fit_length_ratio",
     "RecurrentConfig",
     "RecurrentForConditionalGeneration",
+    "RecurrentModel",
     "SoftTransformerConfig",
     "SoftTransformerForConditionalGeneration",
+    "SoftTransformerModel",
     "TranslationPipeline",
-    "convert",
 ]
