@@ -21,6 +21,7 @@ import huggingface_hub
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
 import hf_hardattn  # noqa: F401  (registers the model types)
+from hf_hardattn.model_card import name_repo
 
 
 def parse_args(argv=None):
@@ -44,7 +45,12 @@ def main(argv=None):
 
     if args.dry_run:
         folder = args.dry_run_dir or tempfile.mkdtemp(prefix="publish-")
-        model.save_pretrained(folder, tokenizer=tokenizer)  # exactly what push_to_hub uploads
+        model.save_pretrained(folder, tokenizer=tokenizer)  # what push_to_hub uploads, ...
+        card = os.path.join(folder, "README.md")  # ... whose card's snippets load the repo pushed to
+        with open(card, encoding="utf-8") as handle:
+            text = name_repo(handle.read(), args.repo_id)
+        with open(card, "w", encoding="utf-8") as handle:
+            handle.write(text)
         files = sorted(os.listdir(folder))
         print(f"dry run: {args.repo_id} would get {len(files)} files (written to {folder}); nothing pushed")
         for name in files:

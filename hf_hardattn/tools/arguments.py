@@ -80,6 +80,9 @@ def lazy_import(name: str):
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)
+    parent, _, child = name.rpartition(".")
+    if parent:  # as the import system does: `package.child` reads the module (a later import finds it in sys.modules)
+        setattr(importlib.import_module(parent), child, module)
     return module
 
 

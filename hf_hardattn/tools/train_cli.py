@@ -143,6 +143,9 @@ def check_model_arguments(args, fields):
         if args.init_from:
             config_class.check_typed_keys(fields)
             return
+    except (ValueError, TypeError) as error:  # the keys go to from_pretrained(--init-from, key=value)
+        raise _error(f"--init-from={args.init_from!r} with --set {fields}: {error}") from error
+    try:
         with warnings.catch_warnings():  # (an unknown field's warning comes once, from the real config)
             warnings.simplefilter("ignore")
             if args.gaussian_preset:
