@@ -53,7 +53,6 @@ import sys
 import time
 
 import datasets
-import sacrebleu
 import torch
 from transformers import AutoConfig, AutoModelForSeq2SeqLM, AutoTokenizer, MarianConfig, MarianMTModel
 
@@ -68,6 +67,7 @@ from ..safe_io import atomic_folder, write_json_atomic, write_text_atomic
 from ..soft import SoftTransformerConfig, SoftTransformerForConditionalGeneration
 from . import distill, training
 from .data import german_nouns, load_parallel, multi30k
+from .scores import corpus_scores
 from .tokenization import train_tokenizer
 
 TASKS = ("multi30k", "nouns")
@@ -384,12 +384,13 @@ def load_task(task: str, recipe: Recipe, data: str | None, seed: int):
 # ----------------------------------------------------------------------------------------------------------------
 # One row
 # ----------------------------------------------------------------------------------------------------------------
-def corpus_scores(hypotheses, references) -> dict:
-    """sacrebleu's corpus BLEU and chrF (default settings) with their signatures."""
-    bleu, chrf = sacrebleu.BLEU(), sacrebleu.CHRF()
-    return dict(bleu=round(bleu.corpus_score(hypotheses, [list(references)]).score, 2),
-                chrf=round(chrf.corpus_score(hypotheses, [list(references)]).score, 2),
-                signature=str(bleu.get_signature()), chrf_signature=str(chrf.get_signature()))
+def row_scores(hypotheses, references) -> dict:
+    """sacrebleu's corpus BLEU and chrF (default settings, :func:`~hf_hardattn.tools.scores.corpus_scores`) with their
+    signatures, as a row records them."""
+    scores = corpus_scores(hypotheses, [list(references)])
+    (bleu, bleu_signature), (chrf, chrf_signature) = scores["bleu"], scores["chrf"]
+    return dict(bleu=round(bleu.score, 2), chrf=round(chrf.score, 2), signature=bleu_signature,
+                chrf_signature=chrf_signature)
 
 
 def evaluate(task, model, tokenizer, test, recipe: Recipe, return_hypotheses: bool = False, other_sets=None) -> dict:
@@ -404,14 +405,14 @@ def evaluate(task, model, tokenizer, test, recipe: Recipe, return_hypotheses: bo
                examples=len(hypotheses), samples=[[s, h, r] for s, h, r in zip(test["source"][:3], hypotheses[:3],
                                                                                  test["target"][:3])])
     if task == "multi30k":
-        scored = corpus_scores(hypotheses, test["target"])
+        scored = row_scores(hypotheses, test["target"])
         out.update(metric="BLEU", score=scored["bleu"], signature=scored["signature"],
                    chrf_signature=scored["chrf_signature"], scores={TEST_SET: scored["bleu"]},
                    chrf={TEST_SET: scored["chrf"]})
         for name, dataset in (other_sets or {}).items():
             other = training.translate(model, tokenizer, dataset["source"], num_beams=recipe.num_beams,
                                        batch_size=recipe.eval_batch_size, max_length=recipe.max_length)
-            scored = corpus_scores(other, dataset["target"])
+            scored = row_scores(other, dataset["target"])
             out["scores"][name], out["chrf"][name] = scored["bleu"], scored["chrf"]
     else:
         correct = sum(h.strip() == r.strip() for h, r in zip(hypotheses, test["target"]))

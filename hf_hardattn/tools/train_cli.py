@@ -30,8 +30,6 @@ import shlex
 import sys
 import warnings
 
-import numpy as np
-import sacrebleu
 import torch
 from transformers import AutoConfig, AutoModelForSeq2SeqLM, AutoTokenizer, EarlyStoppingCallback, set_seed
 
@@ -44,6 +42,7 @@ from . import training
 from .arguments import CommandError, assignment, check_model_type, positive_float, positive_int
 from .convert import convert
 from .data import load_split
+from .scores import corpus_scores
 from .tokenization import min_vocab_size, train_tokenizer
 
 SIZE_FLAGS = {  # flag -> config fields it sets
@@ -203,20 +202,6 @@ def check_lengths(tokenized, name, max_length, skip):
     return tokenized.select(keep), len(long)
 
 
-def bleu_metric(tokenizer):
-    """compute_metrics for the Trainer's generate-based evaluation: sacrebleu corpus BLEU (13a)."""
-    def compute(prediction):
-        predictions, labels = prediction.predictions, prediction.label_ids
-        pad = tokenizer.pad_token_id
-        predictions = np.where(predictions < 0, pad, predictions)
-        labels = np.where(labels < 0, pad, labels)
-        hypotheses = [text.strip() for text in tokenizer.batch_decode(predictions, skip_special_tokens=True)]
-        references = [text.strip() for text in tokenizer.batch_decode(labels, skip_special_tokens=True)]
-        return {"bleu": sacrebleu.corpus_bleu(hypotheses, [references]).score}
-
-    return compute
-
-
 def run_train(args) -> dict:
     try:
         training.check_processes_started()  # before any work: an accelerate launch that started fewer processes
@@ -276,7 +261,7 @@ def run_train(args) -> dict:
             epochs=args.epochs or 1.0, batch_size=batch_size, learning_rate=args.learning_rate,
             warmup_steps=args.warmup_steps, lr_scheduler=args.lr_scheduler, seed=args.seed,
             eval_steps=args.eval_steps, progress=not args.quiet, callbacks=callbacks,
-            **(dict(compute_metrics=bleu_metric(tokenizer)) if args.eval_steps else {}), **kwargs, **extra)
+            **(dict(compute_metrics=training.translation_metrics(tokenizer)) if args.eval_steps else {}), **kwargs, **extra)
     except ValueError as error:
         raise _error(error) from error
     model = trainer.model
@@ -291,9 +276,9 @@ def run_train(args) -> dict:
             hypotheses = training.translate(model, tokenizer, splits[name]["source"],
                                             num_beams=model.generation_config.num_beams,
                                             max_new_tokens=model.generation_config.max_new_tokens, max_length=max_length)
-            for key, metric in (("bleu", sacrebleu.BLEU()), ("chrf", sacrebleu.CHRF())):
-                results[f"{name}_{key}"] = round(metric.corpus_score(hypotheses, [splits[name]["target"]]).score, 2)
-                results[f"{key}_signature"] = f"{metric.get_signature()} ({results['decoding']})"
+            for key, (score, signature) in corpus_scores(hypotheses, [splits[name]["target"]]).items():
+                results[f"{name}_{key}"] = round(score.score, 2)
+                results[f"{key}_signature"] = f"{signature} ({results['decoding']})"
             with open(os.path.join(args.output_dir, f"{name}.hyp"), "w", encoding="utf-8") as handle:
                 handle.write("".join(line + "\n" for line in hypotheses))
     results = {k: v for k, v in results.items() if v is not None}
