@@ -383,7 +383,9 @@ def check_save_load(model, tmp_path):
     return reloaded
 
 
-REMOTE_SCRIPT = textwrap.dedent(
+# The start of a fresh process's script (argv[1]: the repository) in which hf_hardattn cannot be imported: what a
+# user without the package has; remote code then comes from a saved folder only.
+WITHOUT_PACKAGE = textwrap.dedent(
     """
     import copy, importlib, json, sys, os, traceback
     os.environ["HF_HUB_OFFLINE"] = "1"
@@ -398,6 +400,11 @@ REMOTE_SCRIPT = textwrap.dedent(
         raise SystemExit("hf_hardattn is importable in the fresh process")
     except ImportError:
         pass
+    """
+)
+
+REMOTE_SCRIPT = WITHOUT_PACKAGE + textwrap.dedent(
+    """
     import torch
     from transformers import AutoModelForSeq2SeqLM, LogitsProcessorList
     STEP_RECORDER

@@ -19,7 +19,7 @@ import torch
 from transformers import AutoModel
 
 import hf_hardattn  # noqa: F401  (registers the model types)
-from common import DECODER_INPUTS, JOINT_TYPES, TYPE_MODELS, TYPE_NAMES, randomize, source_batch
+from common import DECODER_INPUTS, JOINT_TYPES, TYPE_MODELS, TYPE_NAMES, WITHOUT_PACKAGE, randomize, source_batch
 from hf_hardattn.beam_joint import BeamJointModelOutput
 from hf_hardattn.caches import CACHE_FIELD
 from hf_hardattn.registry import MODEL_TYPES, base_model_class
@@ -93,20 +93,8 @@ def test_the_bare_models_cache_continues_decoding_as_the_full_model(name, tmp_pa
     torch.testing.assert_close(want, full_step.logits, rtol=1e-10, atol=1e-10)
 
 
-REMOTE = textwrap.dedent(
+REMOTE = WITHOUT_PACKAGE + textwrap.dedent(
     """
-    import json, os, sys
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    sys.path = [p for p in sys.path if p and os.path.abspath(p) != os.path.abspath(sys.argv[1])]
-    sys.meta_path = [f for f in sys.meta_path if "editable" not in getattr(f, "__module__", "")
-                     and "editable" not in type(f).__module__]
-    sys.path_hooks = [h for h in sys.path_hooks if "editable" not in getattr(h, "__module__", "")]
-    sys.path_importer_cache.clear()
-    try:
-        import hf_hardattn  # noqa
-        raise SystemExit("hf_hardattn is importable in the fresh process")
-    except ImportError:
-        pass
     import torch
     from transformers import AutoModel
     ids, mask, dec = (torch.tensor(x) for x in json.loads(sys.argv[3]))

@@ -19,14 +19,9 @@ from hf_hardattn.tools.cli import main
 from hf_hardattn.tools.tokenization import train_tokenizer
 from hf_hardattn.tools.training import tokenize_dataset, train_seq2seq, translate
 
+from test_train_cli import SIZES, write_pairs
+
 os.environ["HF_HUB_OFFLINE"] = "1"
-SIZES = ["--d-model", "32", "--encoder-layers", "1", "--decoder-layers", "1", "--heads", "2", "--ffn-dim", "64"]
-
-
-def write_pairs(prefix, pairs):
-    for index, lang in enumerate(("en", "de")):
-        with open(f"{prefix}.{lang}", "w", encoding="utf-8") as handle:
-            handle.write("".join(pair[index] + "\n" for pair in pairs))
 
 
 @pytest.fixture(scope="module")
