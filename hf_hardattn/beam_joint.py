@@ -519,14 +519,6 @@ class BeamJointRNNForConditionalGeneration(JointOutputMixin, HybridForConditiona
     )
     card_citation = BeamJointTransformerForConditionalGeneration.card_citation
 
-    def hard_contexts(self, encoder_hidden_states, cache):
-        """The bare model's :meth:`BeamJointRNNModel.hard_contexts`."""
-        return self.model.hard_contexts(encoder_hidden_states, cache)
-
-    def candidate_readouts(self, states, hard, index):
-        """The bare model's :meth:`BeamJointRNNModel.candidate_readouts`."""
-        return self.model.candidate_readouts(states, hard, index)
-
 
 __all__ = [
     "BeamJointModelOutput",

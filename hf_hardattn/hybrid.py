@@ -636,10 +636,6 @@ class HybridForConditionalGeneration(HybridPreTrainedModel, HardAttnForCondition
             f"| decoder attention over the encoder output | {config.rnn_attention}{heads} (one per step, queried with "
             f"{query}) |"])
 
-    def decoder_outputs(self, *args, **kwargs) -> HybridDecoderOutput:
-        """The bare model's :meth:`HybridModel.decoder_outputs`."""
-        return self.model.decoder_outputs(*args, **kwargs)
-
 
 __all__ = [
     "AdditiveAttention",

@@ -371,10 +371,6 @@ class HardAttnForConditionalGeneration(HardAttnPreTrainedModel, GenerationMixin)
     def prepare_decoder_input_ids_from_labels(self, labels: torch.Tensor):
         return shift_tokens_right(labels, self.config.pad_token_id, self.config.decoder_start_token_id)
 
-    def decode(self, *args, **kwargs) -> DecoderResult:
-        """The bare model's :meth:`HardAttnModel.decode` (the decoder states the output layer reads)."""
-        return self.model.decode(*args, **kwargs)
-
     def output_logits(self, hidden, **kwargs):
         """Vocabulary scores [B, T, V] from decoder states (the beam-joint variant overrides this)."""
         logits = self.lm_head(hidden)

@@ -107,7 +107,7 @@ def rnn_reference(model, ids, mask, dec):
     hybrid.load_state_dict(model.state_dict())
     hybrid.train(model.training)
     memory = hybrid.model.encoder(ids, mask).last_hidden_state
-    out = hybrid.decoder_outputs(dec, memory, mask)
+    out = hybrid.model.decoder_outputs(dec, memory, mask)
     hard = hybrid.model.decoder.hard_contexts(memory)  # [B, S, C]
     B, _, T, S = out.attentions.shape
     per_a = []
@@ -422,7 +422,7 @@ def test_rnn_hard_contexts_and_fast_readout(attention):
     index = torch.tensor([[[0, 2], [1, 1], [6, 3]], [[4, 0], [2, 3], [1, 0]]])
     explicit = decoder.readout(states[:, :, None].expand(-1, -1, 2, -1),
                                torch.stack([hard[b, index[b]] for b in range(2)]))
-    torch.testing.assert_close(model.candidate_readouts(states, hard, index), explicit)
+    torch.testing.assert_close(model.model.candidate_readouts(states, hard, index), explicit)
 
 
 def test_defaults_are_the_papers_and_a_config_from_before_the_fields_loads_as_trained(tmp_path):

@@ -148,10 +148,10 @@ def test_step_loop_equals_teacher_forcing(kind, layers, style, cell):
     targets = torch.tensor([[1, 5, 9, 4, 7, 30, 2], [1, 8, 6, 12, 2, 0, 0]])
     with torch.no_grad():
         memory = model.model.encoder(ids, mask).last_hidden_state
-        full = model.decoder_outputs(targets, memory, mask)
+        full = model.model.decoder_outputs(targets, memory, mask)
         cache, steps = HardAttnCache(), []
         for t in range(targets.shape[1]):
-            steps.append(model.decoder_outputs(targets[:, t : t + 1], memory, mask, cache=cache))
+            steps.append(model.model.decoder_outputs(targets[:, t : t + 1], memory, mask, cache=cache))
     gates = (4 if cell == "lstm" else 3) * 48
     expected = {f"{cell}.{l}": (2, 96 if cell == "lstm" else 48) for l in range(layers)}  # LSTM: [h; c]
     if style == "luong":
@@ -186,7 +186,7 @@ def test_decoder_equals_independent_reference(style, cell, kind, layers):
         ref = naive_rnn_decoder(model, ids, mask, targets)
         memory = model.model.encoder(ids, mask).last_hidden_state
         cache = HardAttnCache()
-        out = model.decoder_outputs(targets, memory, mask, cache=cache)
+        out = model.model.decoder_outputs(targets, memory, mask, cache=cache)
         logits = model(input_ids=ids, attention_mask=mask, decoder_input_ids=targets).logits
     for field in ("readout", "states", "contexts"):
         torch.testing.assert_close(getattr(out, field), ref[field], rtol=1e-10, atol=1e-12, msg=field)

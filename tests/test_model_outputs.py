@@ -97,7 +97,7 @@ def test_hybrid_and_beam_joint_weights_are_their_attention_distribution():
         torch.testing.assert_close(weights.sum(-1), torch.ones(2, 4, 6, dtype=torch.float64))
         assert weights[1, ..., 5:].abs().max() == 0
     hybrid = contract_model("hybrid_multihead", fit=False).double()
-    decoded = hybrid.decoder_outputs(DEC, hybrid.get_encoder()(ids, mask).last_hidden_state, mask)
+    decoded = hybrid.model.decoder_outputs(DEC, hybrid.get_encoder()(ids, mask).last_hidden_state, mask)
     torch.testing.assert_close(hybrid(input_ids=ids, attention_mask=mask, decoder_input_ids=DEC,
                                       output_attentions=True).cross_attentions[0], decoded.attentions)
 
