@@ -29,6 +29,8 @@ POSITION_EMBEDDINGS = ("sinusoidal", "learned")
 # Feature layouts of the sinusoidal table (see layers.sinusoidal_table): ours (Vaswani et al.), Marian's
 # (transformers' MarianMTModel) and fairseq's / tensor2tensor's (M2M100, NLLB).
 SINUSOIDAL_LAYOUTS = ("interleaved", "marian", "fairseq")
+# init_std's named schemes besides None (Xavier) and a number (normal): Xu et al. 2020a's Lipschitz-constrained init
+INIT_SCHEMES = ("lipschitz",)
 
 
 # True while a config is built from a saved dict (config.json, ``from_dict``, ``from_json_file``): whatever
@@ -91,8 +93,11 @@ class HardAttnConfig(PreTrainedConfig):
         scale_embedding: multiply token embeddings by sqrt(d_model).
         layer_norm_eps: epsilon of every layer norm.
         init_std: the initialisation of a new model's linear layers. None (default): Xavier-uniform (Vaswani et al.,
-            fairseq). A number: N(0, init_std), as transformers' MarianMTModel and BART (their 0.02); the embeddings
-            then follow it too unless ``embed_init_std`` is a number. Layers with an initialisation of their own
+            fairseq). A number: N(0, init_std), as transformers' MarianMTModel and BART (their 0.02). ``"lipschitz"``:
+            the Lipschitz-constrained init of Xu et al. 2020a, which the hard-retrieval paper trains with (its
+            authors' ``init_model_params_lipschitz``): every linear weight U(-1/sqrt(fan_in), 1/sqrt(fan_in)), every
+            embedding U(-b, b) with b = sqrt(2 / (num_embeddings + embedding_dim)), zero biases. The embeddings
+            follow ``init_std`` unless ``embed_init_std`` is a number. Layers with an initialisation of their own
             keep it (the RNN decoders' orthogonal recurrent blocks, an LSTM's forget-gate bias). Loaded weights are
             never re-initialised.
         embed_init_std: the initialisation of a new model's embeddings (token embeddings, tied to the output layer,
@@ -136,7 +141,7 @@ class HardAttnConfig(PreTrainedConfig):
     normalize_before: bool = False
     scale_embedding: bool = True
     layer_norm_eps: float = 1e-5
-    init_std: float | None = None
+    init_std: float | str | None = None
     embed_init_std: float | None = 0.02
     encoder_attention: str | list[str] = "soft"
     decoder_attention: str | list[str] = "soft"
@@ -250,9 +255,10 @@ class HardAttnConfig(PreTrainedConfig):
         if not _positive_finite(self.layer_norm_eps):
             raise ValueError(f"`layer_norm_eps` must be a positive finite number (default 1e-5), got "
                              f"{self.layer_norm_eps!r}.")
-        if self.init_std is not None and not _positive_finite(self.init_std):
-            raise ValueError(f"`init_std` must be None (Xavier linears) or a positive finite number (every linear, and "
-                             f"the embeddings unless `embed_init_std` is set, N(0, init_std)), got {self.init_std!r}.")
+        if self.init_std is not None and self.init_std not in INIT_SCHEMES and not _positive_finite(self.init_std):
+            raise ValueError(f"`init_std` must be None (Xavier linears), a positive finite number (every linear, and "
+                             f"the embeddings unless `embed_init_std` is set, N(0, init_std)) or one of "
+                             f"{INIT_SCHEMES}, got {self.init_std!r}.")
         if self.embed_init_std is not None and not _positive_finite(self.embed_init_std):
             raise ValueError(f"`embed_init_std` must be None (embeddings as `init_std` says) or a positive finite "
                              f"number (every embedding N(0, embed_init_std)), got {self.embed_init_std!r}.")

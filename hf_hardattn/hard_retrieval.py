@@ -5,7 +5,8 @@ Every head of a hard-retrieval attention layer attends to exactly ONE key and re
 
 * Training (Sec. 3.1): P = softmax(QK^T / sqrt(d_k)) (Eq. 1-2); one index per query row is sampled from P
   (multinomial, Eq. 4-5) and the output is the value row at that index (Eq. 6; attention dropout, if any, drops that
-  row after the draw, see :func:`sampled_retrieval`). The sampling
+  row after the draw, or, with ``retrieval_dropout="before_draw"`` as in the authors' code, drops probabilities
+  before it, see :func:`sampled_retrieval`). The sampling
   is treated as noise (Eq. 7): the gradient of the one-hot P_hard is passed straight to P (Eq. 8), with
   P_hard^g = A^g V^T (Eq. 9) and V^g[i] = sum of A^g[j] over the queries j that retrieved i (Eq. 10), computed by
   indexing (scatter-add) rather than a one-hot matmul.
@@ -25,6 +26,20 @@ from transformers import GenerationMixin
 from .configuration_hardattn import HardAttnConfig
 from .layers import SoftAttention, full_mask
 from .modeling_hardattn import HardAttnForConditionalGeneration, HardAttnModel
+from .registry import KINDS
+
+# Where attention dropout acts in training (config ``retrieval_dropout``, a setting of the kind, default in the registry)
+DROPOUT_PLACEMENTS = ("after_draw", "before_draw")
+
+
+def check_retrieval_dropout(config) -> str:
+    """The config's ``retrieval_dropout`` (its kind default where the config lacks it); a ValueError for another."""
+    placement = getattr(config, "retrieval_dropout", KINDS["hard_retrieval"].settings["retrieval_dropout"])
+    if placement not in DROPOUT_PLACEMENTS:
+        raise ValueError(f"`retrieval_dropout` must be one of {DROPOUT_PLACEMENTS} (where attention dropout acts on hard "
+                         f"retrieval: on the retrieved row after the draw, or on the probabilities before it), got "
+                         f"{placement!r}.")
+    return placement
 
 
 def gather_rows(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -59,15 +74,28 @@ def sample_indices(probs: torch.Tensor) -> torch.Tensor:
     return torch.multinomial(probs.reshape(-1, probs.shape[-1]).float(), 1).view(probs.shape[:-1])
 
 
-def sampled_retrieval(probs: torch.Tensor, values: torch.Tensor, dropout: float = 0.0):
+def sampled_retrieval(probs: torch.Tensor, values: torch.Tensor, dropout: float = 0.0, placement: str = "after_draw"):
     """The training path (Sec. 3.1): one index per query sampled from P [..., Tq, Tk] (Eq. 4-5) and its value row
     retrieved with the straight-through gradient (Eq. 6-10). Returns (output [..., Tq, D], index [..., Tq]).
 
-    Attention dropout (``dropout`` = p > 0, a choice of this package: the paper does not discuss it) acts after the
-    draw, so that the sampled distribution is P itself: it drops the retrieved row as dropout drops a soft attention
-    weight, i.e. the row is kept and scaled by 1 / (1 - p) with probability 1 - p, zero otherwise (per query and head).
-    (Dropping P before the draw would change what is sampled: P = [0.9, 0.1] at p = 0.5 would draw index 1 whenever
-    0.9 is dropped and 0.1 kept, so at least a quarter of the time rather than a tenth.)"""
+    Attention dropout (``dropout`` = p > 0; the paper does not discuss it) acts where ``placement`` says:
+
+    * ``"after_draw"`` (default): the sampled distribution is P itself; the retrieved row is dropped as dropout drops a
+      soft attention weight, i.e. kept and scaled by 1 / (1 - p) with probability 1 - p, zero otherwise (per query
+      and head).
+    * ``"before_draw"`` (the authors' code, hfxunlp/transformer ``modules/attn/retr.py``): dropout on P, then the draw
+      from the kept probabilities renormalised, P' = m * P / sum(m * P) with m_j ~ Bernoulli(1 - p) per key; the
+      straight-through gradient reaches P through the dropout mask. This changes what is sampled: P = [0.9, 0.1] at
+      p = 0.5 draws index 1 whenever 0.9 is dropped and 0.1 kept, a quarter of the time rather than a tenth. A row
+      whose every probability is dropped draws from P (the authors add a small constant to key 0 instead)."""
+    if placement not in DROPOUT_PLACEMENTS:
+        raise ValueError(f"`placement` must be one of {DROPOUT_PLACEMENTS}, got {placement!r}.")
+    if dropout > 0 and placement == "before_draw":
+        dropped = F.dropout(probs, dropout, True)
+        empty = (dropped.detach() == 0).all(-1, keepdim=True)  # every key dropped: draw from P
+        dropped = torch.where(empty, probs, dropped)
+        index = sample_indices(dropped.detach())  # multinomial renormalises the kept probabilities
+        return HardRetrieval.apply(dropped, values, index), index
     index = sample_indices(probs.detach())
     out = HardRetrieval.apply(probs, values, index)
     if dropout > 0:
@@ -98,7 +126,12 @@ def inference_indices(q, k, mask, causal):
 
 class HardRetrievalAttention(SoftAttention):
     """Multi-head attention whose heads each retrieve one value row (same parameters as soft attention, so a model
-    can be decoded with the other kind than it was trained with; hard-retrieval paper, Table 4)."""
+    can be decoded with the other kind than it was trained with; hard-retrieval paper, Table 4). Attention dropout acts
+    where the config's ``retrieval_dropout`` says (:func:`sampled_retrieval`)."""
+
+    def __init__(self, config: HardAttnConfig, role: str, layer_idx: int):
+        super().__init__(config, role, layer_idx)
+        self.dropout_placement = check_retrieval_dropout(config)
 
     def training_probabilities(self, q, k, mask, causal):
         """P = softmax(QK^T / sqrt(d_k)) (Eq. 1-2) over the visible keys, before attention dropout (a query row with no
@@ -110,7 +143,8 @@ class HardRetrievalAttention(SoftAttention):
         if not self.training:
             index = inference_indices(q, k, mask, causal)  # Eq. 11
             return gather_rows(v, index), index  # Eq. 6
-        return sampled_retrieval(self.training_probabilities(q, k, mask, causal), v, self.dropout)  # Eq. 4-10
+        return sampled_retrieval(self.training_probabilities(q, k, mask, causal), v, self.dropout,
+                                 self.dropout_placement)  # Eq. 4-10
 
     def attend(self, q, k, v, mask, causal):
         return self.retrieve(q, k, v, mask, causal)[0]
@@ -124,11 +158,19 @@ class HardRetrievalAttention(SoftAttention):
 
 class HardRetrievalConfig(HardAttnConfig):
     """Hard retrieval in decoder self- and cross-attention, soft encoder (the paper's main setting). Any role can be
-    set to "hard_retrieval" or "soft" (e.g. ``cross_attention="hard_retrieval", decoder_attention="soft"``)."""
+    set to "hard_retrieval" or "soft" (e.g. ``cross_attention="hard_retrieval", decoder_attention="soft"``).
+    ``retrieval_dropout``: where ``attention_dropout`` acts on hard retrieval in training, ``"after_draw"`` (default:
+    on the retrieved row; the draw is from P) or ``"before_draw"`` (on P before the draw, as the authors' code); see
+    :func:`sampled_retrieval`. Any config with a hard-retrieval role reads it."""
 
     model_type = "hard_retrieval_transformer"
     decoder_attention: str | list[str] = "hard_retrieval"
     cross_attention: str | list[str] = "hard_retrieval"
+    retrieval_dropout: str = KINDS["hard_retrieval"].settings["retrieval_dropout"]
+
+    def check(self):
+        super().check()
+        check_retrieval_dropout(self)
 
 
 class HardRetrievalModel(HardAttnModel):
@@ -162,6 +204,8 @@ __all__ = [
     "HardRetrievalModel",
     "gather_rows",
     "sample_indices",
+    "sampled_retrieval",
+    "DROPOUT_PLACEMENTS",
     "masked_scores",
     "training_probabilities",
     "inference_indices",

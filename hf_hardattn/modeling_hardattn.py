@@ -142,22 +142,33 @@ class HardAttnPreTrainedModel(Int8Mixin, SavingMixin, PreTrainedModel):
     @torch.no_grad()
     def _init_weights(self, module):
         """``config.init_std`` None: Xavier-uniform linear layers, N(0, d^-1/2) token embeddings (scaled by sqrt(d) on
-        use); a number: both N(0, init_std) (Marian's, BART's). ``config.embed_init_std``, when a number, replaces the
-        embeddings' std alone. Zero biases, unit norms, and the sinusoidal table (a non-persistent buffer, rebuilt
-        after loading on the meta device)."""
+        use); a number: both N(0, init_std) (Marian's, BART's); "lipschitz": Xu et al. 2020a's Lipschitz-constrained
+        init (linears U(-1/sqrt(fan_in), 1/sqrt(fan_in)), embeddings U(-b, b), b = sqrt(2 / (rows + columns))).
+        ``config.embed_init_std``, when a number, replaces the embeddings' init with N(0, embed_init_std). Zero
+        biases, unit norms, and the sinusoidal table (a non-persistent buffer, rebuilt after loading on the meta
+        device)."""
         std = self.config.init_std
         embed_std = getattr(self.config, "embed_init_std", None)
-        if embed_std is None:
+        if embed_std is None and std != "lipschitz":
             embed_std = self.config.d_model**-0.5 if std is None else std
         if isinstance(module, nn.Linear):
             if std is None:
                 init.xavier_uniform_(module.weight)
+            elif std == "lipschitz":
+                # the authors' code (hfxunlp/transformer utils/init.py, init_model_params_lipschitz): Kaiming-uniform
+                # with gain sqrt(1/3), bound sqrt(3) * sqrt(1/3) / sqrt(fan_in) = 1 / sqrt(fan_in)
+                bound = module.in_features**-0.5
+                init.uniform_(module.weight, -bound, bound)
             else:
                 init.normal_(module.weight, mean=0.0, std=std)
             if module.bias is not None:
                 init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
-            init.normal_(module.weight, mean=0.0, std=embed_std)
+            if embed_std is None:  # "lipschitz": Glorot-uniform with gain sqrt(1/3), sqrt(6) sqrt(1/3) / sqrt(V + d)
+                bound = (2.0 / (module.num_embeddings + module.embedding_dim)) ** 0.5
+                init.uniform_(module.weight, -bound, bound)
+            else:
+                init.normal_(module.weight, mean=0.0, std=embed_std)
             if module.padding_idx is not None and not getattr(module.weight, "_is_hf_initialized", False):
                 init.zeros_(module.weight[module.padding_idx])
         elif isinstance(module, nn.LayerNorm):

@@ -41,7 +41,8 @@ class AttentionKind(NamedTuple):
 
 KINDS = {
     "soft": AttentionKind("layers", "SoftAttention", tuple(ROLES)),
-    "hard_retrieval": AttentionKind("hard_retrieval", "HardRetrievalAttention", tuple(ROLES)),
+    "hard_retrieval": AttentionKind("hard_retrieval", "HardRetrievalAttention", tuple(ROLES), dict(
+        retrieval_dropout="after_draw")),
     "none": AttentionKind(None, None, tuple(ROLES)),  # the sub-layer removed (no parameters, no computation)
     "gaussian": AttentionKind("gaussian", "GaussianAttention", tuple(ROLES), dict(
         gaussian_implementation="full", gaussian_sigma=1.0, gaussian_window=3, length_ratio=None,
