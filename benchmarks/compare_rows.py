@@ -74,12 +74,19 @@ def group(rows) -> dict:
     return groups
 
 
+def differences(first: dict, second: dict) -> dict:
+    """{(metric, set): {seed: first - second}} over the seeds both groups have and the scores every such seed has
+    (benchmarks/tables.py's verdicts read these, unrounded)."""
+    seeds = sorted(set(first) & set(second))
+    keys = sorted(set.intersection(*(set(first[s]) & set(second[s]) for s in seeds))) if seeds else ()
+    return {key: {s: first[s][key] - second[s][key] for s in seeds} for key in keys}
+
+
 def paired(first: dict, second: dict, margin: float | None) -> dict:
     """Paired differences first - second over the seeds both have, per (metric, set)."""
-    seeds = sorted(set(first) & set(second))
     out = {}
-    for key in sorted(set.intersection(*(set(first[s]) & set(second[s]) for s in seeds)) if seeds else ()):
-        diffs = [first[s][key] - second[s][key] for s in seeds]
+    for key, per_seed in differences(first, second).items():
+        seeds, diffs = sorted(per_seed), [per_seed[s] for s in sorted(per_seed)]
         mean, se = mean_se(diffs)
         out[key] = dict(seeds=seeds, differences=[round(d, 2) for d in diffs], mean=round(mean, 3),
                         se=None if se is None else round(se, 3))

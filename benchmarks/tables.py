@@ -1,0 +1,618 @@
+"""Verdicts by a rule, and the results tables written from benchmarks/results.
+
+    python benchmarks/tables.py            # writes results/verdicts.json and the generated regions
+    python benchmarks/tables.py --check    # exits 1 with a diff where a committed one differs from what it writes
+
+CLAIMS lists every paper claim of the README's results tables: the paper (000 hard retrieval, 001 beam-joint, 002
+hybrid, 003 hard-coded Gaussian, 004 recurrent), the claim, the paper's bound on our measure, and the evidence it
+is judged on (reproduce rows for quality, timed rounds for speed). The rule, per evidence and per set:
+
+- quality: the paired difference A - B per seed (same seed, same set; benchmarks/compare_rows.py pairs them), its
+  mean and the 90% two-sided Student t interval, mean +- t(0.95, n - 1) * sd / sqrt(n);
+- speed: per timed round (the models alternate within each round), log(time B / time A) for a speed-up, or
+  log(time A / time B) for a cost; the same interval on the logs, shown as ratios (exp of mean and ends);
+- the word: **holds** when the interval lies inside the paper's bound, **no** when it lies wholly outside it, **not
+  told apart (n seeds)** otherwise; one seed (or one timed figure) gives no interval and no verdict ("one seed");
+- over the sets: the word every set gives, or "split" naming each set's word.
+
+Every verdict says its recipe (today: ours, a fixed step budget, the last checkpoint) and `converged` false: no row
+yet trained to convergence with the paper's recipe. The output is results/verdicts.json and the regions between
+``<!-- tables.py: NAME -->`` and ``<!-- /tables.py -->`` in README.md and docs/results.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import glob
+import json
+import math
+import os
+import statistics
+import sys
+from dataclasses import dataclass, field
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import compare_rows  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+RESULTS = os.path.join(HERE, "results")
+VERDICTS = os.path.join(RESULTS, "verdicts.json")
+README = os.path.join(ROOT, "README.md")
+DOCS_RESULTS = os.path.join(ROOT, "docs", "results.md")
+ORIGINS = os.path.join(RESULTS, "ORIGINS.md")
+LEVEL = 0.90
+
+# Student t quantiles t(0.95, df) for df 1..30: the 90% two-sided interval's factor. Values of the standard t table
+# (e.g. NIST/SEMATECH e-Handbook of Statistical Methods, section 1.3.6.7.2, "Critical values of Student's t
+# distribution", column 0.05); tests/test_tables.py checks each against a numerical integration of the t density.
+T95 = {1: 6.314, 2: 2.920, 3: 2.353, 4: 2.132, 5: 2.015, 6: 1.943, 7: 1.895, 8: 1.860, 9: 1.833, 10: 1.812,
+       11: 1.796, 12: 1.782, 13: 1.771, 14: 1.761, 15: 1.753, 16: 1.746, 17: 1.740, 18: 1.734, 19: 1.729, 20: 1.725,
+       21: 1.721, 22: 1.717, 23: 1.714, 24: 1.711, 25: 1.708, 26: 1.706, 27: 1.703, 28: 1.701, 29: 1.699, 30: 1.697}
+
+
+def t_quantile(df: int) -> float:
+    """t(0.95, df); above 30 degrees of freedom the normal quantile 1.645 (at most 3% below the t's)."""
+    if not isinstance(df, int) or df < 1:
+        raise ValueError(f"df={df!r}: degrees of freedom must be an integer >= 1 (two or more seeds or rounds).")
+    return T95[df] if df in T95 else statistics.NormalDist().inv_cdf(0.95)
+
+
+def interval(values) -> dict:
+    """Mean and 90% t interval of paired differences: mean +- t(0.95, n - 1) * sd / sqrt(n); one value: no interval."""
+    values = list(values)
+    if not values:
+        raise ValueError("values=[]: an interval needs at least one paired difference.")
+    mean = statistics.fmean(values)
+    if len(values) == 1:
+        return dict(n=1, mean=mean, low=None, high=None)
+    half = t_quantile(len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
+    return dict(n=len(values), mean=mean, low=mean - half, high=mean + half)
+
+
+@dataclass(frozen=True)
+class Bound:
+    """The paper's claim as a region of our measure: ``low <= measure <= high`` (None: unbounded on that side)."""
+    low: float | None = None
+    high: float | None = None
+
+    def __post_init__(self):
+        if self.low is None and self.high is None:
+            raise ValueError("Bound(low=None, high=None): a bound needs low, high or both.")
+        if self.low is not None and self.high is not None and self.low > self.high:
+            raise ValueError(f"Bound(low={self.low}, high={self.high}): low must not exceed high.")
+
+    def text(self, unit="") -> str:
+        if self.high is None:
+            return f">= {self.low:g}{unit}"
+        if self.low is None:
+            return f"<= {self.high:g}{unit}"
+        return f"between {self.low:g} and {self.high:g}{unit}"
+
+
+def word(low, high, bound: Bound, n: int, unit="seed") -> str:
+    """holds (the interval inside the bound), no (wholly outside), not told apart (n seeds); one value: no verdict."""
+    if low is None:
+        return f"one {unit}"
+    inside_low = bound.low is None or low >= bound.low
+    inside_high = bound.high is None or high <= bound.high
+    if inside_low and inside_high:
+        return "holds"
+    if (bound.low is not None and high < bound.low) or (bound.high is not None and low > bound.high):
+        return "no"
+    return f"not told apart ({n} {unit}s)"
+
+
+def overall(words: dict) -> str:
+    """The verdict over the sets: the word every set gives, else 'split' with each set's word."""
+    distinct = list(dict.fromkeys(words.values()))
+    if len(distinct) == 1:
+        return distinct[0]
+    return "split: " + ", ".join(f"{w} on {s}" for s, w in words.items())
+
+
+# ----------------------------------------------------------------------------------------------- the claims
+@dataclass(frozen=True)
+class Rows:
+    """Quality evidence: reproduce rows A@INIT and B@INIT from the files matching ``files`` (under results/)."""
+    label: str
+    files: tuple
+    a: str
+    b: str
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Rounds:
+    """Speed evidence: timed rounds of A and B in a gpu_speed JSON section ("decoding" or "training")."""
+    label: str
+    file: str
+    section: str
+    a: str
+    b: str
+    batches: tuple = ()  # decoding: only these batch sizes (empty: all)
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Figures:
+    """CPU speed figures with no timed rounds stored (one figure per setting): shown, never judged."""
+    label: str
+    files: tuple
+    ratio: str  # decoding: a key of the rows' "ratios"; training: "ROW x_soft" or "ROW x_hybrid"
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Claim:
+    id: str
+    paper: str
+    claim: str
+    bound: Bound
+    kind: str  # "quality" (A - B, BLEU or exact match points) or "speed" / "cost" (a ratio)
+    evidence: tuple = field(default_factory=tuple)
+
+
+H200_EMB = "xavier, emb N(0,0.02)"
+EMB = "init_emb_h200/multi30k-emb0.02-s[01]-{}/reproduce_multi30k_cpu.json"
+INIT002 = "init_h200/multi30k-0.02-s[01]-{}/reproduce_multi30k_cpu.json"
+SEEDS = "seeds_h200/multi30k-default-s*-{}/reproduce_multi30k_cpu.json"
+BF16_3267 = ("multi30k_bf16_3267_steps_epyc_avx512*/reproduce_multi30k_cpu.json",)
+H200_1500 = ("multi30k_fp32_1500_steps_h200/reproduce_multi30k_cpu.json",
+             "multi30k_fp32_1500_steps_h200_seed1/reproduce_multi30k_cpu.json")
+MIN35 = ("multi30k_bf16_35min_intel_amx/reproduce_multi30k_cpu.json",)
+NOUNS3 = ("nouns_fp32_3min_intel_amx/reproduce_nouns_cpu.json",)
+NOUNS_BJ = ("nouns_fp32_1774_steps_beam_joint_rnn_epyc_avx512/reproduce_nouns_cpu.json",)
+GPU = "gpu_speed_nvidia_h200.json"
+GPU512 = "gpu_speed_nvidia_h200_decoding_b512.json"
+CPU_DECODE = ("decode_speed_intel_amx.json", "decode_speed_epyc_avx2_grouped.json",
+              "decode_speed_epyc_avx512_grouped.json")
+CPU_TRAIN = ("train_speed_intel_amx.json", "train_speed_epyc_avx2.json", "train_speed_epyc_avx512.json")
+
+
+def pair(label, pattern, a, b, a_init=H200_EMB, b_init=H200_EMB, note=""):
+    files = tuple(pattern.format(row) for row in (a, b))
+    return Rows(label, files, f"{a}@{a_init}", f"{b}@{b_init}", note)
+
+
+CLAIMS = [
+    Claim("000-hard-cross", "000", "hard cross-attention within 0.5 BLEU of soft (Table 3)", Bound(low=-0.5), "quality", (
+        pair("default init", EMB, "hard_cross", "soft"),
+        Rows("default init", ("default_init_cpu_epyc_avx2/*-s[01]-{hard_cross,soft}/reproduce_multi30k_cpu.json",),
+             f"hard_cross@{H200_EMB}", f"soft@{H200_EMB}"),
+        pair("N(0, 0.02) everywhere", INIT002, "hard_cross", "soft", "N(0,0.02)", "N(0,0.02)"),
+        Rows("earlier init", BF16_3267, "hard_cross@xavier", "soft@xavier"),
+    )),
+    Claim("000-hard-self-cross", "000", "hard decoder self + cross within 0.5 BLEU of soft (Table 3)", Bound(low=-0.5),
+          "quality", (
+              pair("default init", EMB, "hard_self_cross", "soft"),
+              pair("N(0, 0.02) everywhere", INIT002, "hard_self_cross", "soft", "N(0,0.02)", "N(0,0.02)"),
+              Rows("earlier init", BF16_3267, "hard_self_cross@xavier", "soft@xavier"),
+          )),
+    Claim("000-soft-decoded-hard", "000", "a soft-trained model decoded hard drops (Table 4: -1.25 BLEU)",
+          Bound(high=-1.25), "quality", (
+              Rows("earlier init", MIN35, "soft_decoded_hard@xavier", "soft@xavier"),
+              Rows("earlier init", ("multi30k_fp32_1500_steps_epyc_avx512/reproduce_multi30k_cpu.json",),
+                   "soft_decoded_hard@xavier", "soft@xavier"),
+          )),
+    Claim("000-hard-decoded-soft", "000", "a hard-trained model decoded soft does not drop (Table 4)", Bound(low=-0.5),
+          "quality", (
+              Rows("earlier init", MIN35, "hard_decoded_soft@xavier", "hard_self_cross@xavier"),
+          )),
+    Claim("000-decoding-speed", "000", "hard retrieval decodes 1.43x as fast as soft (GPU)", Bound(low=1.43),
+          "speed", (
+              Rounds("Transformer-base, random weights", GPU, "decoding", "hard_retrieval", "soft"),
+              Rounds("Transformer-base, random weights", GPU512, "decoding", "hard_retrieval", "soft", (512,)),
+              Figures("Transformer-base, random weights", CPU_DECODE, "hard_retrieval / soft"),
+          )),
+    Claim("003-hc-sa", "003", "hc-sa about equal to soft (Table 2: almost identical BLEU)", Bound(low=-0.5), "quality", (
+        Rows("each type's default init", (SEEDS.format("hc_sa"), EMB.format("soft")), "hc_sa@xavier",
+             f"soft@{H200_EMB}"),
+        pair("N(0, 0.02) everywhere", INIT002, "hc_sa", "soft", "N(0,0.02)", "N(0,0.02)"),
+    )),
+    Claim("003-hc-all", "003", "hc-all far below soft (Table 2: -9.2 BLEU on IWSLT16)", Bound(high=-9.2), "quality", (
+        Rows("earlier init", MIN35, "hc_all@xavier", "soft@xavier"),
+    )),
+    Claim("003-sh-x", "003", "sh-x 1-3 BLEU below soft (Table 2)", Bound(low=-3.0, high=-1.0), "quality", (
+        Rows("each type's default init", (SEEDS.format("sh_x"), EMB.format("soft")), "sh_x@xavier",
+             f"soft@{H200_EMB}"),
+        pair("N(0, 0.02) everywhere", INIT002, "sh_x", "soft", "N(0,0.02)", "N(0,0.02)"),
+    )),
+    Claim("003-sh-x-speed", "003", "sh-x decodes 1.30x as fast as soft (Table 7, GPU, batch 256)", Bound(low=1.30),
+          "speed", (
+              Rounds("Transformer-base, random weights", GPU, "decoding", "sh_x", "soft"),
+              Rounds("Transformer-base, random weights", GPU512, "decoding", "sh_x", "soft", (512,)),
+              Figures("Transformer-base, random weights", CPU_DECODE, "sh_x / soft"),
+          )),
+    Claim("003-hc-sa-speed", "003", "hc-sa decodes 1.06x as fast as soft (Table 7, GPU, batch 256)", Bound(low=1.06),
+          "speed", (
+              Rounds("Transformer-base, random weights", GPU, "decoding", "hc_sa", "soft"),
+              Rounds("Transformer-base, random weights", GPU512, "decoding", "hc_sa", "soft", (512,)),
+              Figures("Transformer-base, random weights", CPU_DECODE[::2], "hc_sa / soft"),
+          )),
+    Claim("002-below-teacher", "002", "the hybrid (6-1, RNN decoder) is below its Transformer teacher (Tables 2-3)",
+          Bound(high=0.0), "quality", (
+              Rows("earlier init", MIN35, "hybrid_dot@xavier", "soft@xavier"),
+              Rows("earlier init", ("multi30k_fp32_1500_steps_epyc/reproduce_multi30k_cpu.json",),
+                   "hybrid_additive@xavier", "soft@xavier"),
+              Rows("earlier init", NOUNS3, "hybrid_dot@xavier", "soft@xavier"),
+          )),
+    Claim("002-eq1-near-teacher", "002", "distillation (Eq. 1) brings the hybrid within 0.5 BLEU of its teacher",
+          Bound(low=-0.5), "quality", (
+              Rows("default init", ("default_init_cpu_epyc_avx2/*-s0-{soft,hybrid_additive_kd_eq1}/reproduce_*.json",
+                                    "default_init_cpu_epyc_avx512/*-s1-soft-eq1/reproduce_*.json"),
+                   "hybrid_additive_kd_eq1@xavier", f"soft@{H200_EMB}"),
+              Rows("earlier init", ("multi30k_fp32_1500_steps_kd_eq1_epyc_avx512/reproduce_multi30k_cpu.json",),
+                   "hybrid_additive_kd_eq1@xavier", "soft@xavier"),
+              Rows("earlier init", ("nouns_fp32_2000_steps_kd_eq1_epyc_avx512/reproduce_nouns_cpu.json",),
+                   "hybrid_dot_kd_eq1@xavier", "soft@xavier"),
+          )),
+    Claim("002-decoding-speed", "002", "6-1 decodes 4.1x as fast as the 6-6 teacher (GPU)", Bound(low=4.1), "speed", (
+        Rounds("Transformer-base, random weights", GPU, "decoding", "hybrid_dot", "soft"),
+        Rounds("Transformer-base, random weights", GPU512, "decoding", "hybrid_dot", "soft", (512,)),
+        Figures("Transformer-base, random weights", CPU_DECODE, "hybrid_dot / soft"),
+    )),
+    Claim("004-about-equal", "004", "the recurrent variants about equal to soft (Table 2: no significant gain)",
+          Bound(low=-0.5, high=0.5), "quality", (
+              pair("default init", EMB, "recurrent_concat_weight", "soft"),
+              pair("default init", EMB, "recurrent_expand_1", "soft"),
+              Rows("earlier init", NOUNS3, "recurrent_concat_weight@xavier", "soft@xavier"),
+              Rows("earlier init", NOUNS3, "recurrent_expand_1@xavier", "soft@xavier"),
+          )),
+    Claim("004-training-cost", "004", "training 5.4-7.9x soft's time (Table 2; a cost)", Bound(low=5.4), "cost", (
+        Rounds("Transformer-base, random weights, batch 64", GPU, "training", "recurrent_concat_context", "soft"),
+        Rounds("Transformer-base, random weights, batch 64", GPU, "training", "recurrent_expand_1", "soft"),
+        Figures("d 256, 3+3 layers, batch 128", CPU_TRAIN, "recurrent_concat_context x_soft"),
+    )),
+    Claim("001-rnn-above-soft", "001", "beam-joint (K=6) above soft, the paper's RNN setting (Table 1)",
+          Bound(low=0.0), "quality", (
+              pair("Luong LSTM, earlier init", SEEDS, "beam_joint_rnn_k6", "rnn_luong_soft", "xavier", "xavier"),
+              Rows("Luong LSTM, earlier init", NOUNS_BJ, "beam_joint_rnn_k6@xavier", "rnn_luong_soft@xavier"),
+          )),
+    Claim("001-transformer-above-soft", "001", "beam-joint (K=6) above soft, Transformer setting (the paper's "
+          "future work)", Bound(low=0.0), "quality", (
+              pair("default init", EMB, "beam_joint_k6", "soft"),
+              Rows("earlier init", H200_1500, "beam_joint_k6@xavier", "soft@xavier"),
+              Rows("earlier init, 3 minutes each (unequal steps)", NOUNS3, "beam_joint_k6@xavier", "soft@xavier"),
+          )),
+    Claim("001-k1-above-soft", "001", "decoded with K=1: still above soft (Table 2)", Bound(low=0.0), "quality", (
+        Rows("Luong LSTM, earlier init", H200_1500, "beam_joint_rnn_k6_decoded_k1@xavier", "rnn_luong_soft@xavier"),
+        Rows("Transformer, earlier init", H200_1500, "beam_joint_k6_decoded_k1@xavier", "soft@xavier"),
+        Rows("Luong LSTM, earlier init", NOUNS_BJ, "beam_joint_rnn_k6_decoded_k1@xavier", "rnn_luong_soft@xavier"),
+    )),
+    Claim("001-full-joint", "001", "full-joint above soft (Fig. 1a)", Bound(low=0.0), "quality", (
+        Rows("Luong LSTM, earlier init (full-joint at fewer steps)", NOUNS_BJ, "full_joint_rnn@xavier",
+             "rnn_luong_soft@xavier"),
+    )),
+    Claim("001-training-cost", "001", "training only 20-30% slower than soft (GPU; a cost)", Bound(high=1.30), "cost", (
+        Rounds("Transformer setting, Transformer-base, batch 64", GPU, "training", "beam_joint_k6", "soft"),
+        Rounds("Luong LSTM setting, against the same LSTM with soft attention, batch 64", GPU, "training",
+               "beam_joint_rnn_k6", "hybrid_rnn_soft"),
+        Figures("Transformer setting, d 256, 3+3 layers, batch 128", CPU_TRAIN, "beam_joint_k6 x_soft"),
+    )),
+]
+BASELINE = Claim("baseline-marian", "baseline", "our soft at or above MarianMTModel of the same size (level: >= -0.5)",
+                 Bound(low=-0.5), "quality", (
+                     Rows("each type's default init", (EMB.format("soft"), EMB.format("marian"),
+                                                       SEEDS.format("soft"), SEEDS.format("marian")),
+                          f"soft@{H200_EMB}", "marian@N(0,0.02)"),
+                 ))
+TABLES = {"000": "Hard retrieval (Xu et al.)", "003": "Hard-coded Gaussian (You, Sun & Iyyer)",
+          "002": "Hybrid: self-attention encoder + RNN decoder (Wang, Wu & Liu)",
+          "004": "Recurrent cross-attention (Rosendahl et al.)",
+          "001": "Beam-joint attention (Shankar, Garg & Sarawagi)"}
+
+
+# ----------------------------------------------------------------------------------------------- the evidence
+def files_of(patterns) -> list[str]:
+    """The result files matching the patterns (brace alternatives {a,b} expanded), sorted; none is an error."""
+    found = []
+    for pattern in patterns:
+        expanded = [pattern]
+        while any("{" in p for p in expanded):
+            p = next(p for p in expanded if "{" in p)
+            head, rest = p.split("{", 1)
+            options, tail = rest.split("}", 1)
+            expanded.remove(p)
+            expanded += [head + option + tail for option in options.split(",")]
+        for p in expanded:
+            matches = sorted(glob.glob(os.path.join(RESULTS, p)))
+            if not matches:
+                raise ValueError(f"files={pattern!r}: no result file matches {p!r} under {RESULTS}.")
+            found += matches
+    return sorted(dict.fromkeys(found))
+
+
+def rel(path) -> str:
+    return os.path.relpath(path, RESULTS).replace(os.sep, "/")
+
+
+def traced_machine(path) -> str:
+    """The machine results/ORIGINS.md traces a file without a stored ``machine`` to ("Intel AMX, traced")."""
+    with open(ORIGINS) as handle:
+        for line in handle:
+            cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+            if len(cells) > 2 and f"`{rel(path)}`" in cells[0]:
+                return f"{cells[2]} (traced)"
+    raise ValueError(f"{rel(path)}: rows without a `machine` and no line for the file in {ORIGINS}.")
+
+
+def machine_name(machine: dict | None, path) -> str:
+    """The machine as benchmarks/README.md names it: H200, AVX2 EPYC, AVX512 EPYC, Intel AMX (traced)."""
+    if machine is None:
+        return traced_machine(path)
+    if machine.get("gpu"):
+        return machine["gpu"].replace("NVIDIA ", "")
+    maker = "EPYC" if "EPYC" in machine["cpu"] else machine["cpu"]
+    return f"{machine['cpu_capability']} {maker}"
+
+
+def precision_of(row, payload) -> str:
+    words = row.get("command", "").split()
+    if "--precision" in words:
+        return words[words.index("--precision") + 1]
+    recipe = row.get("recipe") or payload["recipe"]
+    return "bf16" if recipe.get("bf16") else "fp32"
+
+
+def joined(values) -> str:
+    return " / ".join(str(v) for v in dict.fromkeys(values))
+
+
+def seeds_text(seeds) -> str:
+    seeds = sorted(seeds)
+    if len(seeds) == 1:
+        return f"seed {seeds[0]}"
+    if seeds == list(range(seeds[0], seeds[-1] + 1)) and len(seeds) > 2:
+        return f"seeds {seeds[0]}-{seeds[-1]}"
+    return "seeds " + ", ".join(str(s) for s in seeds)
+
+
+SET_NAMES = {"test_2016_flickr": "test", "val": "val", "test": "nouns test"}
+
+
+def judge_rows(claim: Claim, evidence: Rows) -> dict:
+    """One verdict entry from reproduce rows: paired differences A - B per seed and set, interval, word."""
+    paths = files_of(evidence.files)
+    names = {side.split("@")[0] for side in (evidence.a, evidence.b)}
+    payloads = {path: json.load(open(path)) for path in paths}
+    rows = [row for row in compare_rows.load_rows(paths) if row["row"] in names]
+    groups = compare_rows.group(rows)
+    sides = [tuple(side.split("@", 1)) for side in (evidence.a, evidence.b)]
+    for side in sides:
+        if side not in groups:
+            raise ValueError(f"claim {claim.id}: no row {side[0]} with init {side[1]!r} in {evidence.files} "
+                             f"(found {sorted(groups)}).")
+    differences = compare_rows.differences(groups[sides[0]], groups[sides[1]])
+    used = [row for row in rows if (row["row"], compare_rows.row_init(row)) in sides
+            and row["seed"] in {s for d in differences.values() for s in d}]
+    sets, words, seeds = {}, {}, set()
+    metric_keys = [key for key in differences if key[0] != "chrF"]
+    if not metric_keys:
+        raise ValueError(f"claim {claim.id}: {evidence.a} and {evidence.b} share no seed in {evidence.files}.")
+    for metric, split in metric_keys:
+        per_seed = differences[(metric, split)]
+        result = interval(per_seed.values())
+        name = SET_NAMES.get(split, split)
+        w = word(result["low"], result["high"], claim.bound, result["n"])
+        sets[name] = dict(metric=metric, seeds=sorted(per_seed), differences=[round(per_seed[s], 2) for s in
+                                                                               sorted(per_seed)],
+                          mean=round(result["mean"], 3), interval=None if result["low"] is None
+                          else [round(result["low"], 3), round(result["high"], 3)], word=w)
+        words[name] = w
+        seeds |= set(per_seed)
+    steps = sorted({row["steps"] for row in used})
+    machines = [machine_name(row.get("machine"), row["file"]) for row in used]
+    precisions = [precision_of(row, payloads[row["file"]]) for row in used]
+    smoothing = sorted({(row.get("recipe") or payloads[row["file"]]["recipe"]).get("label_smoothing") for row in used},
+                       key=str)
+    inits = (sides[0][1] if sides[0][1] == sides[1][1] else f"{sides[0][0]}: {sides[0][1]}; {sides[1][0]}: "
+             f"{sides[1][1]}")
+    budget = f"{joined(steps)} steps" if all(payloads[r["file"]]["recipe"].get("max_steps") or
+                                             "--max-steps" in r.get("command", "") for r in used) else \
+        f"{joined(f'{m:g}' for m in sorted({float(payloads[r['file']]['recipe']['minutes']) for r in used}))} minutes " \
+        f"({joined(steps)} steps)"
+    return dict(
+        id=claim.id, paper=claim.paper, claim=claim.claim, bound=claim.bound.text(), measure=f"{evidence.a} - "
+        f"{evidence.b}", evidence=evidence.label, verdict=overall(words), seeds=sorted(seeds), sets=sets,
+        recipe=f"ours: {evidence.label} ({inits}), {budget}, label smoothing {joined(smoothing)}, last checkpoint",
+        converged=False, machine=joined(machines), precision=joined(precisions), steps=steps,
+        task=joined(row["task"] for row in used), note=evidence.note,
+        rows=[dict(file=rel(row["file"]), row=row["row"], seed=row["seed"]) for row in
+              sorted(used, key=lambda r: (r["row"], r["seed"], rel(r["file"])))])
+
+
+def setting_name(entry) -> str:
+    return f"{entry['mode']} b{entry['batch_size']}"
+
+
+def judge_rounds(claim: Claim, evidence: Rounds) -> dict:
+    """One verdict entry from timed rounds: per round log(time B / time A) (speed) or log(time A / time B) (cost)."""
+    path = files_of([evidence.file])[0]
+    payload = json.load(open(path))
+    if "alternate" not in payload["protocol"].get("interleaved", ""):
+        raise ValueError(f"{evidence.file}: rounds are paired only where the models alternate within each round.")
+    section = payload[evidence.section]
+    entries = section if isinstance(section, list) else [dict(section, mode="training")]
+    sets, words, rounds = {}, {}, set()
+    for entry in entries:
+        if evidence.batches and entry["batch_size"] not in evidence.batches:
+            continue
+        a, b = (entry["models"][name]["times_s"] for name in (evidence.a, evidence.b))
+        if len(a) != len(b):
+            raise ValueError(f"{evidence.file} {setting_name(entry)}: {len(a)} rounds of {evidence.a}, {len(b)} of "
+                             f"{evidence.b}; rounds pair only one to one.")
+        logs = [math.log(tb / ta) if claim.kind == "speed" else math.log(ta / tb) for ta, tb in zip(a, b)]
+        result = interval(logs)
+        low, high = (None, None) if result["low"] is None else (math.exp(result["low"]), math.exp(result["high"]))
+        w = word(low, high, claim.bound, result["n"], unit="round")
+        name = "training step" if evidence.section == "training" else setting_name(entry)
+        sets[name] = dict(metric="time ratio" if claim.kind == "cost" else "speed ratio", rounds=len(logs),
+                          mean=round(math.exp(result["mean"]), 3),
+                          interval=None if low is None else [round(low, 3), round(high, 3)], word=w)
+        words[name] = w
+        rounds.add(len(logs))
+    precision = payload["precision"]["name"]
+    return dict(
+        id=claim.id, paper=claim.paper, claim=claim.claim, bound=claim.bound.text("x"),
+        measure=(f"time {evidence.b} / time {evidence.a}" if claim.kind == "speed"
+                 else f"time {evidence.a} / time {evidence.b}"),
+        evidence=evidence.label, verdict=overall(words), seeds=None, rounds=sorted(rounds), sets=sets,
+        recipe=f"ours: {evidence.label}, {precision}, rounds interleaved (geometric mean ratio)", converged=None,
+        machine=payload["environment"]["gpu_name"].replace("NVIDIA ", ""), precision=precision, steps=None,
+        task="speed", note=evidence.note, rows=[dict(file=rel(path), section=evidence.section,
+                                                       models=[evidence.a, evidence.b])])
+
+
+def judge_figures(claim: Claim, evidence: Figures) -> dict:
+    """CPU speed figures (one per setting, no rounds stored): their range per machine, no verdict."""
+    sets, machines = {}, []
+    for path in files_of(evidence.files):
+        payload = json.load(open(path))
+        machine = machine_name(payload.get("machine"), path)
+        if " x_" in evidence.ratio:
+            name, column = evidence.ratio.split(" ")
+            values = [row[column] for row in payload["rows"] if row["row"] == name]
+        else:
+            values = [row["ratios"][evidence.ratio] for row in payload["rows"] if evidence.ratio in row["ratios"]]
+        if not values:
+            raise ValueError(f"{rel(path)}: no {evidence.ratio!r} figure.")
+        sets[machine] = dict(metric=evidence.ratio, figures=[round(v, 3) for v in values], file=rel(path),
+                             word="one figure per setting")
+        machines.append(machine)
+    return dict(
+        id=claim.id, paper=claim.paper, claim=claim.claim, bound=claim.bound.text("x"), measure=evidence.ratio,
+        evidence=evidence.label, verdict="not judged (no timed rounds stored)", seeds=None, sets=sets,
+        recipe=f"ours: {evidence.label}, fp32, 2 threads", converged=None, machine=joined(machines),
+        precision="fp32", steps=None, task="speed", note=evidence.note,
+        rows=[dict(file=s["file"], ratio=evidence.ratio) for s in sets.values()])
+
+
+def verdicts(claims=None) -> list[dict]:
+    out = []
+    for claim in (CLAIMS + [BASELINE] if claims is None else claims):
+        for evidence in claim.evidence:
+            judge = {Rows: judge_rows, Rounds: judge_rounds, Figures: judge_figures}[type(evidence)]
+            out.append(judge(claim, evidence))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- the tables
+def number(value, kind) -> str:
+    return f"{value:+.2f}" if kind == "quality" else f"{value:.2f}x"
+
+
+def sets_cell(entry, kind) -> str:
+    parts = []
+    for name, s in entry["sets"].items():
+        if "figures" in s:
+            low, high = min(s["figures"]), max(s["figures"])
+            parts.append(f"{name} {low:.2f}x" if low == high else f"{name} {low:.2f}-{high:.2f}x")
+        elif s["interval"] is None:
+            parts.append(f"{name} {number(s['mean'], kind)}")
+        else:
+            low, high = s["interval"]
+            parts.append(f"{name} {number(s['mean'], kind)} [{number(low, kind)}, {number(high, kind)}]")
+    return "; ".join(parts)
+
+
+def rows_cell(entry) -> str:
+    if entry["task"] == "speed":
+        rounds = f", {joined(entry['rounds'])} rounds" if entry.get("rounds") else ""
+        return f"{entry['evidence']}; {entry['machine']}, {entry['precision']}{rounds}"
+    task = "nouns, " if entry["task"] == "nouns" else ""
+    return (f"{task}{entry['evidence']}; {entry['machine']}, {entry['precision']}, {joined(entry['steps'])} steps, "
+            f"{seeds_text(entry['seeds'])}")
+
+
+def verdict_cell(entry) -> str:
+    context = "" if entry["converged"] is None else f" ({joined(entry['steps'])} steps, not converged)"
+    return f"{entry['verdict']}{context}"
+
+
+def measure_text(entry) -> str:
+    """The measure without its inits: "hard_cross - soft", "time soft / time hard_retrieval"."""
+    return " - ".join(side.split("@")[0] for side in entry["measure"].split(" - "))
+
+
+def paper_table(entries, paper) -> str:
+    lines = ["| paper's claim (bound) | measure; rows: machine, precision, steps, seeds | ours: mean [90% interval] "
+             "| verdict |", "| --- | --- | --- | --- |"]
+    last = None
+    for entry in entries:
+        if entry["paper"] != paper:
+            continue
+        kind = "quality" if entry["task"] != "speed" else "speed"
+        claim = "" if entry["claim"] == last else f"{entry['claim']} (bound {entry['bound']})"
+        last = entry["claim"]
+        lines.append(f"| {claim} | `{measure_text(entry)}`; {rows_cell(entry)} | {sets_cell(entry, kind)} "
+                     f"| {verdict_cell(entry)} |")
+    return "\n".join(lines)
+
+
+def regions(entries) -> dict:
+    """{(file, region name): generated text}."""
+    out = {}
+    for paper in TABLES:
+        out[(README, f"paper {paper}")] = paper_table(entries, paper)
+    baseline = [e for e in entries if e["paper"] == "baseline"][0]
+    out[(README, "baseline")] = (
+        f"Baseline: our soft model against `MarianMTModel` of the same size ({rows_cell(baseline)}): soft - Marian "
+        f"{sets_cell(baseline, 'quality')}: **{baseline['verdict']}** for \"{baseline['claim']}\".")
+    return out
+
+
+def replace_region(text: str, name: str, body: str, path: str) -> str:
+    start, end = f"<!-- tables.py: {name} -->", "<!-- /tables.py -->"
+    if text.count(start) != 1:
+        raise ValueError(f"{path}: {text.count(start)} markers {start!r}; exactly one is needed.")
+    head, rest = text.split(start, 1)
+    if end not in rest:
+        raise ValueError(f"{path}: {start!r} has no closing {end!r}.")
+    _, tail = rest.split(end, 1)
+    return f"{head}{start}\n{body}\n{end}{tail}"
+
+
+def outputs() -> dict:
+    """{path: the text this script writes there}."""
+    entries = verdicts()
+    texts = {VERDICTS: json.dumps(dict(
+        rule=f"paired mean difference (quality) or geometric mean ratio over interleaved rounds (speed), "
+             f"{LEVEL:.0%} two-sided t interval; holds: inside the paper's bound; no: wholly outside; "
+             f"otherwise not told apart; one seed or one figure: no verdict",
+        command="python benchmarks/tables.py", verdicts=entries), indent=1) + "\n"}
+    for (path, name), body in regions(entries).items():
+        if path not in texts:
+            with open(path) as handle:
+                texts[path] = handle.read()
+        texts[path] = replace_region(texts[path], name, body, path)
+    return texts
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--check", action="store_true",
+                        help="write nothing; exit 1 with a diff where a committed file differs from what it would write")
+    args = parser.parse_args(argv)
+    differ = False
+    for path, text in outputs().items():
+        committed = open(path).read() if os.path.exists(path) else ""
+        if committed == text:
+            continue
+        if args.check:
+            differ = True
+            sys.stdout.writelines(difflib.unified_diff(committed.splitlines(True), text.splitlines(True),
+                                                       f"{os.path.relpath(path, ROOT)} (committed)",
+                                                       f"{os.path.relpath(path, ROOT)} (tables.py)"))
+        else:
+            with open(path, "w") as handle:
+                handle.write(text)
+            print(f"wrote {os.path.relpath(path, ROOT)}")
+    if differ:
+        print("\nbenchmarks/tables.py --check: the files above differ from what `python benchmarks/tables.py` writes.")
+    return 1 if differ else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
