@@ -4,6 +4,7 @@ patience and a stage that continues the previous one's optimizer (hf_hardattn.to
 
 import itertools
 import math
+import os
 
 import pytest
 import torch
@@ -140,3 +141,141 @@ def test_retrieval_dropout_reaches_the_modules_and_bad_values_are_refused():
                                                                       retrieval_dropout="during"))
     with pytest.raises(ValueError, match="`placement`"):
         sampled_retrieval(torch.ones(1, 2), torch.ones(2, 1), 0.1, "before")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Convergence, continuation, checkpoint averaging (hf_hardattn.tools.training)
+# ----------------------------------------------------------------------------------------------------------------
+def test_convergence_stops_after_patience_evaluations_without_improvement():
+    from hf_hardattn.tools.training import Convergence
+
+    losses = iter([5.0, 4.0, 4.5, 3.9, 4.0, 3.9, 4.2, 1.0])  # 3.9 again is no improvement (strictly better only)
+    callback = Convergence(lambda model: next(losses), every=10, patience=3)
+    stops = [callback.observe(step, callback.evaluate(None)) for step in range(10, 80, 10)]
+    assert stops == [False] * 6 + [True]
+    record = callback.record()
+    assert record["converged"] is True and record["best"] == 3.9 and record["best_step"] == 40
+    assert record["curve"] == [[10, 5.0], [20, 4.0], [30, 4.5], [40, 3.9], [50, 4.0], [60, 3.9], [70, 4.2]]
+    # BLEU: higher is better; min_steps holds the stop back
+    bleu = Convergence(None, every=1, patience=1, metric="val_bleu", min_steps=3)
+    assert [bleu.observe(step, value) for step, value in ((1, 10.0), (2, 9.0), (3, 11.0), (4, 11.0))] == \
+        [False, False, False, True]
+    assert bleu.record()["best_step"] == 3
+    never = Convergence(None, every=1, patience=2)
+    assert not any(never.observe(step, 10.0 - step) for step in range(1, 6)) and never.record()["converged"] is False
+    for kwargs, name in ((dict(every=0, patience=1), "every"), (dict(every=1, patience=1.5), "patience"),
+                         (dict(every=1, patience=1, metric="bleu"), "metric"),
+                         (dict(every=1, patience=1, min_steps=-1), "min_steps")):
+        with pytest.raises(ValueError, match=f"`{name}`"):
+            Convergence(None, **kwargs)
+
+
+def toy_model(**extra):
+    torch.manual_seed(0)
+    config = SoftTransformerConfig(**dict(SIZES, vocab_size=TOKENIZER_VOCAB), dropout=0.0, attention_dropout=0.0,
+                                   label_smoothing=0.0, pad_token_id=TOKENIZER.pad_token_id,
+                                   bos_token_id=TOKENIZER.bos_token_id, eos_token_id=TOKENIZER.eos_token_id,
+                                   decoder_start_token_id=TOKENIZER.bos_token_id, **extra)
+    return SoftTransformerForConditionalGeneration(config)
+
+
+def toy_data():
+    import datasets
+
+    from hf_hardattn.tools.training import tokenize_dataset
+
+    pairs = [("a man rides a bike", "ein mann fährt rad"), ("two dogs play", "zwei hunde spielen"),
+             ("a woman reads", "eine frau liest"), ("kids run on the beach", "kinder rennen am strand")]
+    raw = datasets.Dataset.from_dict({"source": [s for s, _ in pairs], "target": [t for _, t in pairs]})
+    return tokenize_dataset(raw, TOKENIZER, max_length=16)
+
+
+def _tokenizer():
+    from hf_hardattn.tools.tokenization import train_tokenizer
+
+    text = ["a man rides a bike", "ein mann fährt rad", "two dogs play", "zwei hunde spielen", "a woman reads",
+            "eine frau liest", "kids run on the beach", "kinder rennen am strand"]
+    return train_tokenizer(text, kind="char", vocab_size=100, min_frequency=1)
+
+
+TOKENIZER = _tokenizer()
+TOKENIZER_VOCAB = len(TOKENIZER)
+
+
+def test_validation_loss_is_the_token_mean_nll_of_the_references():
+    """Against -log p(reference token) summed over one batch of every example, by hand (float64)."""
+    from transformers import DataCollatorForSeq2Seq
+
+    from hf_hardattn.tools.training import validation_loss
+
+    model = toy_model().double().eval()
+    data = toy_data()
+    batch = DataCollatorForSeq2Seq(TOKENIZER, model=model, label_pad_token_id=-100)(
+        [{k: row[k] for k in ("input_ids", "attention_mask", "labels")} for row in data])
+    labels = batch.pop("labels")
+    with torch.no_grad():
+        log_probs = model(**batch).logits.log_softmax(-1)
+    picked = [log_probs[b, t, labels[b, t]].item() for b in range(labels.shape[0]) for t in range(labels.shape[1])
+              if labels[b, t] != -100]
+    expected = -sum(picked) / len(picked)
+    assert validation_loss(model, TOKENIZER, data, batch_size=3) == pytest.approx(expected, rel=1e-12)
+    assert not model.training
+
+
+def train(model, steps, tmp_path, name, **kwargs):
+    from hf_hardattn.tools.training import train_seq2seq
+
+    return train_seq2seq(model, TOKENIZER, toy_data(), output_dir=str(tmp_path / name), max_steps=steps, batch_size=4,
+                         learning_rate=1e-2, warmup_steps=3, lr_scheduler="inverse_sqrt", progress=False, **kwargs)
+
+
+def test_a_carried_optimizer_continues_the_previous_stage(tmp_path):
+    """2 + 2 steps with one OptimizerCarry = 4 steps in one run (every batch the whole toy set, no dropout: the same
+    updates); 2 + 2 without it restarts Adam and the warm-up, and ends elsewhere."""
+    from hf_hardattn.tools.training import OptimizerCarry
+
+    whole = toy_model()
+    train(whole, 4, tmp_path, "whole")
+    carry, continued = OptimizerCarry(), toy_model()
+    train(continued, 2, tmp_path, "first", carry=carry)
+    optimizer = carry.optimizer
+    train(continued, 2, tmp_path, "second", carry=carry)
+    assert carry.optimizer is optimizer and carry.steps == 4 and carry.lr_scheduler.last_epoch == 4
+    assert optimizer.state[next(continued.parameters())]["step"] == 4
+    restarted = toy_model()
+    train(restarted, 2, tmp_path, "first_again")
+    train(restarted, 2, tmp_path, "second_again")
+    for a, b, c in zip(whole.parameters(), continued.parameters(), restarted.parameters()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    assert max((a - c).abs().max().item() for a, c in zip(whole.parameters(), restarted.parameters())) > 1e-4
+    with pytest.raises(ValueError, match="`carry`"):
+        train(toy_model(), 1, tmp_path, "bad", carry=object())
+
+
+def test_averaged_checkpoints_are_the_hand_mean_of_the_last_saved_weights(tmp_path):
+    """Checkpoints saved by the Trainer every step; the last 3 of 5, averaged, equal the mean of the weights that each
+    of those checkpoints holds (read back one by one, summed in float64); the tied output layer follows."""
+    from safetensors.torch import load_file
+
+    from hf_hardattn.tools.training import average_checkpoints, last_checkpoints, load_average
+
+    model = toy_model()
+    train(model, 5, tmp_path, "run", save_steps=1)
+    paths = last_checkpoints(tmp_path / "run", 3)
+    assert [os.path.basename(p) for p in paths] == ["checkpoint-3", "checkpoint-4", "checkpoint-5"]
+    saved = [load_file(os.path.join(p, "model.safetensors")) for p in paths]
+    mean = {name: sum(s[name].double() for s in saved) / 3 for name in saved[0]}
+    assert any((saved[0][n] != saved[2][n]).any() for n in mean)  # the checkpoints differ
+    averaged = average_checkpoints(paths)
+    for name, value in mean.items():
+        torch.testing.assert_close(averaged[name].double(), value, rtol=0, atol=1e-7)
+        assert averaged[name].dtype == saved[0][name].dtype
+    load_average(model, paths)
+    state = model.state_dict()
+    for name, value in mean.items():
+        torch.testing.assert_close(state[name].double(), value, rtol=0, atol=1e-7)
+    assert model.lm_head.weight is model.get_input_embeddings().weight
+    with pytest.raises(ValueError, match="`paths`"):
+        average_checkpoints([])
+    with pytest.raises(ValueError, match="no model.safetensors"):
+        average_checkpoints([tmp_path])

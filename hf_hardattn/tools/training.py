@@ -5,6 +5,10 @@
   recipe (Adam betas (0.9, 0.98), warm-up then inverse-square-root decay, label smoothing from the model config),
   length-grouped batches (an approximation of token-based batching), an optional wall-clock budget in minutes
   and a tqdm progress bar;
+* :class:`Convergence` - stop when a validation metric (:func:`validation_loss` or BLEU) has not improved for a
+  number of evaluations, recording the curve; :class:`OptimizerCarry` - a later ``train_seq2seq`` call continues the
+  optimizer and learning-rate schedule of an earlier one; :func:`average_checkpoints` - the mean of the weights of
+  saved checkpoints (the last N: :func:`last_checkpoints`), loaded into a model by :func:`load_average`;
 * :func:`translate`, :func:`bleu` (detokenised sacrebleu), :func:`accuracy` (exact match) - batched
   ``generate()`` over inputs sorted by length;
 * :func:`translation_metrics` - the Trainer's ``compute_metrics`` (``predict_with_generate``): BLEU and chrF from the
@@ -140,6 +144,67 @@ class ProgressBar(TrainerCallback):
             self.bar.set_postfix(self.postfix)
             self.bar.close()
             self.bar = None
+
+
+PATIENCE_METRICS = {"val_loss": "min", "val_bleu": "max"}  # metric -> the direction that is an improvement
+
+
+class Convergence(TrainerCallback):
+    """Training to convergence: every ``every`` optimizer steps, ``evaluate(model)`` gives the validation metric
+    (``metric``, a key of :data:`PATIENCE_METRICS`: "val_loss" lower is better, "val_bleu" higher); training stops
+    once ``patience`` evaluations in a row have not improved on the best so far (strictly), but not before step
+    ``min_steps``. The run's cap (``max_steps`` / minutes) may end it first: :meth:`record` then says
+    ``converged`` False. :meth:`record` also holds the curve [[step, value], ...], the best value and its step."""
+
+    def __init__(self, evaluate, every: int, patience: int, metric: str = "val_loss", min_steps: int = 0):
+        for name, value in (("every", every), ("patience", patience)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
+        if metric not in PATIENCE_METRICS:
+            raise ValueError(f"`metric` must be one of {list(PATIENCE_METRICS)}, got {metric!r}.")
+        if isinstance(min_steps, bool) or not isinstance(min_steps, int) or min_steps < 0:
+            raise ValueError(f"`min_steps` must be an integer >= 0, got {min_steps!r}.")
+        self.evaluate, self.every, self.patience, self.metric, self.min_steps = evaluate, every, patience, metric, min_steps
+        self.curve, self.best, self.best_step, self.since_best, self.converged = [], None, None, 0, False
+        self.last_step = 0
+
+    def observe(self, step: int, value: float) -> bool:
+        """Record ``value`` at ``step``; True when training should stop (patience spent, ``min_steps`` reached)."""
+        value = float(value)
+        self.curve.append([step, value])
+        better = self.best is None or (value < self.best if PATIENCE_METRICS[self.metric] == "min" else value > self.best)
+        if better:
+            self.best, self.best_step, self.since_best = value, step, 0
+        else:
+            self.since_best += 1
+        self.converged = self.since_best >= self.patience and step >= self.min_steps
+        return self.converged
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        self.last_step = state.global_step
+        if state.global_step % self.every == 0 and self.observe(state.global_step, self.evaluate(model)):
+            control.should_training_stop = True
+
+    def record(self) -> dict:
+        return dict(converged=self.converged, metric=self.metric, patience=self.patience, eval_steps=self.every,
+                    min_steps=self.min_steps, steps_reached=self.last_step, best=self.best, best_step=self.best_step,
+                    curve=self.curve)
+
+
+class OptimizerCarry:
+    """One optimizer and learning-rate schedule for successive :func:`train_seq2seq` calls on one model
+    (``carry=``): the first call creates them as usual and leaves them here; every later call continues them (Adam's
+    moments and the schedule's step where the previous call left them: no new warm-up) instead of starting anew, e.g.
+    the hybrid's Eq. 1 stage as a continuation of its MLE stage. ``steps``: optimizer steps taken under it so far."""
+
+    def __init__(self):
+        self.optimizer, self.lr_scheduler, self.steps = None, None, 0
+
+    def take(self, trainer):
+        optimizer = trainer.optimizer
+        self.optimizer = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper -> the torch optimizer
+        self.lr_scheduler = trainer.lr_scheduler
+        self.steps += trainer.state.global_step
 
 
 class EpochLengthGroupedSampler(LengthGroupedSampler):
@@ -315,6 +380,67 @@ def last_complete_checkpoint(output_dir) -> str | None:
     return None
 
 
+def last_checkpoints(output_dir, n: int) -> list:
+    """The ``n`` complete checkpoint folders of ``output_dir`` with the highest steps (fewer if fewer were saved), by
+    step."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"`n` must be a positive integer, got {n!r}.")
+    complete = [path for _, path in checkpoints(output_dir) if checkpoint_problem(path) is None]
+    return complete[-n:]
+
+
+WEIGHTS_FILE = "model.safetensors"
+
+
+def average_checkpoints(paths) -> dict:
+    """The element-wise mean of the weights saved in the checkpoint folders ``paths`` (each one's
+    ``model.safetensors``): summed in float64, then cast to each tensor's own dtype. Tensors that are not floating
+    point (integer buffers) must be equal in every checkpoint and are kept. As the hard-retrieval paper evaluates
+    (the average of the last 5 checkpoints)."""
+    from safetensors.torch import load_file
+
+    paths = [os.fspath(path) for path in paths]
+    if not paths:
+        raise ValueError("`paths` is empty: averaging needs at least one checkpoint folder.")
+    total, dtypes, names = {}, {}, None
+    for path in paths:
+        file = os.path.join(path, WEIGHTS_FILE)
+        if not os.path.isfile(file):
+            raise ValueError(f"`paths` entry {path!r} has no {WEIGHTS_FILE}; allowed: checkpoint folders saved with "
+                             "safetensors weights.")
+        weights = load_file(file)
+        if names is None:
+            names = set(weights)
+        elif set(weights) != names:
+            raise ValueError(f"checkpoint {path!r} holds other tensors than {paths[0]!r}: "
+                             f"{sorted(set(weights) ^ names)[:5]}; allowed: checkpoints of one model.")
+        for name, tensor in weights.items():
+            if tensor.is_floating_point():
+                total[name] = total.get(name, 0) + tensor.double()
+                dtypes[name] = tensor.dtype
+            elif name not in total:
+                total[name] = tensor
+            elif not torch.equal(total[name], tensor):
+                raise ValueError(f"the integer tensor {name!r} differs between the checkpoints; it cannot be averaged.")
+    return {name: (value / len(paths)).to(dtypes[name]) if name in dtypes else value for name, value in total.items()}
+
+
+def load_average(model, paths):
+    """``model`` (in place, returned) with the mean of the checkpoints ``paths`` (:func:`average_checkpoints`). Only
+    tied weights (saved once) may be missing from the checkpoints."""
+    averaged = average_checkpoints(paths)
+    target = model.state_dict()
+    averaged = {name: value.to(target[name].device) for name, value in averaged.items() if name in target}
+    missing, unexpected = model.load_state_dict(averaged, strict=False)
+    tied = set(getattr(model, "all_tied_weights_keys", {}) or {})
+    missing = [name for name in missing if name not in tied]
+    if missing or unexpected:
+        raise ValueError(f"the checkpoints do not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}.")
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+    return model
+
+
 def resolve_checkpoint(resume_from_checkpoint, output_dir) -> str | None:
     """The checkpoint folder ``train_seq2seq(resume_from_checkpoint=...)`` resumes from: None/False none, True the
     last complete one in ``output_dir``, a path that folder (it must be complete). Interrupted checkpoints after the
@@ -468,6 +594,7 @@ def train_seq2seq(
     trainer_class=None,
     trainer_kwargs: dict | None = None,
     resume_from_checkpoint=None,
+    carry: OptimizerCarry | None = None,
     **training_args,
 ) -> Seq2SeqTrainer:
     """Train ``model`` on ``train_ds`` (a tokenized Dataset, see :func:`tokenize_dataset`) and return the
@@ -495,6 +622,9 @@ def train_seq2seq(
     from the last *complete* checkpoint in ``output_dir`` (one that a kill left half written is skipped, see
     :func:`checkpoint_problem`), a path from that checkpoint; the run then ends with the weights an uninterrupted run
     would have (same data order and RNG states; with ``minutes``, the time budget starts again).
+    ``carry`` (an :class:`OptimizerCarry`): the first call with it creates the optimizer and schedule as usual and
+    leaves them there; a later call continues them (``learning_rate``, ``warmup_steps`` and ``lr_scheduler`` are then
+    the first call's).
     """
     check_processes_started()
     if max_steps is not None and (not isinstance(max_steps, int) or max_steps < 1):
@@ -526,6 +656,13 @@ def train_seq2seq(
     resume = resolve_checkpoint(resume_from_checkpoint, args.output_dir)
     save_decoding_setting(model, args)
     budget = TimeBudget(minutes) if minutes is not None else None
+    if carry is not None and not isinstance(carry, OptimizerCarry):
+        raise ValueError(f"`carry` must be an OptimizerCarry or None, got {type(carry).__name__}.")
+    trainer_kwargs = dict(trainer_kwargs or {})
+    if carry is not None and carry.optimizer is not None:
+        if "optimizers" in trainer_kwargs:
+            raise ValueError("`carry` already holds the optimizer: pass either carry or trainer_kwargs['optimizers'].")
+        trainer_kwargs["optimizers"] = (carry.optimizer, carry.lr_scheduler)
     trainer = (trainer_class or Seq2SeqLengthTrainer)(
         model=model.train(),
         args=args,
@@ -535,7 +672,7 @@ def train_seq2seq(
         data_collator=DataCollatorForSeq2Seq(tokenizer, model=model, label_pad_token_id=-100),
         callbacks=list(callbacks or []),
         compute_metrics=compute_metrics,
-        **(trainer_kwargs or {}),
+        **trainer_kwargs,
     )
     trainer.example_lengths = example_lengths(train_ds) if group_by_length else None
     if lr_scheduler in ("linear", "cosine") and max_steps is None:
@@ -547,6 +684,8 @@ def train_seq2seq(
     if progress:
         trainer.add_callback(ProgressBar(budget, desc=f"train {type(model).__name__}"))
     trainer.train(resume_from_checkpoint=resume)
+    if carry is not None:
+        carry.take(trainer)
     # accelerate runs bf16/fp16 training by wrapping model.forward in autocast and leaves the wrapper on the model:
     # without removing it, the trained model would go on decoding (and being scored) in bf16
     trainer.model = trainer.accelerator.unwrap_model(trainer.model, keep_fp32_wrapper=False)
@@ -583,6 +722,32 @@ def new_tokens_limit(model, new_tokens: int, generate_kwargs: dict) -> dict:
             and getattr(getattr(model, "generation_config", None), "max_new_tokens", None) is None):
         return {"max_length": new_tokens + 1}
     return {"max_new_tokens": new_tokens}
+
+
+@torch.no_grad()
+def validation_loss(model, tokenizer, dataset, batch_size: int = 64) -> float:
+    """The mean negative log-likelihood per target token (natural log, no label smoothing) of the references of a
+    tokenized ``dataset`` (:func:`tokenize_dataset`) under ``model``, teacher-forced: the metric "val_loss" of
+    :class:`Convergence`. Any seq2seq model (its logits, or log-probabilities, over the vocabulary)."""
+    if len(dataset) == 0:
+        raise ValueError("`dataset` is empty; the validation loss needs at least one example.")
+    was_training = model.training
+    model.eval()
+    collate = DataCollatorForSeq2Seq(tokenizer, model=model, label_pad_token_id=-100)
+    total, tokens = 0.0, 0
+    columns = ("input_ids", "attention_mask", "labels")
+    rows = [{name: row[name] for name in columns} for row in dataset]
+    rows.sort(key=lambda row: len(row["labels"]))  # little padding
+    for start in range(0, len(rows), batch_size):
+        batch = {k: v.to(model.device) for k, v in collate(rows[start : start + batch_size]).items()}
+        labels = batch.pop("labels")  # the collator made decoder_input_ids of them; the model's own loss is not wanted
+        logits = model(**batch, use_cache=False).logits
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 / fp16 logits: in fp32
+        total += torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                                   ignore_index=-100, reduction="sum").item()
+        tokens += int((labels != -100).sum())
+    model.train(was_training)
+    return total / tokens
 
 
 @torch.no_grad()
@@ -708,4 +873,5 @@ def decode_speed(model, input_ids, attention_mask=None, num_beams: int = 1, new_
 
 __all__ = ["tokenize_dataset", "train_seq2seq", "translate", "bleu", "translation_metrics", "accuracy", "decode_speed",
            "TimeBudget",
-           "ProgressBar", "checkpoint_problem", "last_complete_checkpoint"]
+           "ProgressBar", "checkpoint_problem", "last_complete_checkpoint", "Convergence", "OptimizerCarry",
+           "validation_loss", "average_checkpoints", "last_checkpoints", "load_average"]
