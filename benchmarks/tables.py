@@ -1,6 +1,7 @@
 """Verdicts by a rule, and the results tables written from benchmarks/results.
 
-    python benchmarks/tables.py            # writes results/verdicts.json and the generated regions
+    python benchmarks/tables.py            # writes results/verdicts.json, the generated regions (and the model
+                                           # cards, whose verdict lines read verdicts.json, when it changed)
     python benchmarks/tables.py --check    # exits 1 with a diff where a committed one differs from what it writes
 
 CLAIMS lists every paper claim of the README's results tables: the paper (000 hard retrieval, 001 beam-joint, 002
@@ -622,11 +623,12 @@ def main(argv=None) -> int:
     parser.add_argument("--check", action="store_true",
                         help="write nothing; exit 1 with a diff where a committed file differs from what it would write")
     args = parser.parse_args(argv)
-    differ = False
+    differ = changed_verdicts = False
     for path, text in outputs().items():
         committed = open(path).read() if os.path.exists(path) else ""
         if committed == text:
             continue
+        changed_verdicts |= path == VERDICTS
         if args.check:
             differ = True
             sys.stdout.writelines(difflib.unified_diff(committed.splitlines(True), text.splitlines(True),
@@ -635,6 +637,13 @@ def main(argv=None) -> int:
         else:
             with open(path, "w") as handle:
                 handle.write(text)
+            print(f"wrote {os.path.relpath(path, ROOT)}")
+    if not args.check and changed_verdicts:  # the cards' "against the paper" verdicts are read from verdicts.json
+        import importlib.util
+        spec = importlib.util.spec_from_file_location("model_cards_build", os.path.join(ROOT, "model_cards", "build.py"))
+        build = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(build)
+        for path in build.write_cards(build.FOLDER):
             print(f"wrote {os.path.relpath(path, ROOT)}")
     if differ:
         print("\nbenchmarks/tables.py --check: the files above differ from what `python benchmarks/tables.py` writes.")
