@@ -279,3 +279,106 @@ def test_averaged_checkpoints_are_the_hand_mean_of_the_last_saved_weights(tmp_pa
         average_checkpoints([])
     with pytest.raises(ValueError, match="no model.safetensors"):
         average_checkpoints([tmp_path])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# reproduce --recipe PAPER (hf_hardattn.tools.reproduce), tiny rows
+# ----------------------------------------------------------------------------------------------------------------
+def tiny_argv(tmp_path, *extra):
+    from test_reproduce import write_toy_multi30k
+
+    data = tmp_path / "data"
+    if not data.exists():
+        write_toy_multi30k(tmp_path)
+    return ["--task", "multi30k", "--preset", "tiny", "--data", str(data), "--quiet", *extra]
+
+
+def stored(out, recipe):
+    import json
+
+    with open(os.path.join(out, f"reproduce_multi30k_tiny_{recipe}.json")) as handle:
+        return json.load(handle)
+
+
+def test_hard_retrieval_recipe_row_converges_by_patience_and_stores_every_field(tmp_path, monkeypatch):
+    """A constant validation loss: the best at step 1, then 2 evaluations without improvement (patience 2): the row
+    stops at step 3 of its cap 6, converged, with its curve; its model is the mean of its checkpoints 1-3; every recipe
+    field is in the row's JSON and in the file's, and the model carries the paper's init and dropout placement."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForSeq2SeqLM
+
+    from hf_hardattn.tools import reproduce, training
+
+    monkeypatch.setattr(training, "validation_loss", lambda *args, **kwargs: 1.0)
+    out = tmp_path / "out"
+    reproduce.main(tiny_argv(tmp_path, "--recipe", "hard_retrieval", "--rows", "hard_cross", "--output-dir", str(out)))
+    payload = stored(out, "hard_retrieval")
+    row = payload["rows"]["hard_cross"]
+    assert row["converged"] is True and row["steps"] == 3 and row["convergence"]["steps_reached"] == 3
+    assert row["convergence"]["curve"] == [[1, 1.0], [2, 1.0], [3, 1.0]] and row["convergence"]["metric"] == "val_loss"
+    fields = {field.name for field in reproduce.dataclasses.fields(reproduce.Recipe)}
+    assert set(row["recipe"]) == set(payload["recipe"]) == fields
+    assert row["recipe_name"] == payload["recipe_name"] == "hard_retrieval" and "--recipe hard_retrieval" in row["command"]
+    for name, value in reproduce.PAPER_RECIPES["hard_retrieval"]["fields"].items():
+        assert row["recipe"][name] == value, name
+    assert (row["recipe"]["patience"], row["recipe"]["max_steps"], row["recipe"]["lr_scheduler"]) == (2, 6, "inverse_sqrt")
+    assert row["model_fields"]["init_std"] == "lipschitz" and row["model_fields"]["embed_init_std"] is None
+    assert row["model_fields"]["retrieval_dropout"] == "before_draw" and row["model_fields"]["attention_dropout"] == 0.1
+    assert row["averaged_checkpoints"] == [1, 2, 3]
+    saved = [load_file(str(out / "trainer" / "hard_cross" / f"checkpoint-{step}" / "model.safetensors"))
+             for step in (1, 2, 3)]
+    model = AutoModelForSeq2SeqLM.from_pretrained(out / "models" / "hard_cross")
+    assert model.config.init_std == "lipschitz" and model.config.retrieval_dropout == "before_draw"
+    state = model.state_dict()
+    for name in saved[0]:
+        torch.testing.assert_close(state[name].double(), sum(s[name].double() for s in saved) / 3, rtol=0, atol=1e-7)
+
+
+def test_hybrid_recipe_student_is_twice_as_wide_and_eq1_continues_the_mle_stage(tmp_path, monkeypatch):
+    """The hybrid paper's recipe: rnn_hidden_size 2 x d_model over d_model embeddings; the MLE stage at least the
+    teacher's steps; the Eq. 1 stage continues the MLE stage's optimizer (one OptimizerCarry through both stages,
+    its Adam step count the sum); the teacher's translations with beam 12."""
+    import json
+
+    from hf_hardattn.tools import distill, reproduce, training
+
+    carries, train_seq2seq = [], training.train_seq2seq
+
+    def spy(*args, **kwargs):
+        carries.append(kwargs.get("carry"))
+        return train_seq2seq(*args, **kwargs)
+
+    monkeypatch.setattr(training, "train_seq2seq", spy)
+    monkeypatch.setattr(distill, "train_seq2seq", spy)  # the stages' own import of it
+    out = tmp_path / "out"
+    reproduce.main(tiny_argv(tmp_path, "--recipe", "hybrid", "--rows", "hybrid_dot_kd_eq1", "--max-steps", "3",
+                             "--output-dir", str(out)))
+    rows = stored(out, "hybrid")["rows"]
+    row = rows["hybrid_dot_kd_eq1"]
+    assert row["model_fields"]["rnn_hidden_size"] == 2 * row["model_fields"]["d_model"] == 64
+    assert row["model_fields"]["rnn_embedding_size"] == 32
+    assert row["stages"]["mle"] >= rows["soft"]["steps"] and row["continued_optimizer"] is True
+    assert row["mle_stage"] == "teacher" and row["stage_warmup_steps"] is None
+    teacher, mle, kd = carries  # soft, then the student's two stages
+    assert teacher is None and mle is kd is not None and kd.steps == row["steps"] == sum(row["stages"].values())
+    assert kd.optimizer.state[next(iter(kd.optimizer.state))]["step"] == row["steps"]
+    assert set(row["convergence"]) == {"mle", "kd"} and row["convergence"]["mle"]["min_steps"] == rows["soft"]["steps"]
+    assert json.loads((out / "kd_data" / "kd_manifest.json").read_text())["num_beams"] == 12 == row["distill_beams"]
+
+
+def test_paper_recipes_refuse_other_rows_and_patience_needs_its_interval(tmp_path):
+    from hf_hardattn.tools import reproduce
+
+    with pytest.raises(ValueError, match="`rows` \\['hc_sa'\\].*--recipe hard_retrieval; allowed: .*hard_cross"):
+        reproduce.main(tiny_argv(tmp_path, "--recipe", "hard_retrieval", "--rows", "hc_sa"))
+    with pytest.raises(ValueError, match="`--patience` 2 needs `--eval-steps`"):
+        reproduce.main(tiny_argv(tmp_path, "--rows", "soft", "--patience", "2", "--output-dir", str(tmp_path / "o")))
+    with pytest.raises(ValueError, match="`--patience` must be > 0"):
+        reproduce.main(tiny_argv(tmp_path, "--rows", "soft", "--patience", "0", "--eval-steps", "1"))
+    with pytest.raises(ValueError, match="`recipe`"):
+        reproduce.recipe_for("multi30k", "cpu", "hard")
+    # today's recipe is the preset's, unchanged; a paper's keeps the preset's sizes
+    assert reproduce.recipe_for("multi30k", "cpu") == reproduce.PRESETS["multi30k"]["cpu"]
+    paper = reproduce.recipe_for("multi30k", "cpu", "hybrid")
+    assert paper.dims == reproduce.PRESETS["multi30k"]["cpu"].dims and paper.rnn["rnn_hidden_size"] == 512
+    assert (paper.minutes, paper.max_steps, paper.patience, paper.eval_steps) == (None, 12000, 5, 250)

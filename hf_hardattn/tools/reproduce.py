@@ -49,6 +49,7 @@ import dataclasses
 import json
 import os
 import shlex
+import shutil
 import sys
 import time
 
@@ -98,6 +99,18 @@ class Recipe:
     # recurrent, beam-joint Transformer; None: Gaussian, hybrid, beam-joint RNN); None = as init_std says. Nouns keeps
     # None: 0.02 measured lower there for every type (benchmarks/README.md)
     embed_init_std: float | str | None = "model"
+    # -- the fields a paper's recipe (PAPER_RECIPES) sets; each default is today's recipe --
+    name: str = "today"  # "today" or the paper's recipe (a key of PAPER_RECIPES)
+    init_std: float | str | None = "model"  # config init_std of every hf_hardattn row; "model": each type's default
+    attention_dropout: float | None = None  # config attention_dropout; None: the model's default (0)
+    retrieval_dropout: str | None = None  # hard retrieval's dropout placement (config); None: the default, after_draw
+    average_checkpoints: int = 0  # N > 0: the row's model is the mean of its last N saved checkpoints
+    checkpoint_steps: int | None = None  # the interval of those checkpoints (None: eval_steps)
+    patience: int | None = None  # convergence: stop after this many evaluations without improvement (None: budget only)
+    patience_metric: str = "val_loss"  # training.PATIENCE_METRICS: the validation split's loss, or its BLEU
+    eval_steps: int | None = None  # the interval of those evaluations
+    mle_stage: str = "half"  # hybrid_*_kd_eq1 rows: see MLE_STAGES
+    distill_beams: int = 4  # beam of the teacher's translations (the KD data)
 
 
 PRESETS = {
@@ -147,6 +160,65 @@ PRESETS["nouns"]["small"] = PRESETS["nouns"]["cpu"]  # already that size
 PRESETS["nouns"]["tiny"] = dataclasses.replace(TINY, tokenizer=dict(kind="char", vocab_size=300, min_frequency=1),
                                                embed_init_std=None)
 
+# The hybrid Eq. 1 rows' MLE stage: "half" (today: MLE for half the row's budget, then Eq. 1 for the other half, each
+# stage a new optimizer with the preset's schedule compressed onto it) or "teacher" (the MLE stage gets the teacher's
+# budget, at least as many steps as the soft teacher took, then Eq. 1 continues its optimizer and schedule)
+MLE_STAGES = ("half", "teacher")
+
+# Convergence under a paper's recipe, per preset: a cap (max_steps), the evaluation interval and the patience (in
+# evaluations) of the rule on the validation loss; checkpoints (for averaging) at every evaluation
+CONVERGENCE = {
+    "cpu": dict(max_steps=12000, eval_steps=250, patience=5),
+    "small": dict(max_steps=12000, eval_steps=250, patience=5),
+    "base": dict(max_steps=100000, eval_steps=1500, patience=5),
+    "tiny": dict(max_steps=6, eval_steps=1, patience=2),
+}
+
+# Each paper's recipe, as far as the paper and its authors' code state it (the preset gives sizes, batch, learning rate
+# and warm-up); every row of the run takes it alike, the baseline included, and stores it. All of them train to
+# convergence (CONVERGENCE) with the inverse-square-root schedule of Vaswani et al., which the papers follow and which
+# does not depend on where training ends.
+PAPER_RECIPES = {
+    # Xu et al., hard retrieval (arXiv:2009.14658, Sec. 4.1) and their code (hfxunlp/transformer): Lipschitz-constrained
+    # init (Xu et al. 2020a), attention dropout 0.1 (cnfg/base.py attn_drop = drop) on the probabilities before the
+    # draw (modules/attn/retr.py), label smoothing 0.1, the average of the last 5 checkpoints evaluated
+    "hard_retrieval": dict(fields=dict(init_std="lipschitz", embed_init_std=None, attention_dropout=0.1,
+                                       retrieval_dropout="before_draw", label_smoothing=0.1, average_checkpoints=5),
+                           rows=("soft", "hard_cross", "hard_self_cross", "hard_enc_dec", "soft_decoded_hard",
+                                 "hard_decoded_soft")),
+    # Wang, Wu & Liu, hybrid (Sec. 2.2, 3.1): a GRU decoder twice as wide as the model (1024 over 512 embeddings), MLE
+    # then Eq. 1 fine-tuning of the same model (here: the MLE stage with the teacher's budget, Eq. 1 continuing its
+    # optimizer), the teacher's translations with the paper's beam (12; the paper states no other beam), label
+    # smoothing 0.1 (Vaswani et al.'s, which the paper follows for its Transformer)
+    "hybrid": dict(fields=dict(rnn="2x", mle_stage="teacher", distill_beams=12, label_smoothing=0.1),
+                   rows=("soft", "hybrid_additive", "hybrid_dot", "hybrid_multihead", "hybrid_additive_kd_eq1",
+                         "hybrid_dot_kd_eq1", "hybrid_multihead_kd_eq1")),
+    # Shankar, Garg & Sarawagi, beam-joint (Sec. 4): dropout 0.2, plain likelihood (tensorflow/nmt: no label
+    # smoothing); not taken: its SGD, batch 64 sentences and LSTM encoder
+    "beam_joint": dict(fields=dict(dropout=0.2, label_smoothing=0.0),
+                       rows=("soft", "rnn_luong_soft", "beam_joint_rnn_k6", "beam_joint_rnn_k6_decoded_k1",
+                             "full_joint_rnn", "beam_joint_k6", "beam_joint_k6_decoded_k1")),
+}
+RECIPE_NAMES = ("today", *PAPER_RECIPES)
+
+
+def recipe_for(task: str, preset: str, name: str = "today") -> Recipe:
+    """The preset's recipe (``name`` "today") or a paper's (a key of :data:`PAPER_RECIPES`) on the preset's sizes."""
+    if name not in RECIPE_NAMES:
+        raise ValueError(f"`recipe` must be one of {RECIPE_NAMES}, got {name!r}.")
+    recipe = copy.deepcopy(PRESETS[task][preset])
+    if name == "today":
+        return recipe
+    fields = dict(PAPER_RECIPES[name]["fields"])
+    if fields.pop("rnn", None) == "2x":  # the hybrid paper's decoder: hidden 2 x d_model over d_model embeddings
+        d_model = recipe.dims["d_model"]
+        fields["rnn"] = dict(rnn_hidden_size=2 * d_model, rnn_embedding_size=d_model)
+    if "dropout" in fields:
+        fields["dims"] = dict(recipe.dims, dropout=fields.pop("dropout"))
+    convergence = CONVERGENCE[preset]
+    return dataclasses.replace(recipe, name=name, minutes=None, lr_scheduler="inverse_sqrt",
+                               checkpoint_steps=convergence["eval_steps"], **convergence, **fields)
+
 
 # ----------------------------------------------------------------------------------------------------------------
 # Rows
@@ -181,6 +253,10 @@ def _common(ctx, **extra):
                   max_position_embeddings=max(256, recipe.max_length))
     if recipe.embed_init_std != "model":  # the recipe's embeddings init (nouns: None)
         common["embed_init_std"] = recipe.embed_init_std
+    if recipe.init_std != "model":  # a paper's init (hard retrieval: "lipschitz")
+        common["init_std"] = recipe.init_std
+    if recipe.attention_dropout is not None:
+        common["attention_dropout"] = recipe.attention_dropout
     if "init_std" in ctx:  # --init-std: every hf_hardattn row's initialisation (marian keeps its own, N(0, 0.02))
         common["init_std"] = ctx["init_std"]
     if "embed_init_std" in ctx:  # --embed-init-std (or None under --init-std alone): the embeddings' std
@@ -197,7 +273,9 @@ def _soft(**kinds):
 
 def _hard(**kinds):
     def build(ctx):
-        return HardRetrievalForConditionalGeneration(HardRetrievalConfig(**_common(ctx, **kinds)))
+        placement = ctx["recipe"].retrieval_dropout  # where attention dropout acts (None: the config's default)
+        extra = dict(kinds, **({} if placement is None else dict(retrieval_dropout=placement)))
+        return HardRetrievalForConditionalGeneration(HardRetrievalConfig(**_common(ctx, **extra)))
     return build
 
 
@@ -291,8 +369,8 @@ ROWS = [
     *[Row(f"hybrid_{a}_kd", "hybrid + KD, Tables 2-3; here sequence-level KD only, not Eq. 1 (teacher outputs "
           "from scratch: no reference term, no MLE stage)", "close to the soft teacher, above hybrid without KD",
           build=_hybrid(a), kd_scheme="sequence_only") for a in ("additive", "dot", "multihead")],
-    *[Row(f"hybrid_{a}_kd_eq1", "hybrid + KD, Tables 2-3: Eq. 1, two stages (MLE half the budget, then reference "
-          "NLL + NLL of the teacher's output)", "close to the soft teacher, above hybrid without KD",
+    *[Row(f"hybrid_{a}_kd_eq1", "hybrid + KD, Tables 2-3: Eq. 1, two stages (MLE, then reference NLL + NLL of the "
+          "teacher's output; the stages' budgets: the recipe's mle_stage)", "close to the soft teacher, above hybrid without KD",
           build=_hybrid(a), kd_scheme="eq1_sequence", two_stage=True) for a in ("additive", "dot", "multihead")],
     Row("rnn_luong_soft", "beam-joint, Table 1 (soft attention on the paper's LSTM decoder)",
         "baseline of beam_joint_rnn_k6 (same decoder, soft attention)",
@@ -357,6 +435,15 @@ def validation_set(task: str, recipe: Recipe, data: str | None):
     if recipe.eval_size is not None:
         val = val.select(range(min(recipe.eval_size, len(val))))
     return val
+
+
+def patience_set(task: str, recipe: Recipe, data: str | None, seed: int):
+    """The split the patience rule evaluates on (cut to ``recipe.eval_size``): Multi30k's validation split (the one
+    :func:`validation_set` scores), the nouns' validation lemmas; None where the data has none."""
+    if task == "multi30k":
+        return validation_set(task, recipe, data)
+    val = german_nouns(seed=seed, max_examples=recipe.max_examples)["validation"]
+    return val if recipe.eval_size is None else val.select(range(min(recipe.eval_size, len(val))))
 
 
 def load_task(task: str, recipe: Recipe, data: str | None, seed: int):
@@ -434,54 +521,114 @@ def _losses(trainer):
     return [log["loss"] for log in trainer.state.log_history if "loss" in log]
 
 
+def convergence_rule(ctx, min_steps: int = 0):
+    """The recipe's patience rule as a :class:`~hf_hardattn.tools.training.Convergence` callback (None without one):
+    the validation split's loss (teacher-forced NLL per token) or its BLEU (beam ``recipe.num_beams``)."""
+    recipe = ctx["recipe"]
+    if recipe.patience is None:
+        return None
+    if recipe.patience_metric == "val_loss":
+        def evaluate(model):
+            return training.validation_loss(model, ctx["tokenizer"], ctx["patience_tok"], recipe.eval_batch_size)
+    else:
+        def evaluate(model):
+            hypotheses = training.translate(model, ctx["tokenizer"], ctx["patience"]["source"],
+                                            num_beams=recipe.num_beams, batch_size=recipe.eval_batch_size,
+                                            max_length=recipe.max_length)
+            return row_scores(hypotheses, ctx["patience"]["target"])["bleu"]
+    return training.Convergence(evaluate, every=recipe.eval_steps, patience=recipe.patience,
+                                metric=recipe.patience_metric, min_steps=min_steps)
+
+
 def train_row(row: Row, ctx, model, train_tok) -> dict:
     recipe, args = ctx["recipe"], ctx["args"]
+    rules = {}  # stage -> its Convergence callback
+    average = recipe.average_checkpoints
+    trainer_dir = os.path.join(ctx["out"], "trainer", row.name)
+    if average and os.path.isdir(trainer_dir):  # checkpoints of an earlier run of this row must not be averaged
+        shutil.rmtree(trainer_dir)
 
-    def budget(minutes, max_steps, warmup_steps=recipe.warmup_steps):
-        return dict(max_steps=max_steps, minutes=minutes, batch_size=ctx["batch_size"],
-                    learning_rate=recipe.learning_rate, warmup_steps=warmup_steps,
-                    lr_scheduler=recipe.lr_scheduler, bf16=recipe.bf16, seed=args.seed, logging_steps=50,
-                    progress=not args.quiet)
+    def budget(minutes, max_steps, warmup_steps=recipe.warmup_steps, stage="train", min_steps=0, carry=None):
+        kwargs = dict(max_steps=max_steps, minutes=minutes, batch_size=ctx["batch_size"],
+                      learning_rate=recipe.learning_rate, warmup_steps=warmup_steps,
+                      lr_scheduler=recipe.lr_scheduler, bf16=recipe.bf16, seed=args.seed, logging_steps=50,
+                      progress=not args.quiet)
+        rule = convergence_rule(ctx, min_steps)
+        if rule is not None:
+            rules[stage] = rule
+            kwargs["callbacks"] = [rule]
+        if carry is not None:
+            kwargs["carry"] = carry
+        if average and stage in ("train", "kd"):  # the last stage saves the checkpoints that are averaged
+            kwargs.update(save_steps=recipe.checkpoint_steps or recipe.eval_steps or recipe.max_steps,
+                          save_total_limit=average, save_only_model=True)
+        return kwargs
 
     start = time.perf_counter()
     if row.kd_scheme is not None:
-        if row.two_stage:  # the row's budget, split in half: stage 1 MLE, stage 2 the KD scheme
+        stage_warmup = None
+        if row.two_stage and recipe.mle_stage == "teacher":
+            # the MLE stage with the teacher's budget (its cap and rule, and at least the steps the teacher took),
+            # then Eq. 1 continuing the same optimizer and schedule (no restart, no second warm-up)
+            carry = training.OptimizerCarry()
+            teacher_steps = ctx["results"]["soft"]["steps"]
+            mle = budget(recipe.minutes, recipe.max_steps, stage="mle", carry=carry,
+                         min_steps=teacher_steps if recipe.patience else 0)
+            if recipe.patience is None and recipe.max_steps is not None:
+                mle["max_steps"] = max(recipe.max_steps, teacher_steps)
+            kd = budget(recipe.minutes, recipe.max_steps, stage="kd", carry=carry)
+        elif row.two_stage:  # the row's budget, split in half: stage 1 MLE, stage 2 the KD scheme
             first_steps = None if recipe.max_steps is None else max(1, recipe.max_steps // 2)
             second_steps = None if recipe.max_steps is None else max(1, recipe.max_steps - first_steps)
             half = None if recipe.minutes is None else recipe.minutes / 2
             # each stage runs the preset's schedule compressed onto its half, warm-up included (with the whole
             # warm-up, 1000 steps of the cpu preset's 1500-step rows, a 750-step stage would end still warming up,
             # its learning rate never decayed)
-            warmup = max(1, recipe.warmup_steps // 2)
-            mle, kd = budget(half, first_steps, warmup), budget(half, second_steps, warmup)
+            stage_warmup = max(1, recipe.warmup_steps // 2)
+            mle = budget(half, first_steps, stage_warmup, stage="mle")
+            kd = budget(half, second_steps, stage_warmup, stage="kd")
         else:
-            mle, kd = False, budget(recipe.minutes, recipe.max_steps)  # no MLE stage: the hybrid_*_kd rows' recipe
+            mle, kd = False, budget(recipe.minutes, recipe.max_steps, stage="kd")  # no MLE stage: hybrid_*_kd
+            stage_warmup = recipe.warmup_steps
         first, second = distill.train_two_stage(model, ctx["tokenizer"], kd_data(ctx), kd_scheme=row.kd_scheme, mle=mle,
-                                        kd=kd, max_length=recipe.max_length,
-                                        output_dir=os.path.join(ctx["out"], "trainer", row.name))
+                                        kd=kd, max_length=recipe.max_length, output_dir=trainer_dir)
         stages = {"mle": first.state.global_step if first is not None else 0, "kd": second.state.global_step}
         losses = (_losses(first) if first is not None else []) + _losses(second)
-        return dict(train_minutes=round((time.perf_counter() - start) / 60, 2), steps=sum(stages.values()),
-                    kd_scheme=row.kd_scheme, stages=stages, stage_warmup_steps=second.args.warmup_steps,
-                    first_loss=losses[0] if losses else None,
-                    last_loss=losses[-1] if losses else None, teacher="soft")
-    extra = {}
-    if row.name == "marian":  # MarianMTModel's own loss has no label smoothing: the Trainer's LabelSmoother does it
-        extra["label_smoothing_factor"] = recipe.label_smoothing
-    trainer = training.train_seq2seq(model, ctx["tokenizer"], train_tok, output_dir=os.path.join(ctx["out"], "trainer", row.name),
-                            **budget(recipe.minutes, recipe.max_steps), **extra)
-    losses = _losses(trainer)
-    return dict(train_minutes=round((time.perf_counter() - start) / 60, 2), steps=trainer.state.global_step,
-                first_loss=losses[0] if losses else None, last_loss=losses[-1] if losses else None)
+        result = dict(steps=sum(stages.values()), kd_scheme=row.kd_scheme, stages=stages,
+                      stage_warmup_steps=stage_warmup, mle_stage=recipe.mle_stage if row.two_stage else None,
+                      continued_optimizer=row.two_stage and recipe.mle_stage == "teacher",
+                      first_loss=losses[0] if losses else None, last_loss=losses[-1] if losses else None,
+                      teacher="soft", distill_beams=recipe.distill_beams)
+        last_dir = os.path.join(trainer_dir, "kd")
+    else:
+        extra = {}
+        if row.name == "marian":  # MarianMTModel's own loss has no label smoothing: the Trainer's LabelSmoother does it
+            extra["label_smoothing_factor"] = recipe.label_smoothing
+        trainer = training.train_seq2seq(model, ctx["tokenizer"], train_tok, output_dir=trainer_dir,
+                                         **budget(recipe.minutes, recipe.max_steps), **extra)
+        losses = _losses(trainer)
+        result = dict(steps=trainer.state.global_step, first_loss=losses[0] if losses else None,
+                      last_loss=losses[-1] if losses else None)
+        last_dir = trainer_dir
+    result["train_minutes"] = round((time.perf_counter() - start) / 60, 2)
+    if rules:  # convergence: each stage's record; the row converged when every stage did
+        records = {stage: rule.record() for stage, rule in rules.items()}
+        result["convergence"] = records["train"] if set(records) == {"train"} else records
+        result["converged"] = all(record["converged"] for record in records.values())
+    if average:  # the paper's evaluation: the mean of the last saved checkpoints
+        paths = training.last_checkpoints(last_dir, average)
+        training.load_average(model, paths)
+        result["averaged_checkpoints"] = [int(os.path.basename(p).rsplit("-", 1)[1]) for p in paths]
+    return result
 
 
 def kd_data(ctx):
-    """The soft teacher's beam-4 translations of the training sources ("target") beside the references
-    ("reference"), as strings (resumable, cached in the output folder)."""
+    """The soft teacher's translations (beam ``recipe.distill_beams``, 4 today) of the training sources ("target")
+    beside the references ("reference"), as strings (resumable, cached in the output folder)."""
     if "kd_data" not in ctx:
         teacher = on_accelerator(load_model(ctx, "soft"))
         ctx["kd_data"] = distill.translate_dataset(teacher, ctx["tokenizer"], ctx["train"], os.path.join(ctx["out"], "kd_data"),
-                                           num_beams=4, batch_size=ctx["recipe"].eval_batch_size,
+                                           num_beams=ctx["recipe"].distill_beams, batch_size=ctx["recipe"].eval_batch_size,
                                            max_length=ctx["recipe"].max_length, progress=not ctx["args"].quiet)
     return ctx["kd_data"]
 
@@ -501,10 +648,16 @@ def on_accelerator(model):
     return model.cuda() if torch.cuda.is_available() else model
 
 
+# model config fields a row's JSON records (result["model_fields"]): what the recipe and the row set
+MODEL_FIELDS = ("d_model", "dropout", "attention_dropout", "label_smoothing", "init_std", "embed_init_std",
+                "retrieval_dropout", "rnn_hidden_size", "rnn_embedding_size", "encoder_attention", "decoder_attention",
+                "cross_attention")
+
+
 def run_row(row: Row, ctx) -> dict:
     args, recipe = ctx["args"], ctx["recipe"]
     result = dict(row=row.name, paper=row.paper, expect=row.expect, seed=args.seed, command=row_command(ctx, row.name),
-                  recipe=dataclasses.asdict(recipe),  # per row too: rows of one table may come from different runs
+                  recipe_name=recipe.name, recipe=dataclasses.asdict(recipe),  # per row too: rows of one table may come from different runs
                   machine=training.machine())  # and machines: minutes of training only compare on the same one
     if row.source is not None:
         model = on_accelerator(row.derive(load_model(ctx, row.source)).eval())
@@ -518,6 +671,11 @@ def run_row(row: Row, ctx) -> dict:
     result["model_type"] = model.config.model_type
     result["init_std"] = getattr(model.config, "init_std", None)  # None: Xavier linears, N(0, d^-1/2) embeddings
     result["embed_init_std"] = getattr(model.config, "embed_init_std", None)  # None: the embeddings follow init_std
+    # every training setting of the model itself (a row's own override, e.g. the beam-joint rows' label smoothing 0,
+    # shows here beside the recipe's); marian's label smoothing is the Trainer's, the recipe's
+    result["model_fields"] = {name: getattr(model.config, name) for name in MODEL_FIELDS if hasattr(model.config, name)}
+    if row.name == "marian":
+        result["model_fields"]["label_smoothing"] = recipe.label_smoothing
     others = {VALIDATION_SET: ctx["val"]} if ctx.get("val") is not None else None
     result.update(evaluate(ctx["task"], model, ctx["tokenizer"], ctx["test"], recipe, other_sets=others))
     folder = model_dir(ctx, row.name)
@@ -589,30 +747,41 @@ def write_outputs(ctx):
     """Write results.json / .md (merged with rows that another process running other rows of the same folder has
     written meanwhile) and refresh the model cards."""
     task, preset, results = ctx["task"], ctx["preset"], ctx["results"]
-    path = os.path.join(ctx["out"], f"reproduce_{task}_{preset}.json")
+    file_stem = results_stem(task, preset, ctx["recipe"].name)
+    path = os.path.join(ctx["out"], f"{file_stem}.json")
     if os.path.exists(path):
         with open(path) as handle:
             on_disk = json.load(handle)["rows"]
         for name, row in on_disk.items():
             results.setdefault(name, row)
-    payload = dict(task=task, preset=preset, recipe=dataclasses.asdict(ctx["recipe"]), batch_size=ctx["batch_size"],
+    payload = dict(task=task, preset=preset, recipe_name=ctx["recipe"].name, recipe=dataclasses.asdict(ctx["recipe"]),
+                   batch_size=ctx["batch_size"],
                    tokens_per_sentence=ctx["tokens_per_sentence"], vocab_size=len(ctx["tokenizer"]),
                    test_examples=len(ctx["test"]), rows=results)
     table = row_table(task, preset, results)
     for folder in {ctx["out"], ctx["args"].results_dir} - {None}:
         os.makedirs(folder, exist_ok=True)
-        stem = os.path.join(folder, f"reproduce_{task}_{preset}")
+        stem = os.path.join(folder, file_stem)
         write_json_atomic(stem + ".json", payload)  # atomic: a reader (or a killed run's successor) never sees half
-        write_text_atomic(stem + ".md", f"# {task}, preset {preset}\n\n{table}\n")
+        recipe_words = "" if ctx["recipe"].name == "today" else f", the {ctx['recipe'].name} paper's recipe"
+        write_text_atomic(stem + ".md", f"# {task}, preset {preset}{recipe_words}\n\n{table}\n")
     refresh_cards(ctx, table)
     return table
+
+
+def results_stem(task: str, preset: str, recipe: str = "today") -> str:
+    """The results files' name: ``reproduce_TASK_PRESET`` (today's recipe) or ``reproduce_TASK_PRESET_RECIPE``."""
+    return f"reproduce_{task}_{preset}" + ("" if recipe == "today" else f"_{recipe}")
 
 
 def row_command(ctx, name) -> str:
     args = ctx["args"]
     parts = ["python", "benchmarks/reproduce.py", "--task", ctx["task"], "--preset", ctx["preset"], "--rows", name,
              "--seed", str(args.seed)]
-    for flag in (*RECIPE_OVERRIDES, "init_std", "embed_init_std", "precision", "data", "output_dir", "threads"):
+    if getattr(args, "recipe", "today") != "today":
+        parts += ["--recipe", args.recipe]
+    for flag in (*RECIPE_OVERRIDES, "patience_metric", "init_std", "embed_init_std", "precision", "data", "output_dir",
+                 "threads"):
         value = getattr(args, flag)
         if value is not None:
             parts += [f"--{flag.replace('_', '-')}", str(value)]
@@ -622,7 +791,8 @@ def row_command(ctx, name) -> str:
 # ----------------------------------------------------------------------------------------------------------------
 # CLI
 # ----------------------------------------------------------------------------------------------------------------
-RECIPE_OVERRIDES = ("minutes", "max_steps", "learning_rate", "eval_size")  # flags that replace a preset's value
+# flags that replace a recipe's value (positive numbers)
+RECIPE_OVERRIDES = ("minutes", "max_steps", "learning_rate", "eval_size", "patience", "eval_steps")
 
 
 def _std_or(word: str):
@@ -645,6 +815,12 @@ def add_arguments(parser: argparse.ArgumentParser):
     parser.add_argument("--task", choices=TASKS, default="multi30k", help="which table: Multi30k en-de or German nouns")
     parser.add_argument("--preset", choices=PRESET_NAMES, default="cpu",
                         help="recipe and sizes (cpu: the tables; base: Transformer-base, GPU; tiny: tests)")
+    parser.add_argument("--recipe", choices=RECIPE_NAMES, default="today",
+                        help="today (default: the preset's recipe) or a paper's recipe on the preset's sizes, for that "
+                             "paper's rows: hard_retrieval (Lipschitz init, attention dropout 0.1 before the draw, "
+                             "average of the last 5 checkpoints), hybrid (decoder 2x wide, MLE stage with the teacher's "
+                             "budget, Eq. 1 continuing its optimizer, KD data of beam 12), beam_joint (dropout 0.2, "
+                             "label smoothing 0); each trains to convergence (--patience) with a cap (--max-steps)")
     parser.add_argument("--rows", nargs="+", default=None, metavar="ROW",
                         help=f"rows to run (default: all of the task's); choices: {' '.join(ROW_NAMES)}")
     parser.add_argument("--data", default=None, help="multi30k: a folder of {train,test_2016_flickr}.{en,de}[.gz] "
@@ -653,6 +829,16 @@ def add_arguments(parser: argparse.ArgumentParser):
     parser.add_argument("--max-steps", type=int, default=None, help="override the preset's steps per row")
     parser.add_argument("--learning-rate", type=float, default=None, help="override the preset's peak learning rate")
     parser.add_argument("--eval-size", type=int, default=None, help="override the preset's number of test examples")
+    parser.add_argument("--patience", type=int, default=None,
+                        help="train to convergence: stop once the validation metric has not improved for this many "
+                             "evaluations (--eval-steps apart), or at the cap (--max-steps / --minutes); the row "
+                             "records the curve, the step reached and whether it converged (default: the recipe's; "
+                             "today's: none)")
+    parser.add_argument("--patience-metric", choices=tuple(training.PATIENCE_METRICS), default=None,
+                        help="the metric of --patience: val_loss (default: the validation split's teacher-forced NLL "
+                             "per token) or val_bleu (its BLEU, beam 4: slower)")
+    parser.add_argument("--eval-steps", type=int, default=None,
+                        help="steps between the evaluations of --patience (default: the recipe's)")
     parser.add_argument("--init-std", type=_std_or("xavier"), default=None, metavar="{xavier,STD}",
                         help="initialisation of every hf_hardattn row (config init_std; embed_init_std None unless "
                              "--embed-init-std is given): 'xavier' (Xavier-uniform linears, N(0, d_model^-1/2) "
@@ -677,10 +863,14 @@ def add_arguments(parser: argparse.ArgumentParser):
 
 def run(args) -> dict:
     task_rows = {row.name: row for row in rows_for(args.task)}
+    recipe_name = getattr(args, "recipe", "today")
+    if recipe_name != "today":  # a paper's recipe: that paper's rows (its comparison), every one alike
+        task_rows = {name: row for name, row in task_rows.items() if name in PAPER_RECIPES[recipe_name]["rows"]}
     wanted = args.rows or list(task_rows)
     unknown = [name for name in wanted if name not in task_rows]
     if unknown:
-        raise ValueError(f"`rows` {unknown} are not rows of task {args.task!r}; allowed: {list(task_rows)}.")
+        where = f"task {args.task!r}" + ("" if recipe_name == "today" else f" under --recipe {recipe_name}")
+        raise ValueError(f"`rows` {unknown} are not rows of {where}; allowed: {list(task_rows)}.")
     for name in RECIPE_OVERRIDES:
         value = getattr(args, name)
         if value is not None and not value > 0:
@@ -688,22 +878,28 @@ def run(args) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     datasets.disable_progress_bars()
-    recipe = copy.deepcopy(PRESETS[args.task][args.preset])
+    recipe = recipe_for(args.task, args.preset, recipe_name)
     for name in RECIPE_OVERRIDES:  # the recipe every row uses and stores
         if getattr(args, name) is not None:
             setattr(recipe, name, getattr(args, name))
+    if getattr(args, "patience_metric", None) is not None:
+        recipe.patience_metric = args.patience_metric
     if args.precision is not None:
         recipe.bf16 = args.precision == "bf16"
+    if recipe.patience is not None and recipe.eval_steps is None:
+        raise ValueError(f"`--patience` {recipe.patience} needs `--eval-steps` (the steps between its evaluations); "
+                         f"the {recipe.name} recipe of preset {args.preset!r} has none.")
     training.check_bf16(recipe.bf16, name=f"--preset {args.preset}", fix="Pass --precision fp32 (its rows are then not "
                "comparable with a table trained in bf16 for the same minutes)")
-    out = args.output_dir or os.path.join("outputs", "reproduce", f"{args.task}-{args.preset}")
+    suffix = "" if recipe.name == "today" else f"-{recipe.name}"
+    out = args.output_dir or os.path.join("outputs", "reproduce", f"{args.task}-{args.preset}{suffix}")
     os.makedirs(out, exist_ok=True)
     # rows already in the table: the output folder's (with their models), then those only in --results-dir (e.g. a
     # fresh machine without outputs/), which a new row joins instead of replacing them; a row without its model is
     # rerun when it is asked for or needed
     results = {}
     for folder in filter(None, (out, args.results_dir)):
-        path = os.path.join(folder, f"reproduce_{args.task}_{args.preset}.json")
+        path = os.path.join(folder, f"{results_stem(args.task, args.preset, recipe.name)}.json")
         if os.path.exists(path):
             with open(path) as handle:
                 for name, row in json.load(handle)["rows"].items():
@@ -722,6 +918,12 @@ def run(args) -> dict:
     ctx = dict(args=args, task=args.task, preset=args.preset, recipe=recipe, out=out, train=train, test=test,
                val=validation_set(args.task, recipe, args.data), tokenizer=tokenizer, train_tok=train_tok,
                results=results, tokens_per_sentence=round(per_sentence, 2), batch_size=batch_size)
+    if recipe.patience is not None:  # the split the patience rule evaluates on
+        ctx["patience"] = patience_set(args.task, recipe, args.data, args.seed)
+        if ctx["patience"] is None:
+            raise ValueError(f"`--patience` needs a validation split, and --data {args.data!r} has none (a folder with "
+                             f"{VALIDATION_SET}.{{en,de}} or a dataset with a 'validation' split).")
+        ctx["patience_tok"] = training.tokenize_dataset(ctx["patience"], tokenizer, max_length=recipe.max_length)
     if args.init_std is not None:
         ctx["init_std"] = None if args.init_std == "xavier" else args.init_std
     if args.embed_init_std is not None:
