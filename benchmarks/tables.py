@@ -126,7 +126,9 @@ class Rows:
 
 @dataclass(frozen=True)
 class Rounds:
-    """Speed evidence: timed rounds of A and B in a gpu_speed JSON section ("decoding" or "training")."""
+    """Speed evidence: timed rounds of A and B in a JSON section ("decoding" or "training") of gpu_speed.py, or
+    "training" of recurrent_speed.py; a file without a ``protocol`` names where its rounds are documented as
+    interleaved (``interleaved``) and its precision."""
     label: str
     file: str
     section: str
@@ -134,6 +136,8 @@ class Rounds:
     b: str
     batches: tuple = ()  # decoding: only these batch sizes (empty: all)
     note: str = ""
+    interleaved: str = ""
+    precision: str = ""
 
 
 @dataclass(frozen=True)
@@ -264,6 +268,10 @@ CLAIMS = [
     Claim("004-training-cost", "004", "training 5.4-7.9x soft's time (Table 2; a cost)", Bound(low=5.4), "cost", (
         Rounds("Transformer-base, random weights, batch 64", GPU, "training", "recurrent_concat_context", "soft"),
         Rounds("Transformer-base, random weights, batch 64", GPU, "training", "recurrent_expand_1", "soft"),
+        Rounds("d 256, 3+3 layers, batch 64", "recurrent_speed_intel_amx.json", "training", "concat_context", "soft",
+               interleaved="benchmarks/recurrent_speed.py (one step of every model per round)", precision="fp32"),
+        Rounds("d 256, 3+3 layers, batch 64", "recurrent_speed_intel_amx.json", "training", "expand_1", "soft",
+               interleaved="benchmarks/recurrent_speed.py (one step of every model per round)", precision="fp32"),
         Figures("d 256, 3+3 layers, batch 128", CPU_TRAIN, "recurrent_concat_context x_soft"),
     )),
     Claim("001-rnn-above-soft", "001", "beam-joint (K=6) above soft, the paper's RNN setting (Table 1)",
@@ -438,9 +446,11 @@ def judge_rounds(claim: Claim, evidence: Rounds) -> dict:
     """One verdict entry from timed rounds: per round log(time B / time A) (speed) or log(time A / time B) (cost)."""
     path = files_of([evidence.file])[0]
     payload = json.load(open(path))
-    if "alternate" not in payload["protocol"].get("interleaved", ""):
+    if "alternate" not in payload.get("protocol", {}).get("interleaved", "") and not evidence.interleaved:
         raise ValueError(f"{evidence.file}: rounds are paired only where the models alternate within each round.")
     section = payload[evidence.section]
+    if isinstance(section, dict) and "models" not in section:  # recurrent_speed.py: {model: {times_s: ...}}
+        section = dict(models=section)
     entries = section if isinstance(section, list) else [dict(section, mode="training")]
     sets, words, rounds = {}, {}, set()
     for entry in entries:
@@ -460,14 +470,17 @@ def judge_rounds(claim: Claim, evidence: Rounds) -> dict:
                           interval=None if low is None else [round(low, 3), round(high, 3)], word=w)
         words[name] = w
         rounds.add(len(logs))
-    precision = payload["precision"]["name"]
+    precision = payload["precision"]["name"] if "precision" in payload else evidence.precision
+    machine = (payload["environment"]["gpu_name"].replace("NVIDIA ", "") if "environment" in payload
+               else machine_name(payload.get("machine"), path))
     return dict(
         id=claim.id, paper=claim.paper, claim=claim.claim, bound=claim.bound.text("x"),
         measure=(f"time {evidence.b} / time {evidence.a}" if claim.kind == "speed"
                  else f"time {evidence.a} / time {evidence.b}"),
         evidence=evidence.label, verdict=overall(words), seeds=None, rounds=sorted(rounds), sets=sets,
-        recipe=f"ours: {evidence.label}, {precision}, rounds interleaved (geometric mean ratio)", converged=None,
-        machine=payload["environment"]["gpu_name"].replace("NVIDIA ", ""), precision=precision, steps=None,
+        recipe=f"ours: {evidence.label}, {precision}, rounds interleaved (geometric mean ratio)"
+               + (f"; interleaving: {evidence.interleaved}" if evidence.interleaved else ""), converged=None,
+        machine=machine, precision=precision, steps=None,
         task="speed", note=evidence.note, rows=[dict(file=rel(path), section=evidence.section,
                                                        models=[evidence.a, evidence.b])])
 
