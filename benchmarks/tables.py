@@ -422,6 +422,11 @@ def judge_rows(claim: Claim, evidence: Rows) -> dict:
     unstored = sorted({row["row"] for row in used if row["row"].startswith(LABEL_SMOOTHING_IN_CONFIG)})
     smoothing_text = (f"label smoothing {joined(smoothing)}" if not unstored else
                       f"label smoothing: recipe {joined(smoothing)}, the config's of {', '.join(unstored)} not stored")
+    # rows pool only under one recipe (rows written before recipes had names ran ours: None, as "today")
+    recipe_names = sorted({row.get("recipe_name") or "today" for row in used})
+    if len(recipe_names) > 1:
+        raise ValueError(f"claim {claim.id} ({evidence.label}): rows of recipes {recipe_names} pooled; a verdict "
+                         f"rests on rows of one recipe.")
     inits = (sides[0][1] if sides[0][1] == sides[1][1] else f"{sides[0][0]}: {sides[0][1]}; {sides[1][0]}: "
              f"{sides[1][1]}")
     budget = f"{joined(steps)} steps" if all(payloads[r["file"]]["recipe"].get("max_steps") or
@@ -431,8 +436,9 @@ def judge_rows(claim: Claim, evidence: Rows) -> dict:
     return dict(
         id=claim.id, paper=claim.paper, claim=claim.claim, bound=claim.bound.text(), measure=f"{evidence.a} - "
         f"{evidence.b}", evidence=evidence.label, verdict=overall(words), seeds=sorted(seeds), sets=sets,
-        recipe=f"ours: {evidence.label} ({inits}), {budget}, {smoothing_text}, last checkpoint",
-        converged=False, machine=joined(machines), precision=joined(precisions), steps=steps,
+        recipe=(f"paper ({recipe_names[0]})" if recipe_names[0] not in (None, "today") else
+                f"ours: {evidence.label} ({inits}), {budget}, {smoothing_text}, last checkpoint"),
+        converged=all(row.get("converged") is True for row in used), machine=joined(machines), precision=joined(precisions), steps=steps,
         task=joined(row["task"] for row in used), note=evidence.note,
         rows=[dict(file=rel(row["file"]), row=row["row"], seed=row["seed"]) for row in
               sorted(used, key=lambda r: (r["row"], r["seed"], rel(r["file"])))])
@@ -547,7 +553,12 @@ def rows_cell(entry) -> str:
 
 
 def verdict_cell(entry) -> str:
-    context = "" if entry["converged"] is None else f" ({joined(entry['steps'])} steps, not converged)"
+    if entry["converged"] is None:  # speed
+        return entry["verdict"]
+    recipe = "paper's recipe" if entry["recipe"].startswith("paper") else "our recipe"
+    state = "converged" if entry["converged"] else "not converged"
+    context = f" ({joined(entry['steps'])} steps, not converged)" if recipe == "our recipe" and not \
+        entry["converged"] else f" ({recipe}, {state} at {joined(entry['steps'])} steps)"
     return f"{entry['verdict']}{context}"
 
 

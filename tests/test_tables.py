@@ -90,14 +90,14 @@ def test_bounds_and_the_word_over_sets():
         "split: holds on test, not told apart (2 seeds) on val"
 
 
-def write_run(folder, row, seed, test, val):
+def write_run(folder, row, seed, test, val, **fields):
     folder.mkdir(parents=True, exist_ok=True)
     recipe = dict(max_steps=1500, minutes=300.0, bf16=False, label_smoothing=0.1)
     machine = dict(cpu="AMD EPYC", cpu_capability="AVX512", cpu_bf16_matmul=True, threads=2, torch="x", gpu=None)
     payload = dict(task="multi30k", preset="cpu", recipe=recipe, rows={row: dict(
         row=row, seed=seed, init_std=None, embed_init_std=0.02, metric="BLEU", score=test, steps=1500,
         command="python benchmarks/reproduce.py --precision fp32 --max-steps 1500", recipe=recipe, machine=machine,
-        scores={"test_2016_flickr": test, "val": val}, chrf={"test_2016_flickr": 50.0, "val": 50.0})})
+        scores={"test_2016_flickr": test, "val": val}, chrf={"test_2016_flickr": 50.0, "val": 50.0}, **fields)})
     (folder / "reproduce_multi30k_cpu.json").write_text(json.dumps(payload))
 
 
@@ -123,6 +123,29 @@ def test_a_claim_is_judged_on_paired_rows_a_minus_b(tmp_path, monkeypatch):
     assert len(entry["rows"]) == 6 and {r["row"] for r in entry["rows"]} == {"hard_cross", "soft"}
     flipped = tables.judge_rows(claim, tables.Rows("x", evidence.files, evidence.b, evidence.a))  # soft - hard
     assert flipped["sets"]["test"]["mean"] == pytest.approx(0.5) and flipped["sets"]["val"]["mean"] == pytest.approx(-0.2)
+
+
+def test_a_verdict_says_its_recipe_and_whether_its_rows_converged(tmp_path, monkeypatch):
+    """Rows written under a paper's recipe that all converged give recipe "paper (NAME)" and converged true; one row
+    short of convergence makes it false; rows of two recipes are not pooled."""
+    monkeypatch.setattr(tables, "RESULTS", str(tmp_path))
+    for seed in (0, 1):
+        write_run(tmp_path / f"s{seed}-hard", "hard_cross", seed, 30.0 + seed, 31.0, recipe_name="hard_retrieval",
+                  converged=True)
+        write_run(tmp_path / f"s{seed}-soft", "soft", seed, 30.2, 31.1, recipe_name="hard_retrieval",
+                  converged=True)
+    emb = "xavier, emb N(0,0.02)"
+    claim = tables.Claim("x", "000", "hard within 0.5 of soft", tables.Bound(low=-0.5), "quality")
+    evidence = tables.Rows("paper", ("s*-{hard,soft}/reproduce_multi30k_cpu.json",), f"hard_cross@{emb}", f"soft@{emb}")
+    entry = tables.judge_rows(claim, evidence)
+    assert entry["recipe"] == "paper (hard_retrieval)" and entry["converged"] is True
+    assert tables.verdict_cell(entry).endswith("(paper's recipe, converged at 1500 steps)")
+    write_run(tmp_path / "s1-soft", "soft", 1, 30.2, 31.1, recipe_name="hard_retrieval", converged=False)
+    entry = tables.judge_rows(claim, evidence)
+    assert entry["converged"] is False and "(paper's recipe, not converged at 1500 steps)" in tables.verdict_cell(entry)
+    write_run(tmp_path / "s1-soft", "soft", 1, 30.2, 31.1)  # an older row: our recipe
+    with pytest.raises(ValueError, match="rows of recipes \\['hard_retrieval', 'today'\\] pooled"):
+        tables.judge_rows(claim, evidence)
 
 
 def test_speed_is_judged_on_interleaved_rounds_as_a_geometric_mean_ratio(tmp_path, monkeypatch):
