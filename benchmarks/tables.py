@@ -608,6 +608,15 @@ def regions(entries) -> dict:
     out = {(DOCS_RESULTS, "verdicts"): detail_table(entries)}
     for paper in TABLES:
         out[(README, f"paper {paper}")] = paper_table(entries, paper)
+    quality = [e for e in entries if e["converged"] is not None and e["paper"] != "baseline"]
+    earned = [e for e in quality if e["converged"] and e["recipe"].startswith("paper")]
+    count = f"None of the {len(quality)} quality verdicts yet rests" if not earned else \
+        f"{len(earned)} of the {len(quality)} quality verdicts rest"
+    out[(README, "status")] = (
+        f"**{count} on rows trained to convergence with the paper's recipe**"
+        + (f": {'they' if not earned else 'the others'} are of our recipe (our init, a fixed budget of steps or minutes, the last "
+                      "checkpoint), as each cell says, so a \"no\" there is about that budget, not yet about the "
+                      "mechanism." if len(earned) < len(quality) else "."))
     baseline = [e for e in entries if e["paper"] == "baseline"][0]
     out[(README, "baseline")] = (
         f"Baseline: our soft model against `MarianMTModel` of the same size ({rows_cell(baseline)}): soft - Marian "
