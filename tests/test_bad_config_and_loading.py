@@ -155,7 +155,7 @@ def test_a_config_without_model_type_is_refused_where_the_package_loads_it(name,
     import shutil
 
     from hf_hardattn.tools import cli, convert
-    from hf_hardattn.tools.arguments import CommandError
+    from hf_hardattn_cli.arguments import CommandError
 
     folder = tmp_path / "model"
     shutil.copytree(saved[name], folder)

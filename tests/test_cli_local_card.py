@@ -3,7 +3,7 @@ from huggingface_hub import ModelCard
 from huggingface_hub.repocard_data import model_index_to_eval_results
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
-from hf_hardattn.tools.cli import main
+from hf_hardattn_cli.command import main
 from test_train_cli import SIZES, data  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -7,7 +7,7 @@ import warnings
 import pytest
 
 from hf_hardattn import SoftTransformerConfig, SoftTransformerForConditionalGeneration
-from hf_hardattn.tools.cli import build_parser, main
+from hf_hardattn_cli.command import build_parser, main
 from hf_hardattn.tools.tokenization import train_tokenizer
 
 

@@ -16,7 +16,7 @@ from transformers import MarianConfig, MarianMTModel
 from common import FP32_PATHS_RTOL, memorise, tiny_kwargs
 from hf_hardattn import (HardRetrievalConfig, HardRetrievalForConditionalGeneration, SoftTransformerConfig,
                          SoftTransformerForConditionalGeneration)
-from hf_hardattn.tools.cli import main
+from hf_hardattn_cli.command import main
 from hf_hardattn.packed_linear import packing_available
 from hf_hardattn.tools.tokenization import train_tokenizer
 

@@ -17,9 +17,9 @@ from transformers import AutoConfig, AutoModelForSeq2SeqLM, MarianConfig, Marian
 from transformers.testing_utils import set_config_for_less_flaky_test
 
 import hf_hardattn  # noqa: F401  (registers the model types with the Auto classes)
-from hf_hardattn.tools import cli
 from hf_hardattn.registry import MODEL_TYPES, model_classes
 from hf_hardattn.tools.tokenization import train_tokenizer
+from hf_hardattn_cli.command import main as cli_main
 
 MISSPELLED = r"`layer_norm_epsilon` is not a field of {name}.*did you mean `layer_norm_eps`\?"
 
@@ -166,7 +166,7 @@ def text_data(tmp_path_factory):
 
 
 def run_train(text_data, out, *extra):
-    return cli.main(["train", "--train", str(text_data / "train"), "--source-lang", "en", "--target-lang", "de",
+    return cli_main(["train", "--train", str(text_data / "train"), "--source-lang", "en", "--target-lang", "de",
                      "--model-type", "soft_transformer", "--d-model", "16", "--output-dir", str(out), "--quiet",
                      "--threads", "1", "--max-steps", "1", "--tokenizer", str(text_data / "tok"), *extra])
 
@@ -183,7 +183,7 @@ def test_set_refuses_a_misspelling_in_train_and_convert(text_data, tmp_path, cap
     error = capsys.readouterr().err.strip().splitlines()[-1]
     assert "--init-from" in error and "did you mean `layer_norm_eps`" in error, error
     tiny_marian().save_pretrained(tmp_path / "marian")
-    assert cli.main(["convert", str(tmp_path / "marian"), str(tmp_path / "out"), "--model-type", "soft_transformer",
+    assert cli_main(["convert", str(tmp_path / "marian"), str(tmp_path / "out"), "--model-type", "soft_transformer",
                      "--set", "layer_norm_epsilon=1e-6"]) == 2
     error = capsys.readouterr().err.strip().splitlines()[-1]
     assert error.startswith("hf-hardattn convert: error:") and "did you mean `layer_norm_eps`" in error, error

@@ -17,8 +17,8 @@ from transformers import (BartConfig, BartForConditionalGeneration, BertConfig, 
                           MBartForConditionalGeneration)
 
 import hf_hardattn
-from hf_hardattn.tools import cli
 from hf_hardattn.tools.convert import ConversionReport
+from hf_hardattn_cli.command import main as cli_main
 
 SIZES = dict(vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
              decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,
@@ -607,7 +607,7 @@ def test_cli_convert(tmp_path, capsys):
     """SRC folder -> OUT: weights, config (with the --set override), code, card and the source's tokenizer; the
     reloaded model gives the source's logits; the report is printed."""
     src, out = saved_source("marian", tmp_path / "src"), tmp_path / "out"
-    assert cli.main(["convert", src, str(out), "--model-type", "soft_transformer", "--set", "label_smoothing=0.2",
+    assert cli_main(["convert", src, str(out), "--model-type", "soft_transformer", "--set", "label_smoothing=0.2",
                      "--set", 'cross_attention=["soft", "soft"]']) == 0
     printed = capsys.readouterr().out
     assert "converted MarianMTModel" in printed and f"saved soft_transformer to {out}" in printed
@@ -625,7 +625,7 @@ def test_cli_convert(tmp_path, capsys):
 
 def test_cli_reports_initialised_parameters(tmp_path, capsys):
     src = saved_source("bart", tmp_path / "src")
-    cli.main(["convert", src, str(tmp_path / "out"), "--model-type", "recurrent_transformer", "--set",
+    cli_main(["convert", src, str(tmp_path / "out"), "--model-type", "recurrent_transformer", "--set",
               "recurrent_variant=concat_weight"])
     printed = capsys.readouterr().out
     assert "initialised (not in the source):" in printed and "weight_query" in printed
@@ -648,7 +648,7 @@ def test_cli_bad_input_writes_nothing(tmp_path, capsys):
     before = sorted(os.listdir(tmp_path))
     for argv, message in cases:
         argv = [str(tmp_path / "out") if arg == "OUT" else arg for arg in argv]
-        assert cli.main(["convert", *argv]) == 2
+        assert cli_main(["convert", *argv]) == 2
         text = capsys.readouterr().err.strip().splitlines()[-1]
         assert text.startswith("hf-hardattn convert: error:"), text
         assert message in text, text

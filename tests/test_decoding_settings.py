@@ -15,7 +15,7 @@ from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, GenerationConfig
 
 from hf_hardattn.soft import SoftTransformerConfig, SoftTransformerForConditionalGeneration
 from hf_hardattn.registry import MODEL_TYPES
-from hf_hardattn.tools.cli import main
+from hf_hardattn_cli.command import main
 from hf_hardattn.tools.tokenization import train_tokenizer
 from hf_hardattn.tools.training import tokenize_dataset, train_seq2seq, translate
 

@@ -411,7 +411,7 @@ def test_sequence_level_kd_is_resumable(tmp_path, monkeypatch):
 def test_cli_distill(tmp_path):
     import datasets
 
-    from hf_hardattn.tools.cli import main
+    from hf_hardattn_cli.command import main
 
     teacher = fitted(soft(), steps=20)
     teacher.save_pretrained(tmp_path / "teacher")

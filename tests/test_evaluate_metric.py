@@ -17,9 +17,9 @@ from transformers import DataCollatorForSeq2Seq
 
 from common import EOS, copy_task, tiny_kwargs, toy_tokenizer
 from hf_hardattn.soft import SoftTransformerConfig, SoftTransformerForConditionalGeneration
-from hf_hardattn.tools import cli
 from hf_hardattn.tools.metrics import METRIC_PATH
 from hf_hardattn.tools.training import train_seq2seq, translation_metrics
+from hf_hardattn_cli.command import main as cli_main
 
 HYPOTHESES = ["The cat sat on the mat today.", "", "A dog runs in the green park, quickly.",
               "Two men are playing chess outside", "the weather is FINE and the sun shines"]
@@ -152,7 +152,7 @@ def test_score_command_gives_the_metrics_numbers(tmp_path, capsys):
     for k in range(2):
         files.append(tmp_path / f"ref{k}.txt")
         files[-1].write_text("".join(refs[k] + "\n" for refs in REFERENCES))
-    cli.main(["score", str(hyp), *map(str, files), "--json", "--tokenize", "intl"])
+    cli_main(["score", str(hyp), *map(str, files), "--json", "--tokenize", "intl"])
     printed = json.loads(capsys.readouterr().out)
     expected = load().compute(predictions=HYPOTHESES, references=REFERENCES, tokenize="intl")
     assert [(r["score"], r["signature"]) for r in printed] == [

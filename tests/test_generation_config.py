@@ -27,7 +27,7 @@ from hf_hardattn import convert
 from hf_hardattn.modeling_hardattn import TRANSLATION_MAX_LENGTH, set_translation_generation_defaults
 from hf_hardattn.registry import MODEL_TYPES, model_classes
 from hf_hardattn.tools import training
-from hf_hardattn.tools.cli import main as cli_main
+from hf_hardattn_cli.command import main as cli_main
 
 TYPES = sorted(MODEL_TYPES)
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "saved_d27b908")

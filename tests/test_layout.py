@@ -1,7 +1,9 @@
 """The package's own layout: runtime apart from tooling, no import circle, short files, no reach into
 another module's private names, one registry of attention kinds, roles and model types, and saved folders that carry
 the files their config uses. Each check reads the source files (``ast``), so it holds for every module, imports inside
-functions included."""
+functions included. The command's front ``hf_hardattn_cli`` (outside the package, so that it starts without it; its
+imports are checked by tests/test_startup.py) is held to the two rules that concern it too: no second list of the
+registry's names, and imports that name the defining module."""
 
 import ast
 import json
@@ -20,6 +22,7 @@ from hf_hardattn.registry import KINDS, MODEL_TYPES, ROLES, model_classes
 
 PACKAGE = Path(hf_hardattn.__file__).parent
 REPO = PACKAGE.parent
+FRONT = REPO / "hf_hardattn_cli"  # the command's front
 REGISTRATIONS = {"pipelines.py", "attention_interface.py"}  # the package's two registrations with transformers
 PACKAGE_ONLY = {"__init__.py", "__main__.py"}  # never shipped: a saved model is loaded without the package
 MAX_LINES = 1000
@@ -247,8 +250,8 @@ def literal_names(path, names, least=2):
                                                 ("model types", list(MODEL_TYPES), 2),
                                                 ("roles", list(ROLES), len(ROLES))])
 def test_the_registry_is_the_only_list_of_kinds_roles_and_model_types(what, names, least, tmp_path):
-    files = [path for path in PACKAGE.rglob("*.py") if path.name != "registry.py"]
-    assert len(files) > 30
+    files = [path for path in PACKAGE.rglob("*.py") if path.name != "registry.py"] + list(FRONT.glob("*.py"))
+    assert len(files) > 30 and FRONT / "command.py" in files
     found = [hit for path in files for hit in literal_names(path, names, least)]
     assert not found, f"{what} listed outside registry.py: {found}"
     mutant = tmp_path / "mutant.py"
@@ -358,7 +361,7 @@ def test_every_import_names_the_module_that_defines_it():
     import importlib
     import inspect
 
-    roots = [PACKAGE, REPO / "tests", REPO / "benchmarks", REPO / "examples", REPO / "model_cards"]
+    roots = [PACKAGE, FRONT, REPO / "tests", REPO / "benchmarks", REPO / "examples", REPO / "model_cards"]
     wrong = []
     for path in (p for root in roots for p in root.rglob("*.py")):
         tree = ast.parse(path.read_text())
@@ -367,13 +370,13 @@ def test_every_import_names_the_module_that_defines_it():
             if not isinstance(node, ast.ImportFrom) or node.module is None and not node.level:
                 continue
             if node.level:
-                if not path.is_relative_to(PACKAGE):
+                if not (path.is_relative_to(PACKAGE) or path.is_relative_to(FRONT)):
                     continue
                 base = package.split(".")
                 module = ".".join(base[:len(base) - node.level + 1] + ([node.module] if node.module else []))
             else:
                 module = node.module
-            if not module.startswith("hf_hardattn.") or module.endswith("__init__"):
+            if not module.startswith(("hf_hardattn.", "hf_hardattn_cli.")) or module.endswith("__init__"):
                 continue
             try:
                 imported = importlib.import_module(module)

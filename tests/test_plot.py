@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from common import contract_model, toy_tokenizer
-from hf_hardattn.tools.cli import main
+from hf_hardattn_cli.command import main
 from hf_hardattn.tools.plot import attention_maps, plot_comparison, plot_layers
 
 os.environ["HF_HUB_OFFLINE"] = "1"

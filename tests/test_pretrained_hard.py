@@ -16,9 +16,10 @@ from safetensors.torch import load_file
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, MarianConfig, MarianMTModel
 
 import hf_hardattn  # noqa: F401
-from hf_hardattn.tools import cli, reproduce
+from hf_hardattn.tools import reproduce
 from hf_hardattn.tools.tokenization import train_tokenizer
 from hf_hardattn.tools.training import translate
+from hf_hardattn_cli.command import main as cli_main
 
 from test_pipelines_hub import hub  # noqa: F401  (fixture: HfApi uploads recorded, nothing leaves)
 from test_reproduce import DE, EN, write_toy_multi30k
@@ -196,7 +197,7 @@ def test_readme_quick_start_runs_as_written(hub, tmp_path, monkeypatch):  # noqa
                 for line in code.strip().splitlines():
                     argv = shlex.split(line)
                     assert argv[0] == "hf-hardattn"
-                    assert cli.main(argv[1:]) == 0
+                    assert cli_main(argv[1:]) == 0
             else:
                 assert code.count("max_steps=300") == 1
                 exec(compile(code.replace("max_steps=300", "max_steps=2"), "README.md quick start", "exec"), {})

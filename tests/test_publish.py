@@ -14,6 +14,7 @@ from transformers import MarianConfig, MarianMTModel
 import hf_hardattn.tools.cli as cli
 from common import randomize, tiny_kwargs, toy_tokenizer
 from hf_hardattn import HardRetrievalConfig, HardRetrievalForConditionalGeneration
+from hf_hardattn_cli.command import main as cli_main
 from test_pipelines_hub import hub  # noqa: F401  (the recording HfApi fixture)
 
 
@@ -29,7 +30,7 @@ def saved(tmp_path):
 def test_dry_run_builds_and_validates_the_folder(saved, tmp_path, capsys):
     model, folder, score = saved
     out = tmp_path / "upload"
-    assert cli.main(["publish", str(folder), "me/tiny", "--dry-run", str(out), "--results", str(score),
+    assert cli_main(["publish", str(folder), "me/tiny", "--dry-run", str(out), "--results", str(score),
                      "--command", "hf-hardattn train --model-type hard_retrieval_transformer ...",
                      "--sentence", "t5 t6 t7"]) == 0
     printed = capsys.readouterr().out
@@ -52,14 +53,14 @@ def test_push_is_one_commit_of_the_validated_files(saved, hub, monkeypatch, tmp_
     validated = []
     monkeypatch.setattr(cli, "validate_folder", lambda staging, model, tokenizer, sentence: validated.append(
         (sorted(os.listdir(staging)), sentence)))
-    assert cli.main(["publish", str(folder), "me/tiny", "--results", str(score), "--commit-message", "v1",
+    assert cli_main(["publish", str(folder), "me/tiny", "--results", str(score), "--commit-message", "v1",
                      "--private", "--sentence", "t5 t6 t7"]) == 0
     assert [repo["repo_id"] for repo in hub.repos] == ["me/tiny"] and hub.repos[0]["private"] is True
     (commit,) = hub.commits
     assert commit["commit_message"] == "v1"
     assert validated == [(sorted(commit["files"]), "t5 t6 t7")]  # validated before the push: what it committed
     out = tmp_path / "same"
-    cli.main(["publish", str(folder), "me/tiny", "--results", str(score), "--dry-run", str(out)])
+    cli_main(["publish", str(folder), "me/tiny", "--results", str(score), "--dry-run", str(out)])
     assert set(commit["files"]) == set(os.listdir(out))
     assert commit["files"]["README.md"] == (out / "README.md").read_bytes()
 
@@ -67,7 +68,7 @@ def test_push_is_one_commit_of_the_validated_files(saved, hub, monkeypatch, tmp_
 def test_refusals_are_one_line_and_push_nothing(saved, hub, monkeypatch, tmp_path, capsys):  # noqa: F811
     _, folder, _ = saved
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    assert cli.main(["publish", str(folder), "me/tiny"]) == 2
+    assert cli_main(["publish", str(folder), "me/tiny"]) == 2
     assert "offline: HF_HUB_OFFLINE is set" in capsys.readouterr().err
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
     marian = tmp_path / "marian"
@@ -75,14 +76,14 @@ def test_refusals_are_one_line_and_push_nothing(saved, hub, monkeypatch, tmp_pat
                                decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, vocab_size=40,
                                pad_token_id=0, decoder_start_token_id=0)).save_pretrained(marian)
     toy_tokenizer().save_pretrained(marian)
-    assert cli.main(["publish", str(marian), "me/m"]) == 2
+    assert cli_main(["publish", str(marian), "me/m"]) == 2
     assert "not an hf_hardattn model" in capsys.readouterr().err.splitlines()[-1]
     monkeypatch.setattr(cli, "VALIDATE_SCRIPT", "raise SystemExit('broken remote code')")
-    assert cli.main(["publish", str(folder), "me/tiny"]) == 2
+    assert cli_main(["publish", str(folder), "me/tiny"]) == 2
     err = capsys.readouterr().err.splitlines()[-1]
     assert "does not load as remote code in a fresh process: broken remote code" in err
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
-    assert cli.main(["publish", str(folder), "me/tiny", "--results", str(bad)]) == 2
+    assert cli_main(["publish", str(folder), "me/tiny", "--results", str(bad)]) == 2
     assert "--results=" in capsys.readouterr().err
     assert hub.commits == []

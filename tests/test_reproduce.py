@@ -465,7 +465,7 @@ def test_every_row_builds_for_its_tasks():
 
 
 def test_cli_entry():
-    from hf_hardattn.tools.cli import build_parser
+    from hf_hardattn_cli.command import build_parser
 
     args = build_parser().parse_args(["reproduce", "--task", "nouns", "--preset", "tiny", "--rows", "soft"])
     assert args.func is reproduce.run and args.task == "nouns" and args.rows == ["soft"]

@@ -146,7 +146,7 @@ def test_a_vocab_size_below_what_the_kind_needs_is_refused_naming_the_minimum(tm
     silently), and the sizes from 260 up are honoured exactly. char: the specials and one character."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-    from hf_hardattn.tools.cli import main
+    from hf_hardattn_cli.command import main
     from hf_hardattn.tools.tokenization import SPECIAL_TOKENS, min_vocab_size
 
     texts = CORPUS * 5 + DE * 5
@@ -465,7 +465,7 @@ def test_demo_end_to_end(tmp_path, capsys, monkeypatch):
     from transformers import AutoModelForSeq2SeqLM
 
     import hf_hardattn.tools.training
-    from hf_hardattn.tools.cli import main
+    from hf_hardattn_cli.command import main
 
     trainers = []
     train = hf_hardattn.tools.training.train_seq2seq

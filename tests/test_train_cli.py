@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, MarianConfig, MarianMTModel
 
 from hf_hardattn.tools import train_cli
-from hf_hardattn.tools.cli import main
+from hf_hardattn_cli.command import main
 from hf_hardattn.tools.tokenization import train_tokenizer
 from hf_hardattn.tools.training import translate
 
@@ -160,7 +160,7 @@ LAUNCHERS = {  # on a CPU machine both start 2 processes (gloo); `accelerate lau
 # run in a launched process: `hf-hardattn` with the model cast to float64 before training (the CLI has no dtype flag)
 FLOAT64_MAIN = """import sys
 from hf_hardattn.tools import train_cli
-from hf_hardattn.tools.cli import main
+from hf_hardattn_cli.command import main
 build = train_cli.build_model
 train_cli.build_model = lambda *args, **kwargs: (lambda made: (made[0].double(), made[1]))(build(*args, **kwargs))
 sys.exit(main(sys.argv[1:]))

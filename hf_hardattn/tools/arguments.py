@@ -1,7 +1,7 @@
-"""What the commands share: the error that ends a command with a one-line message, the argument types of their options,
-and running a command offline unless told otherwise."""
+"""What the package's commands share: a model folder's check, the ``--set KEY=VALUE`` argument, lazy imports and running
+a command offline unless told otherwise. The error that ends a command with a one-line message and the options'
+argument types are in :mod:`hf_hardattn_cli.arguments`, the command's front, which parses before the package loads."""
 
-import argparse
 import contextlib
 import importlib.util
 import json
@@ -11,10 +11,6 @@ import sys
 import huggingface_hub
 
 from ..registry import MODEL_TYPES
-
-
-class CommandError(Exception):
-    """Bad input to a command: main() prints ``hf-hardattn COMMAND: error: MESSAGE`` and exits with status 2."""
 
 
 def check_model_type(path, name: str = "MODEL"):
@@ -39,20 +35,6 @@ def check_model_type(path, name: str = "MODEL"):
            f'"marian")')
     raise ValueError(f'{name}={os.fspath(path)!r}: {config} has no "model_type", so transformers cannot tell which '
                      f"model it is{' (it would ask to run the folder' + chr(39) + 's own code instead)' if 'auto_map' in data else ''}; {fix}.")
-
-
-def positive_float(text):
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
-
-
-def positive_int(text):
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
 
 
 def assignment(text):
@@ -104,4 +86,4 @@ def offline_by_default():
         huggingface_hub.constants.HF_HUB_OFFLINE = before
 
 
-__all__ = ["CommandError", "assignment", "lazy_import", "offline_by_default", "positive_float", "positive_int"]
+__all__ = ["assignment", "check_model_type", "lazy_import", "offline_by_default"]

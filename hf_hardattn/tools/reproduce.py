@@ -57,6 +57,8 @@ import datasets
 import torch
 from transformers import AutoConfig, AutoModelForSeq2SeqLM, AutoTokenizer, MarianConfig, MarianMTModel
 
+from hf_hardattn_cli.scores import corpus_scores
+
 from ..beam_joint import (BeamJointRNNConfig, BeamJointRNNForConditionalGeneration, BeamJointTransformerConfig,
                           BeamJointTransformerForConditionalGeneration)
 from ..gaussian import GaussianConfig, GaussianForConditionalGeneration, length_ratio_unless_given
@@ -68,7 +70,6 @@ from ..safe_io import atomic_folder, write_json_atomic, write_text_atomic
 from ..soft import SoftTransformerConfig, SoftTransformerForConditionalGeneration
 from . import distill, training
 from .data import german_nouns, load_parallel, multi30k
-from .scores import corpus_scores
 from .tokenization import train_tokenizer
 
 TASKS = ("multi30k", "nouns")
@@ -472,7 +473,7 @@ def load_task(task: str, recipe: Recipe, data: str | None, seed: int):
 # One row
 # ----------------------------------------------------------------------------------------------------------------
 def row_scores(hypotheses, references) -> dict:
-    """sacrebleu's corpus BLEU and chrF (default settings, :func:`~hf_hardattn.tools.scores.corpus_scores`) with their
+    """sacrebleu's corpus BLEU and chrF (default settings, :func:`~hf_hardattn_cli.scores.corpus_scores`) with their
     signatures, as a row records them."""
     scores = corpus_scores(hypotheses, [list(references)])
     (bleu, bleu_signature), (chrf, chrf_signature) = scores["bleu"], scores["chrf"]

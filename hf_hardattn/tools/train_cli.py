@@ -33,16 +33,18 @@ import warnings
 import torch
 from transformers import AutoConfig, AutoModelForSeq2SeqLM, AutoTokenizer, EarlyStoppingCallback, set_seed
 
+from hf_hardattn_cli.arguments import CommandError, positive_float, positive_int
+from hf_hardattn_cli.scores import corpus_scores
+
 from ..gaussian import PRESETS, length_ratio_unless_given
 from ..model_card import CARD_METADATA, RESULTS_FILE, write_model_card
 from ..registry import MODEL_TYPES
 from ..registry import model_classes as registered_classes
 from ..safe_io import atomic_folder, write_json_atomic
 from . import training
-from .arguments import CommandError, assignment, check_model_type, positive_float, positive_int
+from .arguments import assignment, check_model_type
 from .convert import convert
 from .data import load_split
-from .scores import corpus_scores
 from .tokenization import min_vocab_size, train_tokenizer
 
 SIZE_FLAGS = {  # flag -> config fields it sets

@@ -45,9 +45,10 @@ from transformers.trainer_pt_utils import LengthGroupedSampler
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 
+from hf_hardattn_cli.scores import corpus_scores
+
 from ..safe_io import CorruptFileError, verify_folder
 from . import metrics
-from .scores import corpus_scores
 from .trainer_card import Seq2SeqCardTrainer
 
 logger = logging.get_logger(__name__)

@@ -7,7 +7,7 @@
 
 A drop-in for ``evaluate.load("sacrebleu")`` / ``evaluate.load("chrf")`` in a Trainer's ``compute_metrics`` (see
 :func:`hf_hardattn.tools.training.translation_metrics`); the scores are sacrebleu's, computed by
-:func:`hf_hardattn.tools.scores.corpus_scores`.
+:func:`hf_hardattn_cli.scores.corpus_scores`.
 """
 
 from __future__ import annotations

@@ -1,14 +1,14 @@
 """Corpus BLEU and chrF (sacrebleu, with their signatures) as an ``evaluate`` metric that loads without the Hub.
 
 Shipped with the package and loaded by path, offline: ``evaluate.load(hf_hardattn.tools.metrics.METRIC_PATH)`` or
-``hf_hardattn.tools.metrics.load()``. The numbers are :func:`hf_hardattn.tools.scores.corpus_scores`', the same
+``hf_hardattn.tools.metrics.load()``. The numbers are :func:`hf_hardattn_cli.scores.corpus_scores`', the same
 function ``hf-hardattn score`` and the training helpers call.
 """
 
 import datasets
 import evaluate
 
-from hf_hardattn.tools.scores import corpus_scores
+from hf_hardattn_cli.scores import corpus_scores
 
 _DESCRIPTION = """Corpus BLEU (Papineni et al. 2002) and chrF (Popovic 2015) as computed by sacrebleu (Post 2018) on
 detokenised text, each with sacrebleu's signature, the string to report beside the score."""

@@ -3,7 +3,8 @@
 ``hf-hardattn score``, :func:`hf_hardattn.tools.training.bleu`, the Trainer's ``compute_metrics``
 (:func:`hf_hardattn.tools.training.translation_metrics`) and the ``evaluate`` metric
 (:mod:`hf_hardattn.tools.metrics`) all call :func:`corpus_scores`, so a score means the same thing wherever it is
-reported. This module imports sacrebleu only, so the ``score`` command starts quickly.
+reported. It lives in the command's front (``hf_hardattn_cli``, outside the package) and imports sacrebleu only, so
+``score`` starts without torch and transformers; the package's tooling imports it from here.
 """
 
 from __future__ import annotations
