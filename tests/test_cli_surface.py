@@ -1,5 +1,7 @@
 """The hf-hardattn command as a whole: every subcommand documents every option in --help, and bad input to each
-ends with one line on stderr and exit status 2 (not a traceback)."""
+ends with one line on stderr and exit status 2 (not a traceback). An option naming the registry's names (plot's
+--role, convert's and train's --model-type) takes any string in the front's parser; the command refuses a bad one
+before any work (here: before the model folder is read)."""
 
 import argparse
 import warnings
@@ -37,6 +39,7 @@ def test_every_option_of_every_subcommand_has_help():
     (["translate", "/no/such/model", "-i", "/no/such/file"], "--input="),
     (["score", "/no/such/hyp", "/no/such/ref"], "HYP="),
     (["plot", "/no/such/model", "--source", "x", "--out", "OUT"], "MODEL="),
+    (["plot", "/no/such/model", "--source", "x", "--role", "crosss"], "--role='crosss' is not an attention role"),
     (["publish", "/no/such/model", "me/x", "--dry-run", "OUT"], "MODEL="),
     (["train", "--train", "/no/such/prefix", "--source-lang", "en", "--target-lang", "de", "--model-type",
       "soft_transformer", "--output-dir", "OUT", "--max-steps", "1", "--tokenizer", "/no/tok"], "--train:"),
