@@ -1,5 +1,6 @@
 """The decoding caches of the skeleton: :class:`HardAttnCache` (transformers' ``EncoderDecoderCache`` plus the state a
-decoder carries from step to step, reordered for beam search) and the buffered self-attention cache it starts with.
+decoder carries from step to step, reordered for beam search), the buffered self-attention cache it starts with, and
+:class:`StaticHardAttnCache`, its preallocated, compileable form (``generate(..., cache_implementation="static")``).
 
 Runtime code shipped with saved models (``trust_remote_code``): keep it flat, same-folder relative imports only.
 """
@@ -7,8 +8,10 @@ Runtime code shipped with saved models (``trust_remote_code``): keep it flat, sa
 import inspect
 
 import torch
-from transformers.cache_utils import DynamicCache, DynamicLayer, EncoderDecoderCache
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, EncoderDecoderCache, StaticLayer
 from transformers.modeling_outputs import Seq2SeqLMOutput
+
+from .inputs import is_tracing
 
 # transformers 5.24 renamed the decoding cache from `past_key_values` to `cache`: generate() passes `cache=` and model
 # outputs carry `.cache`; earlier 5.x releases use `past_key_values` for both. forward() accepts either name, and
@@ -184,10 +187,12 @@ class HardAttnCache(EncoderDecoderCache):
             return cache
         if isinstance(cache, EncoderDecoderCache):
             for part in (cache.self_attention_cache, cache.cross_attention_cache):
-                if not isinstance(part, DynamicCache):  # a StaticCache has fixed-length slots that need a mask
+                if not isinstance(part, DynamicCache):  # transformers' StaticCache: its slots need our masks
                     raise ValueError(
-                        f"hf_hardattn models decode with growing (DynamicCache) caches; got a {type(part).__name__} "
-                        f"(generate's `cache_implementation`); allowed `cache_implementation`: None or 'dynamic'.")
+                        f"hf_hardattn models decode with a HardAttnCache (growing) or a StaticHardAttnCache "
+                        f"(`cache_implementation='static'`, made by generate() itself); got an EncoderDecoderCache "
+                        f"holding a {type(part).__name__}; allowed `cache`: None, a HardAttnCache or StaticHardAttnCache, "
+                        f"or an EncoderDecoderCache of DynamicCaches.")
             self_cache = cache.self_attention_cache
             if type(self_cache) is DynamicCache and self_cache.get_seq_length() == 0:  # generate()'s fresh cache
                 self_cache = BufferedCache()
@@ -202,6 +207,10 @@ class HardAttnCache(EncoderDecoderCache):
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.seen_tokens
+
+    def advance(self, steps: int):
+        """Count ``steps`` more target positions (the decoder, after each call)."""
+        self.seen_tokens += steps
 
     @property
     def is_linear(self) -> list[bool]:
@@ -259,4 +268,115 @@ class HardAttnCache(EncoderDecoderCache):
         self.seen_tokens = cropped_length(self.seen_tokens, n)
 
 
-__all__ = ["CACHE_FIELD", "CROP_KEEPS_LENGTH", "BufferedCache", "BufferedLayer", "HardAttnCache", "cropped_length"]
+class StaticKVLayer(StaticLayer):
+    """Self-attention keys/values of one decoder layer in buffers [rows, H, max_cache_len, D] allocated at the first
+    step and written in place at the cache's position (transformers' ``StaticLayer``: a step's shapes never change, so
+    a compiled step is one graph). ``keys`` / ``values`` are the whole buffers: the slots not yet written are hidden by
+    the decoder's mask (``HardAttnDecoder.static_self_attention_mask``). Beam search reorders the rows in place."""
+
+    def __init__(self, max_cache_len: int, max_batch_size: int):
+        super().__init__(max_cache_len)
+        self.max_batch_size = max_batch_size
+
+    def lazy_initialization(self, key_states, value_states):
+        rows = key_states.shape[0]
+        if rows > self.max_batch_size:
+            raise ValueError(f"A batch of {rows} rows (sentences x beams / returned sequences) is larger than the "
+                             f"static cache's `max_batch_size`={self.max_batch_size}; allowed: at most "
+                             f"{self.max_batch_size} rows (build the cache for the larger batch).")
+        super().lazy_initialization(key_states, value_states)
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        steps = key_states.shape[-2]
+        if self.is_initialized and key_states.shape[0] != self.batch_size:
+            raise ValueError(f"The static cache holds {self.batch_size} rows since its first step, got a step of "
+                             f"{key_states.shape[0]} rows; allowed: {self.batch_size} (call `reset()` for a new batch).")
+        if not is_tracing() and int(self.cumulative_length) + steps > self.max_cache_len:  # (eager: a sync is cheap)
+            raise ValueError(f"The static cache holds {self.max_cache_len} positions (`max_cache_len`) and "
+                             f"{int(self.cumulative_length)} are filled; a step of {steps} more does not fit; allowed: "
+                             f"at most {self.max_cache_len - int(self.cumulative_length)} (decode with a longer "
+                             f"`max_length` / `max_cache_len`, or a dynamic cache).")
+        return super().update(key_states, value_states, *args, **kwargs)
+
+    def reorder_cache(self, beam_idx):
+        if self.is_initialized:  # in place: the buffers keep their address (compiled graphs, CUDA graphs)
+            beam_idx = beam_idx.to(self.device)
+            self.keys.copy_(self.keys.index_select(0, beam_idx))
+            self.values.copy_(self.values.index_select(0, beam_idx))
+
+    def batch_repeat_interleave(self, repeats: int):
+        raise NotImplementedError("A static cache has a fixed number of rows: `batch_repeat_interleave` is not "
+                                  "possible; allowed: a dynamic cache (`cache_implementation=None`).")
+
+    batch_select_indices = batch_repeat_interleave
+
+
+class StaticKVCache(Cache):
+    """The self-attention part of :class:`StaticHardAttnCache`: one :class:`StaticKVLayer` per decoder layer."""
+
+    def __init__(self, num_layers: int, max_cache_len: int, max_batch_size: int):
+        super().__init__(layers=[StaticKVLayer(max_cache_len, max_batch_size) for _ in range(num_layers)])
+
+
+class StaticHardAttnCache(HardAttnCache):
+    """:class:`HardAttnCache` preallocated for ``max_cache_len`` target positions of at most ``max_batch_size`` rows:
+    the compileable cache of ``generate(..., cache_implementation="static")`` (``is_compileable``: generate() then
+    compiles the forward of the decoding steps when a ``compile_config`` allows it).
+
+    * self-attention keys/values: :class:`StaticKVLayer` buffers, written in place at ``position`` and masked beyond it;
+    * ``position``: the target positions processed, a 0-dim int64 tensor advanced in place (a Python int would be a
+      constant of a compiled graph: a new graph per step); ``get_seq_length()`` returns it, as transformers' static
+      layers do;
+    * cross-attention keys/values: computed once per sentence by the first (eager) step and only read after it, so a
+      ``DynamicCache`` as in :class:`HardAttnCache`.
+
+    Decoders that carry other state (``states``: recurrent, hybrid, beam-joint) or read the position as a number
+    (Gaussian) are refused by the model (``check_static_decoding``)."""
+
+    def __init__(self, num_layers: int, max_cache_len: int, max_batch_size: int, device=None):
+        for name, value in (("num_layers", num_layers), ("max_cache_len", max_cache_len),
+                            ("max_batch_size", max_batch_size)):
+            if type(value) is not int or value < 1:
+                raise ValueError(f"`{name}`={value!r}; allowed: an int >= 1.")
+        super().__init__(StaticKVCache(num_layers, max_cache_len, max_batch_size), DynamicCache())
+        self.max_cache_len, self.max_batch_size = max_cache_len, max_batch_size
+        self.position = torch.zeros((), dtype=torch.long, device=device)
+        if not is_tracing():
+            torch._dynamo.mark_static_address(self.position)
+
+    def get_seq_length(self, layer_idx: int = 0):
+        return self.position
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return self.max_cache_len
+
+    def advance(self, steps: int):
+        """Count ``steps`` more target positions (in place: the tensor keeps its address)."""
+        self.position.add_(steps)
+
+    def reset(self):
+        super().reset()
+        self.position.zero_()
+
+    def crop(self, n: int) -> None:
+        """Remove the last positions (``n`` < 0: that many; 0: none); the slots stay allocated and are overwritten."""
+        if n > 0:
+            raise ValueError(f"`crop` of a static cache takes minus the number of positions to remove (<= 0), got {n}.")
+        removed = min(-n, int(self.position))
+        for layer in self.self_attention_cache.layers:
+            if layer.is_initialized:
+                layer.cumulative_length.sub_(removed)
+        self.position.sub_(removed)
+
+    @property
+    def is_croppable(self) -> bool:
+        return True
+
+    def batch_repeat_interleave(self, repeats: int):
+        self.self_attention_cache.layers[0].batch_repeat_interleave(repeats)  # (refused: fixed rows)
+
+    batch_select_indices = batch_repeat_interleave
+
+
+__all__ = ["CACHE_FIELD", "CROP_KEEPS_LENGTH", "BufferedCache", "BufferedLayer", "HardAttnCache", "StaticHardAttnCache",
+           "StaticKVCache", "StaticKVLayer", "cropped_length"]

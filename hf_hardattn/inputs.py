@@ -98,8 +98,8 @@ def check_generation_config(generation_config, model) -> None:
     """``generate()``'s settings that transformers lets through to a deep failure, refused where generate() is called:
     ``num_beams`` below 1 (a ZeroDivisionError inside beam search) and the offloaded caches, which move the cache
     to the CPU between steps on CUDA streams: on a CPU model an AssertionError about CUDA at the first decoding step,
-    on a CUDA one a device mismatch in the attention kinds, which read the cache where it lies. (The static caches
-    are refused naming ``cache_implementation`` by ``HardAttnCache.from_cache``.)"""
+    on a CUDA one a device mismatch in the attention kinds, which read the cache where it lies. (``"static"``: see
+    ``HardAttnForConditionalGeneration._prepare_cache_for_generation``.)"""
     beams = generation_config.num_beams
     if beams is not None and (isinstance(beams, bool) or not isinstance(beams, int) or beams < 1):
         raise ValueError(f"`num_beams`={beams!r} is not a number of beams; allowed: an integer >= 1 (1: greedy decoding "
@@ -109,7 +109,7 @@ def check_generation_config(generation_config, model) -> None:
         raise ValueError(f"`cache_implementation`={cache!r} is not supported by {type(model).__name__} (on "
                          f"{model.device}): it moves the cache to the CPU between steps on CUDA streams, which these "
                          f"models' attention kinds do not read back; allowed `cache_implementation`: None or "
-                         f"'dynamic'.")
+                         f"'dynamic' (or 'static' for the model types that support it).")
 
 
 def check_generated_length(generation_config, limit) -> None:

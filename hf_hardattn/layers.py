@@ -20,7 +20,7 @@ from transformers.activations import ACT2FN
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutput, BaseModelOutputWithPastAndCrossAttentions
 
-from .caches import CACHE_FIELD
+from .caches import CACHE_FIELD, StaticHardAttnCache
 from .configuration_hardattn import HardAttnConfig
 from .inputs import check_ids, check_mask, check_one_of, is_tracing
 from .registry import KINDS, ROLES, attention_class, kinds_allowed
@@ -98,6 +98,14 @@ class PositionEmbedding(nn.Module):
         if end > self.limit:  # sinusoidal positions extend beyond the table
             return self.sinusoids(length, start).to(self.table)
         return self.table[start:end]
+
+    def steps(self, positions: torch.Tensor, end: int) -> torch.Tensor:
+        """[T, d]: the embeddings of ``positions`` [T] (a tensor: a static cache's position, read without a sync or a
+        graph constant), every one below ``end``."""
+        self.check_length(end)
+        if self.kind == "learned":
+            return self.embed(positions)
+        return (self.table if end <= self.limit else self.sinusoids(end).to(self.table))[positions]
 
     def at(self, positions: torch.Tensor) -> torch.Tensor:
         """[B, S, d]: the embedding of every position in ``positions`` [B, S] (each < S)."""
@@ -229,11 +237,15 @@ class SoftAttention(nn.Module):
         of the GEMM work bf16 speeds up. A batched decoding step on CPU (no gradient, at most ``WRITTEN_OUT_QUERIES``
         queries per row: one, or one per beam of a grouped memory; at least ``WRITTEN_OUT_MIN_QUERIES`` in all) takes
         the written-out path too, where the fused kernel's overhead outweighs its work (a single row's step is faster
-        fused, hence the lower bound on queries in all)."""
+        fused, hence the lower bound on queries in all). While traced (torch.compile), whatever the batch: every step of one
+        query per row is written out, so that one graph serves every batch size."""
         queries, rows = q.shape[-2], q.shape[0]
-        concrete = type(queries) is int and type(rows) is int  # (traced with symbolic shapes: one path for every shape)
-        if self.eager or (concrete and queries <= WRITTEN_OUT_QUERIES and rows * queries >= WRITTEN_OUT_MIN_QUERIES
-                          and not self.training and not torch.is_grad_enabled() and q.device.type == "cpu"):
+        step = not self.training and not torch.is_grad_enabled() and q.device.type == "cpu"
+        if is_tracing():  # one path for every batch size (a compiled graph's rows may be symbolic): a step of one
+            step = step and queries == 1  # query per row (a cached decoding step) written out
+        else:
+            step = step and queries <= WRITTEN_OUT_QUERIES and rows * queries >= WRITTEN_OUT_MIN_QUERIES
+        if self.eager or step:
             return self.attend_with_weights(q, k, v, mask, causal)[0]
         fp32 = q.requires_grad and q.device.type == "cpu" and torch.is_autocast_enabled("cpu")  # (never when decoding)
         with torch.autocast("cpu", enabled=False) if fp32 else contextlib.nullcontext():
@@ -555,10 +567,17 @@ class HardAttnDecoder(nn.Module):
                                 for layer in self.layers]
         self.final_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps) if config.normalize_before else None
 
-    def embed(self, input_ids, inputs_embeds, past_length):
+    def embed(self, input_ids, inputs_embeds, past_length, static_length=None):
+        """Token + position embeddings of positions past_length, ...; ``static_length``: a static cache's length,
+        ``past_length`` then its position tensor."""
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids) * self.embed_scale
-        x = inputs_embeds + self.embed_positions(past_length, inputs_embeds.shape[1])
+        length = inputs_embeds.shape[1]
+        if static_length is None:
+            x = inputs_embeds + self.embed_positions(past_length, length)
+        else:
+            positions = past_length + torch.arange(length, device=inputs_embeds.device)
+            x = inputs_embeds + self.embed_positions.steps(positions, static_length)
         if self.layernorm_embedding is not None:
             x = self.layernorm_embedding(x)
         return F.dropout(x, self.config.dropout, self.training)
@@ -581,6 +600,20 @@ class HardAttnDecoder(nn.Module):
         if past_length == 0:
             return None, True
         return causal_mask(query_length, key_length, device), False
+
+    @staticmethod
+    def static_self_attention_mask(decoder_attention_mask, query_length, position, slots):
+        """Decoder self-attention over a static cache's ``slots`` key slots (:class:`~caches.StaticKVLayer`), bool
+        [B or 1, 1, Tq, slots]: query i (at position ``position`` + i, a tensor) sees the slots up to its own and
+        never the later ones, unwritten or stale (causal and unfilled in one comparison); with a decoder padding mask
+        [B, w] (of positions 0, ..., w - 1), not its padding either. The same shape at every step."""
+        device = position.device
+        queries = position + torch.arange(query_length, device=device)
+        mask = (torch.arange(slots, device=device)[None, :] <= queries[:, None])[None, None]
+        if decoder_attention_mask is not None:
+            pad = F.pad(decoder_attention_mask.bool(), (0, slots - decoder_attention_mask.shape[-1]), value=True)
+            mask = mask & pad[:, None, None, :]
+        return mask
 
     def self_attention_masks(self, decoder_attention_mask, query_length, past_length, device):
         """[(mask, causal)] per decoder layer, from :meth:`self_attention_mask`: the key padding mask alone for a layer
@@ -630,8 +663,13 @@ class HardAttnDecoder(nn.Module):
         """Embeddings (tokens + positions, after the cache's past), the self- and cross-attention masks, and the
         lists the outputs are recorded in: the :class:`DecoderPass` that :meth:`run_layers` and :meth:`finish` take."""
         past_length = cache.get_seq_length() if cache is not None else 0
-        x = self.embed(input_ids, inputs_embeds, past_length)
-        self_masks = self.self_attention_masks(attention_mask, x.shape[1], past_length, x.device)
+        if isinstance(cache, StaticHardAttnCache):  # fixed slots: positions and masks from its position tensor
+            x = self.embed(input_ids, inputs_embeds, past_length, cache.max_cache_len)
+            mask = self.static_self_attention_mask(attention_mask, x.shape[1], past_length, cache.max_cache_len)
+            self_masks = [(mask, False)] * len(self.layers)
+        else:
+            x = self.embed(input_ids, inputs_embeds, past_length)
+            self_masks = self.self_attention_masks(attention_mask, x.shape[1], past_length, x.device)
         check_memory_rows(x.shape[0], encoder_hidden_states, encoder_attention_mask, self.reads_memory_grouped)
         return DecoderPass(x, encoder_hidden_states, self_masks, padding_mask(encoder_attention_mask), attention_mask,
                            cache, output_attentions, output_hidden_states)
@@ -652,7 +690,7 @@ class HardAttnDecoder(nn.Module):
         recorded is replaced by the normed one), the :class:`DecoderResult`."""
         x = state.x
         if state.cache is not None:
-            state.cache.seen_tokens += x.shape[1]
+            state.cache.advance(x.shape[1])
         if self.final_norm is not None:
             x = self.final_norm(x)
         if state.hidden_states is not None:

@@ -27,7 +27,7 @@ from transformers import initialization as init
 from transformers.modeling_outputs import BaseModelOutput, Seq2SeqLMOutput, Seq2SeqModelOutput
 from transformers.utils import logging
 
-from .caches import CACHE_FIELD, HardAttnCache
+from .caches import CACHE_FIELD, HardAttnCache, StaticHardAttnCache
 from .configuration_hardattn import HardAttnConfig
 from .inputs import (check_finite_logits, check_generated_length, check_generation_config, check_ids, check_labels,
                      check_labels_match, check_mask, check_one_of, is_tracing, shift_tokens_right)
@@ -56,6 +56,21 @@ def set_translation_generation_defaults(model, num_beams: int | None = None):
     if num_beams is not None and generation.num_beams is None:
         generation.num_beams = num_beams
     return model
+
+
+def compiled_decoding(model, backend: str = "inductor", dynamic: bool | None = True, **options) -> dict:
+    """``generate()`` keywords that decode with a static cache and compiled decoding steps (transformers' convention,
+    for any model whose generate() supports it: the hf_hardattn types that ``check_static_decoding`` allows, Marian,
+    BART): ``cache_implementation="static"`` and a ``CompileConfig`` with ``fullgraph=True`` (a graph break is an
+    error, not a slow path), ``dynamic=True`` (one graph for every batch size and source length, see
+    docs/usage.md), allowed on a CPU too (``_compile_all_devices``), CUDA graphs on a GPU (``mode="reduce-overhead"``,
+    transformers' default). ``options``: more ``CompileConfig`` fields (e.g. ``options={"freezing": True}``)."""
+    from transformers import CompileConfig
+
+    mode = "reduce-overhead" if model.device.type == "cuda" else None
+    config = CompileConfig(**{"fullgraph": True, "dynamic": dynamic, "backend": backend, "mode": mode, **options})
+    config._compile_all_devices = True  # (transformers compiles on a CPU only when asked)
+    return {"cache_implementation": "static", "compile_config": config}
 
 
 def refuse_model_arguments(cls, config, args, kwargs):
@@ -227,6 +242,20 @@ class HardAttnModel(HardAttnPreTrainedModel):
         return self.decoder.run(decoder_input_ids, encoder_hidden_states, attention_mask, decoder_attention_mask,
                                 decoder_inputs_embeds, cache, output_attentions, output_hidden_states)
 
+    STATIC_KINDS = ("soft", "hard_retrieval", "none")  # decoder attention kinds whose cache is keys/values alone
+
+    def static_decoding_refusal(self) -> str | None:
+        """Why this model cannot decode with a :class:`~caches.StaticHardAttnCache`, or None when it can: the
+        skeleton's decoder run as is (no ``decode`` of a variant's own: RNN decoders, beam-joint's candidates), with
+        decoder self- and cross-attention kinds that cache keys/values only (``STATIC_KINDS``; Gaussian attention
+        reads the position as a number, recurrent attention carries a state)."""
+        owner = next(cls for cls in type(self).__mro__ if "decode" in vars(cls))
+        if owner is not HardAttnModel or type(self.decoder) is not HardAttnDecoder:
+            return "its decoder is not the Transformer skeleton's"
+        kinds = sorted({kind for role in ("decoder", "cross") for kind in self.config.attention_kinds(role)}
+                       - set(self.STATIC_KINDS))
+        return f"its decoder uses the attention kind(s) {kinds}" if kinds else None
+
     def decoder_checkpointing(self) -> bool:
         """Whether gradient checkpointing is on for any part of the decoder (``gradient_checkpointing_enable()``)."""
         return any(getattr(module, "gradient_checkpointing", False) for module in self.decoder.modules())
@@ -275,6 +304,12 @@ class HardAttnModel(HardAttnPreTrainedModel):
             rows, length = decoder_inputs_embeds.shape[:2]
         if decoder_attention_mask is not None:
             past = cache.get_seq_length() if cache is not None else 0
+            if isinstance(past, torch.Tensor):  # a static cache's position (while tracing: any width up to its slots)
+                past = decoder_attention_mask.shape[-1] - length if is_tracing() else int(past)
+                if past + length > cache.max_cache_len:
+                    raise ValueError(f"`decoder_attention_mask` covers {past + length} positions, more than the static "
+                                     f"cache's `max_cache_len`={cache.max_cache_len}; allowed: at most "
+                                     f"{cache.max_cache_len}.")
             check_mask("decoder_attention_mask", decoder_attention_mask, [(rows, length), (rows, past + length)],
                        right_padded=True)
         if attention_mask is not None:  # (its values once per sentence: generate() passes the same mask at every step)
@@ -464,17 +499,84 @@ class HardAttnForConditionalGeneration(HardAttnPreTrainedModel, GenerationMixin)
         )
         return output if return_dict else output.to_tuple()
 
+    # ---- static cache and compiled decoding steps (generate(..., cache_implementation="static")) ----------------
+    def check_static_decoding(self):
+        """A clear error unless this model decodes with a static cache (see ``HardAttnModel.static_decoding_refusal``;
+        a full model whose output layer is not the skeleton's, beam-joint's mixture, is refused too)."""
+        reason = self.model.static_decoding_refusal()
+        if reason is None and type(self).output_logits is not HardAttnForConditionalGeneration.output_logits:
+            reason = "its output layer is not the skeleton's"
+        if reason is not None:
+            raise ValueError(
+                f"`cache_implementation`='static' is not yet supported for model_type {self.config.model_type!r} "
+                f"({reason}); allowed for it: None or 'dynamic'. Static caches serve soft_transformer and "
+                f"hard_retrieval_transformer (decoder attention kinds {list(HardAttnModel.STATIC_KINDS)}).")
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size,
+                                      max_cache_length, *args, **kwargs):
+        """transformers' cache preparation, except for ``cache_implementation="static"``: a
+        :class:`~caches.StaticHardAttnCache` for the call's rows (sentences x beams or returned sequences) and
+        ``max_length - 1`` target positions (at least the ``max_cache_len`` of the generation config and of this
+        model's earlier static calls, so that a compiled step keeps its shapes across calls), which generate() then
+        compiles the decoding steps for when its ``compile_config`` allows it (on CPU: ``_compile_all_devices``)."""
+        implementation = generation_config.cache_implementation
+        if (implementation is None or implementation in ("dynamic", "offloaded", "quantized")
+                or model_kwargs.get("cache") is not None or generation_config.use_cache is False):
+            return super()._prepare_cache_for_generation(generation_config, model_kwargs, generation_mode, batch_size,
+                                                         max_cache_length, *args, **kwargs)
+        if implementation != "static":
+            raise ValueError(f"`cache_implementation`={implementation!r} is not supported by {type(self).__name__}; "
+                             f"allowed: None, 'dynamic' or 'static'.")
+        self.check_static_decoding()
+        length = max(max_cache_length, getattr(generation_config, "max_cache_len", None) or 0,
+                     getattr(self, "_previous_max_cache_length", 0))
+        rows = max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1) * batch_size
+        model_kwargs["cache"] = StaticHardAttnCache(self.config.decoder_layers, length, rows, device=self.device)
+        self._previous_max_cache_length = length
+
+    def create_masks_for_generate(self, attention_mask=None, **kwargs):
+        """What generate() hands a compileable cache's forward as the decoder mask: the 2D padding mask (or None) as
+        given; the decoder builds its own fixed-shape mask over the static slots (``static_self_attention_mask``)."""
+        return attention_mask
+
     def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs):
         """transformers' check of generate()'s settings, plus those it lets through to a deep failure (``num_beams``
         below 1, an offloaded cache off CUDA: :func:`~inputs.check_generation_config`)."""
         check_generation_config(generation_config, self)
         super()._validate_generation_mode(generation_mode, generation_config, generation_mode_kwargs)
 
-    def _beam_search(self, *args, **kwargs):
+    def compiled_forward(self, compile_config):
+        """``forward`` under ``torch.compile`` with ``compile_config``'s settings (a ``CompileConfig``), compiled once
+        per config and kept on the model (as transformers keeps its compiled ``__call__``)."""
+        if getattr(self, "_compiled_forward_config", None) != compile_config:
+            self._compiled_forward = torch.compile(type(self).forward.__get__(self), **compile_config.to_dict())
+            self._compiled_forward_config = compile_config
+        return self._compiled_forward
+
+    def _beam_search(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
+                     **model_kwargs):
         """transformers' beam search, its sequences (and beam indices) returned contiguous: transformers crops them
         from its fixed-width buffer to the generated length, a view that ``.view()`` refuses (MarianMTModel's loss
-        reads ``labels.view(-1)``, so a beam output passed back as ``labels=`` failed there)."""
-        output = super()._beam_search(*args, **kwargs)
+        reads ``labels.view(-1)``, so a beam output passed back as ``labels=`` failed there).
+
+        With a compileable cache and a ``compile_config`` that allows it (the criteria of transformers' greedy search
+        and sampling, ``_valid_auto_compile_criteria``), the steps after the first run :meth:`compiled_forward`, as
+        transformers' greedy search and sampling run theirs (its beam search, 5.24, always runs the eager forward)."""
+        arguments = (input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus)
+        if not self._valid_auto_compile_criteria(model_kwargs, generation_config):
+            output = super()._beam_search(*arguments, **model_kwargs)
+        else:
+            compiled, calls = self.compiled_forward(generation_config.compile_config), [0]
+
+            def forward(*args, **kwargs):  # the first call is the prefill (eager, as transformers' own)
+                calls[0] += 1
+                return (compiled if calls[0] > 1 else type(self).forward.__get__(self))(*args, **kwargs)
+
+            self.forward = forward
+            try:
+                output = super()._beam_search(*arguments, **model_kwargs)
+            finally:
+                del self.forward
         if isinstance(output, torch.Tensor):
             return output.contiguous()
         output.sequences = output.sequences.contiguous()
@@ -537,6 +639,7 @@ class HardAttnForConditionalGeneration(HardAttnPreTrainedModel, GenerationMixin)
 
 
 __all__ = [
+    "compiled_decoding",
     "HardAttnModel",
     "HardAttnPreTrainedModel",
     "HardAttnForConditionalGeneration",

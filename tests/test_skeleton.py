@@ -130,11 +130,19 @@ def test_cache_reorders_state_and_self_attention_only():
         cache.crop(-1)
 
 
-def test_refuses_a_static_cache_naming_cache_implementation():
-    model = SoftTransformerForConditionalGeneration(SoftTransformerConfig(**tiny_kwargs())).eval()
+def test_refuses_transformers_static_cache_naming_the_allowed_caches():
+    """transformers' own StaticCache (fixed slots that these models' masks would not hide) passed as ``cache``:
+    refused naming what is allowed (generate(cache_implementation="static") builds a StaticHardAttnCache instead: see
+    test_static_cache.py)."""
+    from transformers.cache_utils import DynamicCache, EncoderDecoderCache, StaticCache
+
+    config = SoftTransformerConfig(**tiny_kwargs())
+    model = SoftTransformerForConditionalGeneration(config).eval()
     ids, mask = source_batch()
-    with pytest.raises(ValueError, match=r"got a StaticCache.*allowed `cache_implementation`: None or 'dynamic'"):
-        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, cache_implementation="static")
+    cache = EncoderDecoderCache(StaticCache(config=config, max_cache_len=4), DynamicCache())
+    with pytest.raises(ValueError, match=r"holding a StaticCache; allowed `cache`: None, a HardAttnCache or "
+                                         r"StaticHardAttnCache"):
+        model(input_ids=ids, attention_mask=mask, decoder_input_ids=torch.ones(2, 1, dtype=torch.long), cache=cache)
 
 
 @pytest.mark.parametrize("name", ["soft", "hard"])

@@ -1,0 +1,244 @@
+"""Static caches and compiled decoding steps: ``generate(..., cache_implementation="static", compile_config=...)``.
+
+References: the eager decoding of the same float64 model with its growing (dynamic) cache, generate()'s own and a
+step-by-step forward; hand-built expectations for the cache's in-place writes, beam reorder and crop.
+"""
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+from transformers import CompileConfig
+
+from common import (TYPE_MODELS, as_float64, assert_nontrivial, assert_step_scores_close, contract_model, randomize,
+                    source_batch)
+from hf_hardattn.caches import CACHE_FIELD, StaticHardAttnCache
+
+# the model types whose decoder decodes with a static cache (common.contract_model's fitted models: varied tokens;
+# soft_prenorm: pre-norm with learned positions)
+STATIC_TYPES = ("soft", "soft_prenorm", "hard_retrieval")
+REFUSED_TYPES = {"gaussian": "gaussian_transformer", "recurrent": "recurrent_transformer",
+                 "hybrid": "hybrid_transformer", "beam_joint_transformer": "beam_joint_transformer",
+                 "beam_joint_rnn": "beam_joint_rnn"}
+MODES = {
+    "greedy": dict(do_sample=False),
+    "beam": dict(num_beams=4, num_return_sequences=2, do_sample=False),
+    "sample": dict(do_sample=True, top_k=0),
+}
+
+
+class Counter(CompileCounterWithBackend):
+    """Counts the graphs compiled; kept itself when generate() deep-copies its compile config."""
+
+    def __deepcopy__(self, memo):
+        return self
+
+    @property
+    def compiled(self) -> int:
+        """Graphs that compute something (dynamo may hand the backend an empty graph before restarting a frame's
+        analysis with what it learnt about its shapes: not a graph that runs)."""
+        return sum(any(node.op == "call_function" for node in graph.graph.nodes) for graph in self.graphs)
+
+
+def compile_config(counter, dynamic=True):
+    config = CompileConfig(fullgraph=True, dynamic=dynamic, backend=counter, mode=None)
+    config._compile_all_devices = True  # (generate() compiles on a CPU only when asked)
+    return config
+
+
+def model_of(name):
+    return as_float64(contract_model(name))
+
+
+def generate(model, mode, seed=1234, **kwargs):
+    ids, mask = kwargs.pop("source", source_batch())  # the second row right-padded
+    torch.manual_seed(seed)
+    return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, min_new_tokens=8,
+                          output_scores=True, return_dict_in_generate=True, **MODES[mode], **kwargs)
+
+
+def assert_same(out, reference, what):
+    assert torch.equal(out.sequences, reference.sequences), f"{what}: {out.sequences.tolist()} != " \
+                                                            f"{reference.sequences.tolist()}"
+    for step, (got, expected) in enumerate(zip(out.scores, reference.scores, strict=True)):
+        assert_step_scores_close(got, expected, f"{what}, step {step}")
+
+
+@pytest.mark.parametrize("name, backend", [("soft", "aot_eager"), ("soft_prenorm", "eager"),
+                                           ("hard_retrieval", "eager")])
+def test_static_and_compiled_decoding_equal_eager_dynamic(name, backend):
+    """float64, a padded batch, greedy, beam 4 (2 returned) and sampling with a seed: the static cache run eagerly,
+    and its steps compiled (fullgraph=True: a graph break raises), give the dynamic cache's tokens and scores. The
+    compiled runs really ran compiled steps: one graph for greedy and sampling, one more for beam search (its grouped
+    memory). Backend aot_eager (dynamo + AOT autograd, the tracing inductor needs too) once, dynamo alone ("eager")
+    for the other models: the graph capture is what differs between them, at a third of the compile time."""
+    torch._dynamo.reset()
+    model = model_of(name)
+    counter = Counter(backend)
+    for mode in MODES:
+        reference = generate(model, mode)
+        assert_nontrivial(reference.sequences)
+        assert_same(generate(model, mode, cache_implementation="static"), reference, f"{name} {mode} static")
+        compiled = generate(model, mode, cache_implementation="static", compile_config=compile_config(counter))
+        assert_same(compiled, reference, f"{name} {mode} compiled")
+        assert counter.compiled == (1 if mode == "greedy" else 2), (mode, counter.compiled)
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("name", STATIC_TYPES)
+def test_generate_builds_a_static_cache_of_the_call(name):
+    """generate() decodes with a StaticHardAttnCache of the call's rows (sentences x beams) and max_length - 1 slots,
+    and returns it; transformers sees it as compileable, with no linear (state-space) layer."""
+    model = model_of(name)
+    out = generate(model, "beam", cache_implementation="static")
+    cache = getattr(out, CACHE_FIELD)
+    assert isinstance(cache, StaticHardAttnCache)
+    assert cache.is_compileable and not any(cache.is_linear)
+    assert cache.max_cache_len == out.sequences.shape[1] - 1 == 8 and cache.max_batch_size == 2 * 4
+    assert int(cache.get_seq_length()) == 8
+    assert all(layer.keys.shape == (8, 4, 8, 8) for layer in cache.self_attention_cache.layers)
+
+
+def test_compiles_are_bounded_over_batch_sizes_and_source_lengths():
+    """``dynamic=True``: greedy calls of 2, 3 and 5 sentences and sources of 7, 9 and 11 tokens, 6 steps each, share
+    ONE graph (batch and source length symbolic; the decoding step takes one attention path for every batch size);
+    beam search (a grouped memory: g rows per sentence) adds one graph for every batch size and source length. A single
+    sentence gets its own graph (torch specialises sizes of 1): at most 4 graphs in all, however many shapes."""
+    torch._dynamo.reset()
+    model = randomize(TYPE_MODELS["soft"]()).eval()
+    counter = Counter("eager")
+    config = compile_config(counter)
+    generator = torch.Generator().manual_seed(0)
+
+    def run(batch, length, **kwargs):
+        ids = torch.randint(3, 40, (batch, length), generator=generator)
+        model.generate(input_ids=ids, max_new_tokens=6, min_new_tokens=6, cache_implementation="static",
+                       compile_config=config, **kwargs)
+
+    for batch, length in ((2, 7), (3, 7), (3, 9), (5, 11)):
+        run(batch, length)
+    assert counter.compiled == 1
+    for batch, length in ((2, 7), (3, 9)):
+        run(batch, length, num_beams=4)
+    assert counter.compiled == 2
+    run(1, 5)
+    run(1, 8, num_beams=4)
+    run(4, 6)
+    assert counter.compiled <= 4
+    torch._dynamo.reset()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The cache itself, step by step through forward()
+# ----------------------------------------------------------------------------------------------------------------
+def step_logits(model, cache, decoder_ids, steps, **inputs):
+    logits = []
+    for t in range(0, decoder_ids.shape[1], steps):
+        out = model(**inputs, decoder_input_ids=decoder_ids[:, t: t + steps], cache=cache, use_cache=True)
+        cache = getattr(out, CACHE_FIELD)
+        logits.append(out.logits)
+    return torch.cat(logits, 1), cache
+
+
+@pytest.mark.parametrize("name", STATIC_TYPES)
+@pytest.mark.parametrize("steps", [1, 2])
+def test_forward_steps_through_a_static_cache_equal_the_dynamic_cache(name, steps):
+    """Decoder inputs fed 1 or 2 positions a call into a static cache of 9 slots (more than written: unwritten slots
+    hold zeros, which the mask must hide) give the logits of the same calls with the dynamic cache (float64); the
+    cache counts its positions and writes keys in place (the buffers keep their address)."""
+    model = model_of(name)
+    ids, mask = source_batch()
+    decoder_ids = torch.tensor([[1, 6, 9, 12, 15, 3], [1, 8, 10, 4, 5, 7]])
+    reference, _ = step_logits(model, None, decoder_ids, steps, input_ids=ids, attention_mask=mask)
+    cache = StaticHardAttnCache(model.config.decoder_layers, 9, 2)
+    first, _ = step_logits(model, cache, decoder_ids[:, :2], steps, input_ids=ids, attention_mask=mask)
+    address = cache.self_attention_cache.layers[0].keys.data_ptr()
+    rest, _ = step_logits(model, cache, decoder_ids[:, 2:], steps, input_ids=ids, attention_mask=mask)
+    torch.testing.assert_close(torch.cat([first, rest], 1), reference, rtol=1e-12, atol=1e-12)
+    assert int(cache.get_seq_length()) == 6 and cache.self_attention_cache.layers[0].keys.data_ptr() == address
+
+
+def test_decoder_padding_mask_over_static_slots():
+    """A right-padded decoder input with its ``decoder_attention_mask`` in one call: the padding's keys are hidden as
+    with the dynamic cache (logits of the real positions equal, float64)."""
+    model = model_of("soft")
+    ids, mask = source_batch()
+    decoder_ids = torch.tensor([[1, 6, 9, 12], [1, 8, 0, 0]])
+    decoder_mask = (decoder_ids != 0).long()
+    decoder_mask[0] = 1
+    inputs = dict(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder_ids,
+                  decoder_attention_mask=decoder_mask, use_cache=True)
+    reference = model(**inputs).logits
+    static = model(**inputs, cache=StaticHardAttnCache(model.config.decoder_layers, 6, 2)).logits
+    torch.testing.assert_close(static, reference, rtol=1e-12, atol=1e-12)
+
+
+def test_beam_reorder_and_crop_in_place():
+    """reorder_cache moves every row's keys/values (in place: same buffers); crop(-n) takes back the last n positions
+    (the next write lands there); reset empties it."""
+    cache = StaticHardAttnCache(1, 4, 3)
+    k = torch.arange(3.0).view(3, 1, 1, 1).expand(3, 1, 2, 1)  # row r holds r at positions 0, 1
+    cache.self_attention_cache.update(k, k + 10, 0)
+    cache.advance(2)
+    layer = cache.self_attention_cache.layers[0]
+    address = layer.keys.data_ptr()
+    cache.reorder_cache(torch.tensor([2, 2, 0]))
+    assert layer.keys[:, 0, :2, 0].tolist() == [[2, 2], [2, 2], [0, 0]] and layer.keys.data_ptr() == address
+    assert layer.values[:, 0, :2, 0].tolist() == [[12, 12], [12, 12], [10, 10]]
+    cache.crop(-1)
+    assert int(cache.get_seq_length()) == 1 == int(layer.cumulative_length)
+    cache.self_attention_cache.update(k[:, :, :1] + 5, k[:, :, :1], 0)
+    assert layer.keys[:, 0, :3, 0].tolist() == [[2, 5, 0], [2, 6, 0], [0, 7, 0]]
+    cache.reset()
+    assert int(cache.get_seq_length()) == 0 and not layer.keys.any()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Bad input
+# ----------------------------------------------------------------------------------------------------------------
+def test_an_over_long_request_is_refused():
+    """Positions beyond the static length: refused before anything is written, naming max_cache_len."""
+    model = model_of("soft")
+    ids, mask = source_batch()
+    cache = StaticHardAttnCache(model.config.decoder_layers, 3, 2)
+    model(input_ids=ids, attention_mask=mask, decoder_input_ids=torch.ones(2, 2, dtype=torch.long), cache=cache)
+    with pytest.raises(ValueError, match=r"holds 3 positions \(`max_cache_len`\) and 2 are filled; a step of 2 more"):
+        model(input_ids=ids, attention_mask=mask, decoder_input_ids=torch.ones(2, 2, dtype=torch.long), cache=cache)
+    assert int(cache.get_seq_length()) == 2
+
+
+def test_a_batch_larger_than_the_cache_is_refused():
+    model = model_of("soft")
+    ids, mask = source_batch()
+    with pytest.raises(ValueError, match=r"batch of 2 rows .* larger than the static cache's `max_batch_size`=1"):
+        model(input_ids=ids, attention_mask=mask, decoder_input_ids=torch.ones(2, 1, dtype=torch.long),
+              cache=StaticHardAttnCache(model.config.decoder_layers, 4, 1))
+    cache = StaticHardAttnCache(model.config.decoder_layers, 4, 2)
+    model(input_ids=ids, attention_mask=mask, decoder_input_ids=torch.ones(2, 1, dtype=torch.long), cache=cache)
+    with pytest.raises(ValueError, match=r"holds 2 rows since its first step, got a step of 1 rows"):
+        model(input_ids=ids[:1], attention_mask=mask[:1], decoder_input_ids=torch.ones(1, 1, dtype=torch.long),
+              cache=cache)
+
+
+@pytest.mark.parametrize("argument, value", [("num_layers", 0), ("max_cache_len", 2.5), ("max_batch_size", -1)])
+def test_bad_cache_sizes_are_refused(argument, value):
+    sizes = dict(num_layers=2, max_cache_len=4, max_batch_size=2)
+    sizes[argument] = value
+    with pytest.raises(ValueError, match=rf"`{argument}`={value!r}; allowed: an int >= 1"):
+        StaticHardAttnCache(**sizes)
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED_TYPES))
+def test_other_model_types_refuse_a_static_cache_naming_the_type(name):
+    model = TYPE_MODELS[name]().eval()
+    ids, mask = source_batch()
+    with pytest.raises(ValueError, match=rf"'static' is not yet supported for model_type '{REFUSED_TYPES[name]}'.*"
+                                         r"allowed for it: None or 'dynamic'"):
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, cache_implementation="static")
+
+
+def test_other_cache_implementations_are_refused():
+    model = TYPE_MODELS["soft"]().eval()
+    ids, mask = source_batch()
+    with pytest.raises(ValueError, match=r"`cache_implementation`='sliding_window' is not supported .* allowed: "
+                                         r"None, 'dynamic' or 'static'"):
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, cache_implementation="sliding_window")
