@@ -215,21 +215,25 @@ def test_two_processes_equal_one_process_with_the_doubled_batch(data, tmp_path, 
     assert results["steps"] == 1 and results["processes"] == 2
 
 
-def test_end_processes_destroys_the_process_group(tmp_path):
-    """The last step of `train` in every process: a barrier, then the group's destruction (a no-op without one)."""
-    import torch.distributed as dist
+END_PROCESSES = """import sys
+import torch.distributed as dist
+from hf_hardattn.tools.training import end_processes
+end_processes(5)  # no process group: a no-op
+print("before", end="")  # buffered (stdout is a pipe): end_processes must flush it
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+end_processes(3)
+print("after")
+"""
 
-    from hf_hardattn.tools.training import end_processes
 
-    end_processes()
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
-        end_processes()
-        assert not dist.is_initialized()
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+def test_end_processes_flushes_and_ends_a_multi_process_run_with_its_status(tmp_path):
+    """The last step of `train` in every process of a multi-process run: a barrier, the output flushed, the process
+    ended with the given status without the interpreter's teardown (no-op without a process group)."""
+    script = tmp_path / "end.py"
+    script.write_text(END_PROCESSES)
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "store")], capture_output=True, text=True,
+                          timeout=120)
+    assert (proc.returncode, proc.stdout) == (3, "before"), proc.stderr[-2000:]
 
 
 def launcher_env(monkeypatch, *flags):

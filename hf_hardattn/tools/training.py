@@ -22,12 +22,14 @@ import copy
 import dataclasses
 import difflib
 import json
+import logging as stdlib_logging
 import math
 import os
 import platform
 import re
 import shutil
 import statistics
+import sys
 import time
 
 import sacrebleu
@@ -538,14 +540,22 @@ def check_processes_started(environ=None) -> None:
         "leave out --num_processes (or unset MASTER_ADDR if your shell exports it).")
 
 
-def end_processes() -> None:
-    """End a multi-process run (no-op otherwise): every process waits at a barrier until process 0 has saved, then
-    the process group is destroyed, torch's documented shutdown. Left to interpreter exit, a gloo process that finished
-    first aborted at random ("terminate called without an active exception", SIGABRT: 1 of ~8 two-process runs of
-    the tests on a 2-core AVX2 EPYC, 2026-11-27)."""
+def end_processes(status: int = 0) -> None:
+    """End the process of a multi-process run here, with ``status`` (a no-op otherwise): every process waits at a
+    barrier until process 0 has saved, flushes its output and leaves through ``os._exit``, without the interpreter's
+    teardown. That teardown destroys the gloo process group (through DDP's reducer, when the Trainer is freed) while
+    holding the GIL and joins the group's worker thread, which may still be releasing a finished collective's
+    Python-owned tensors and waits for the GIL: a deadlock (1 of ~15 two-process runs of the tests on a 2-core AMD
+    EPYC; the stacks: ``~ProcessGroupGloo`` -> ``std::thread::join`` in the main thread, ``decref_pyobject`` ->
+    ``gil_scoped_acquire`` in ``ProcessGroupGloo::runLoop``). ``destroy_process_group()`` first does not help (DDP's
+    reducer keeps the group), and left to interpreter exit a gloo process aborted at random ("terminate called
+    without an active exception")."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+        stdlib_logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
 
 
 def save_decoding_setting(model, args) -> None:
