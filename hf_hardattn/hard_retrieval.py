@@ -86,8 +86,9 @@ def sampled_retrieval(probs: torch.Tensor, values: torch.Tensor, dropout: float 
     * ``"before_draw"`` (the authors' code, hfxunlp/transformer ``modules/attn/retr.py``): dropout on P, then the draw
       from the kept probabilities renormalised, P' = m * P / sum(m * P) with m_j ~ Bernoulli(1 - p) per key; the
       straight-through gradient reaches P through the dropout mask. This changes what is sampled: P = [0.9, 0.1] at
-      p = 0.5 draws index 1 whenever 0.9 is dropped and 0.1 kept, a quarter of the time rather than a tenth. A row
-      whose every probability is dropped draws from P (the authors add a small constant to key 0 instead)."""
+      p = 0.5 draws index 1 with probability 0.3 rather than 0.1 (always when 0.9 is dropped and 0.1 kept, 0.25; with
+      0.1 when both are kept or both dropped, 2 x 0.025). A row whose every probability is dropped draws from P (the
+      authors add a small constant to key 0 instead)."""
     if placement not in DROPOUT_PLACEMENTS:
         raise ValueError(f"`placement` must be one of {DROPOUT_PLACEMENTS}, got {placement!r}.")
     if dropout > 0 and placement == "before_draw":

@@ -303,7 +303,8 @@ def stored(out, recipe):
 def test_hard_retrieval_recipe_row_converges_by_patience_and_stores_every_field(tmp_path, monkeypatch):
     """A constant validation loss: the best at step 1, then 2 evaluations without improvement (patience 2): the row
     stops at step 3 of its cap 6, converged, with its curve; its model is the mean of its checkpoints 1-3; every recipe
-    field is in the row's JSON and in the file's, and the model carries the paper's init and dropout placement."""
+    field is in the row's JSON and in the file's, and the model carries the paper's init and dropout placement;
+    --export-fp16 keeps that averaged model in fp16 with its tokenizer and card."""
     from safetensors.torch import load_file
     from transformers import AutoModelForSeq2SeqLM
 
@@ -311,7 +312,8 @@ def test_hard_retrieval_recipe_row_converges_by_patience_and_stores_every_field(
 
     monkeypatch.setattr(training, "validation_loss", lambda *args, **kwargs: 1.0)
     out = tmp_path / "out"
-    reproduce.main(tiny_argv(tmp_path, "--recipe", "hard_retrieval", "--rows", "hard_cross", "--output-dir", str(out)))
+    reproduce.main(tiny_argv(tmp_path, "--recipe", "hard_retrieval", "--rows", "hard_cross", "--output-dir", str(out),
+                             "--export-fp16", str(tmp_path / "fp16")))
     payload = stored(out, "hard_retrieval")
     row = payload["rows"]["hard_cross"]
     assert row["converged"] is True and row["steps"] == 3 and row["convergence"]["steps_reached"] == 3
@@ -332,6 +334,13 @@ def test_hard_retrieval_recipe_row_converges_by_patience_and_stores_every_field(
     state = model.state_dict()
     for name in saved[0]:
         torch.testing.assert_close(state[name].double(), sum(s[name].double() for s in saved) / 3, rtol=0, atol=1e-7)
+    half = AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "fp16" / "hard_cross")
+    assert load_file(str(tmp_path / "fp16" / "hard_cross" / "model.safetensors"))["model.shared.weight"].dtype == \
+        torch.float16
+    for name, value in half.state_dict().items():
+        assert torch.equal(value, state[name].half()), name
+    assert (tmp_path / "fp16" / "hard_cross" / "tokenizer.json").exists()
+    assert "| hard_cross |" in (tmp_path / "fp16" / "hard_cross" / "README.md").read_text()
 
 
 def test_hybrid_recipe_student_is_twice_as_wide_and_eq1_continues_the_mle_stage(tmp_path, monkeypatch):

@@ -25,20 +25,36 @@ Presets
     * ``base``: the papers' Transformer-base sizes (d_model 512, 6+6, 8 heads, FFN 2048) for a GPU, by steps.
     * ``tiny``: d_model 32, a few steps, a few test sentences: checks the pipeline in seconds, learns nothing.
 
+Recipes (``--recipe``): ``today`` (default), the preset's for every row; or a paper's on the preset's sizes
+(:data:`PAPER_RECIPES`; results in ``reproduce_TASK_PRESET_RECIPE.json``) for that paper's rows alike, the baseline
+included: ``hard_retrieval`` (Lipschitz init, attention dropout 0.1 before the draw, the average of the last 5
+checkpoints), ``hybrid`` (GRU 2 x d_model wide, MLE stage with the teacher's budget, Eq. 1 continuing its optimizer,
+KD data of beam 12), ``beam_joint`` (dropout 0.2, label smoothing 0). Each trains to convergence (:data:`CONVERGENCE`;
+cpu preset: validation loss every 250 steps, patience 5, cap 12000 steps) with the inverse-square-root schedule.
+
+Convergence (``--patience N --eval-steps E``, any recipe): every E steps the validation split's loss (``val_loss``:
+teacher-forced NLL per token, no label smoothing) or BLEU (``--patience-metric val_bleu``) is measured; a row stops
+once N evaluations in a row have not improved on its best, or at the cap (``--max-steps``, ``--minutes``). The row
+stores ``converged``, ``steps`` (reached) and ``convergence`` (the rule and its curve [[step, value], ...]; per stage
+for the two-stage rows). The validation split then decides when a row stops; test_2016_flickr stays untouched.
+
 Rows (``--rows``, default all): see :data:`ROWS`. A row that decodes another row's model differently (e.g.
 ``soft_decoded_hard``) or learns from its translations (``hybrid_*_kd``, ``hybrid_*_kd_eq1``) runs that row first.
 KD rows name their stage-2 objective (``hf_hardattn.tools.distill`` ``kd_scheme``): ``hybrid_*_kd`` are sequence-level KD
 only, not the hybrid paper's Eq. 1 (``sequence_only``: trained from scratch on the soft row's beam-4 translations,
 no reference term, no MLE stage); ``hybrid_*_kd_eq1`` are Eq. 1 with the paper's two stages (``eq1_sequence``: MLE
-on the references for the first half of the row's budget, then reference NLL + lambda * NLL of the teacher's
-translation, lambda 1, for the second half; each stage runs the preset's schedule compressed onto its half, warm-up
-halved too). The beam-joint
+on the references, then reference NLL + lambda * NLL of the teacher's translation, lambda 1; today's recipe gives
+each stage half the row's budget and a new optimizer running the preset's schedule compressed onto its half, warm-up
+halved too; the ``hybrid`` recipe gives the MLE stage the teacher's budget and continues its optimizer). The beam-joint
 rows and ``rnn_luong_soft`` (their soft baseline on the same Luong-style LSTM decoder) train with label smoothing 0,
 the beam-joint paper's plain likelihood (the ``*_bahdanau`` rows keep the earlier recipe: the
 hybrid's GRU decoder, label smoothing 0.1). Finished rows are stored in ``reproduce_TASK_PRESET.json`` in the
 output folder and skipped on a rerun (``--force`` redoes them), so a run can be interrupted and resumed, and two
 processes may run disjoint sets of rows into the same folder (e.g. one thread each for the small nouns models; train
-the tokenizer first). Every row stores the command that produced it, its seed and the preset's recipe.
+the tokenizer first). Every row stores the command that produced it, its seed, the recipe (``recipe_name`` and every
+field of :class:`Recipe`) and the training settings its model was built with (``model_fields``: sizes, dropouts,
+label smoothing, init, dropout placement, RNN widths), so that no override goes unrecorded. ``--export-fp16 DIR``
+also keeps each trained row's final model in fp16 with its tokenizer and card.
 """
 
 from __future__ import annotations
@@ -105,11 +121,11 @@ class Recipe:
     init_std: float | str | None = "model"  # config init_std of every hf_hardattn row; "model": each type's default
     attention_dropout: float | None = None  # config attention_dropout; None: the model's default (0)
     retrieval_dropout: str | None = None  # hard retrieval's dropout placement (config); None: the default, after_draw
-    average_checkpoints: int = 0  # N > 0: the row's model is the mean of its last N saved checkpoints
-    checkpoint_steps: int | None = None  # the interval of those checkpoints (None: eval_steps)
-    patience: int | None = None  # convergence: stop after this many evaluations without improvement (None: budget only)
+    average_checkpoints: int = 0  # N > 0: the row's model is the mean of its last N checkpoints, checkpoint_steps apart
+    checkpoint_steps: int | None = None
+    patience: int | None = None  # stop after this many evaluations (eval_steps apart) without improvement; None: budget
     patience_metric: str = "val_loss"  # training.PATIENCE_METRICS: the validation split's loss, or its BLEU
-    eval_steps: int | None = None  # the interval of those evaluations
+    eval_steps: int | None = None
     mle_stage: str = "half"  # hybrid_*_kd_eq1 rows: see MLE_STAGES
     distill_beams: int = 4  # beam of the teacher's translations (the KD data)
 
@@ -180,22 +196,18 @@ CONVERGENCE = {
 # convergence (CONVERGENCE) with the inverse-square-root schedule of Vaswani et al., which the papers follow and which
 # does not depend on where training ends.
 PAPER_RECIPES = {
-    # Xu et al., hard retrieval (arXiv:2009.14658, Sec. 4.1) and their code (hfxunlp/transformer): Lipschitz-constrained
-    # init (Xu et al. 2020a), attention dropout 0.1 (cnfg/base.py attn_drop = drop) on the probabilities before the
-    # draw (modules/attn/retr.py), label smoothing 0.1, the average of the last 5 checkpoints evaluated
+    # Xu et al. (Sec. 4.1) and their code (hfxunlp/transformer): init of Xu et al. 2020a, attention dropout 0.1
+    # (cnfg/base.py attn_drop = drop) before the draw (modules/attn/retr.py), the average of the last 5 checkpoints
     "hard_retrieval": dict(fields=dict(init_std="lipschitz", embed_init_std=None, attention_dropout=0.1,
                                        retrieval_dropout="before_draw", label_smoothing=0.1, average_checkpoints=5),
                            rows=("soft", "hard_cross", "hard_self_cross", "hard_enc_dec", "soft_decoded_hard",
                                  "hard_decoded_soft")),
-    # Wang, Wu & Liu, hybrid (Sec. 2.2, 3.1): a GRU decoder twice as wide as the model (1024 over 512 embeddings), MLE
-    # then Eq. 1 fine-tuning of the same model (here: the MLE stage with the teacher's budget, Eq. 1 continuing its
-    # optimizer), the teacher's translations with the paper's beam (12; the paper states no other beam), label
-    # smoothing 0.1 (Vaswani et al.'s, which the paper follows for its Transformer)
+    # Wang, Wu & Liu (Sec. 2.2, 3.1): GRU 1024 over 512 embeddings, MLE then Eq. 1 fine-tuning of the same model, beam
+    # 12 (the only beam the paper states), label smoothing 0.1 (Vaswani et al., which it follows)
     "hybrid": dict(fields=dict(rnn="2x", mle_stage="teacher", distill_beams=12, label_smoothing=0.1),
                    rows=("soft", "hybrid_additive", "hybrid_dot", "hybrid_multihead", "hybrid_additive_kd_eq1",
                          "hybrid_dot_kd_eq1", "hybrid_multihead_kd_eq1")),
-    # Shankar, Garg & Sarawagi, beam-joint (Sec. 4): dropout 0.2, plain likelihood (tensorflow/nmt: no label
-    # smoothing); not taken: its SGD, batch 64 sentences and LSTM encoder
+    # Shankar, Garg & Sarawagi (Sec. 4): dropout 0.2, no label smoothing; not its SGD, batch 64, LSTM encoder
     "beam_joint": dict(fields=dict(dropout=0.2, label_smoothing=0.0),
                        rows=("soft", "rnn_luong_soft", "beam_joint_rnn_k6", "beam_joint_rnn_k6_decoded_k1",
                              "full_joint_rnn", "beam_joint_k6", "beam_joint_k6_decoded_k1")),
@@ -371,7 +383,7 @@ ROWS = [
           "from scratch: no reference term, no MLE stage)", "close to the soft teacher, above hybrid without KD",
           build=_hybrid(a), kd_scheme="sequence_only") for a in ("additive", "dot", "multihead")],
     *[Row(f"hybrid_{a}_kd_eq1", "hybrid + KD, Tables 2-3: Eq. 1, two stages (MLE, then reference NLL + NLL of the "
-          "teacher's output; the stages' budgets: the recipe's mle_stage)", "close to the soft teacher, above hybrid without KD",
+          "teacher's output; budgets: the recipe's mle_stage)", "close to the soft teacher, above hybrid without KD",
           build=_hybrid(a), kd_scheme="eq1_sequence", two_stage=True) for a in ("additive", "dot", "multihead")],
     Row("rnn_luong_soft", "beam-joint, Table 1 (soft attention on the paper's LSTM decoder)",
         "baseline of beam_joint_rnn_k6 (same decoder, soft attention)",
@@ -658,7 +670,8 @@ MODEL_FIELDS = ("d_model", "dropout", "attention_dropout", "label_smoothing", "i
 def run_row(row: Row, ctx) -> dict:
     args, recipe = ctx["args"], ctx["recipe"]
     result = dict(row=row.name, paper=row.paper, expect=row.expect, seed=args.seed, command=row_command(ctx, row.name),
-                  recipe_name=recipe.name, recipe=dataclasses.asdict(recipe),  # per row too: rows of one table may come from different runs
+                  recipe_name=recipe.name,  # the recipe per row too: rows of one table may come from different runs
+                  recipe=dataclasses.asdict(recipe),
                   machine=training.machine())  # and machines: minutes of training only compare on the same one
     if row.source is not None:
         model = on_accelerator(row.derive(load_model(ctx, row.source)).eval())
@@ -680,15 +693,21 @@ def run_row(row: Row, ctx) -> dict:
     others = {VALIDATION_SET: ctx["val"]} if ctx.get("val") is not None else None
     result.update(evaluate(ctx["task"], model, ctx["tokenizer"], ctx["test"], recipe, other_sets=others))
     folder = model_dir(ctx, row.name)
+    save_row_model(ctx, row.name, model, result, folder)
+    if getattr(args, "export_fp16", None) and row.source is None:  # a trained row's final (averaged) weights in fp16
+        save_row_model(ctx, row.name, copy.deepcopy(model).half(), result, os.path.join(args.export_fp16, row.name))
+    return result
+
+
+def save_row_model(ctx, name, model, result, folder):
+    """``model`` with its tokenizer (and, for an hf_hardattn model, its card showing the row) in ``folder``."""
     os.makedirs(folder, exist_ok=True)
     if hasattr(model, "card_title"):  # hf_hardattn models: the card shows the table (refreshed in write_outputs)
-        write_card_results(folder, row.name, row_table(ctx["task"], ctx["preset"], {row.name: result}))
-    if hasattr(model, "card_title"):  # hf_hardattn models: one atomic save of weights, card and tokenizer
-        model.save_pretrained(folder, tokenizer=ctx["tokenizer"])
+        write_card_results(folder, name, row_table(ctx["task"], ctx["preset"], {name: result}))
+        model.save_pretrained(folder, tokenizer=ctx["tokenizer"])  # one atomic save of weights, card and tokenizer
     else:  # marian: transformers' own save
         model.save_pretrained(folder)
         ctx["tokenizer"].save_pretrained(folder)
-    return result
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -817,11 +836,8 @@ def add_arguments(parser: argparse.ArgumentParser):
     parser.add_argument("--preset", choices=PRESET_NAMES, default="cpu",
                         help="recipe and sizes (cpu: the tables; base: Transformer-base, GPU; tiny: tests)")
     parser.add_argument("--recipe", choices=RECIPE_NAMES, default="today",
-                        help="today (default: the preset's recipe) or a paper's recipe on the preset's sizes, for that "
-                             "paper's rows: hard_retrieval (Lipschitz init, attention dropout 0.1 before the draw, "
-                             "average of the last 5 checkpoints), hybrid (decoder 2x wide, MLE stage with the teacher's "
-                             "budget, Eq. 1 continuing its optimizer, KD data of beam 12), beam_joint (dropout 0.2, "
-                             "label smoothing 0); each trains to convergence (--patience) with a cap (--max-steps)")
+                        help="today (default: the preset's) or a paper's recipe on the preset's sizes for that paper's "
+                             "rows, trained to convergence (--patience) with a cap (--max-steps); see the description")
     parser.add_argument("--rows", nargs="+", default=None, metavar="ROW",
                         help=f"rows to run (default: all of the task's); choices: {' '.join(ROW_NAMES)}")
     parser.add_argument("--data", default=None, help="multi30k: a folder of {train,test_2016_flickr}.{en,de}[.gz] "
@@ -831,10 +847,8 @@ def add_arguments(parser: argparse.ArgumentParser):
     parser.add_argument("--learning-rate", type=float, default=None, help="override the preset's peak learning rate")
     parser.add_argument("--eval-size", type=int, default=None, help="override the preset's number of test examples")
     parser.add_argument("--patience", type=int, default=None,
-                        help="train to convergence: stop once the validation metric has not improved for this many "
-                             "evaluations (--eval-steps apart), or at the cap (--max-steps / --minutes); the row "
-                             "records the curve, the step reached and whether it converged (default: the recipe's; "
-                             "today's: none)")
+                        help="stop once the validation metric has not improved for this many evaluations "
+                             "(--eval-steps apart), or at the cap (--max-steps / --minutes) (default: the recipe's)")
     parser.add_argument("--patience-metric", choices=tuple(training.PATIENCE_METRICS), default=None,
                         help="the metric of --patience: val_loss (default: the validation split's teacher-forced NLL "
                              "per token) or val_bleu (its BLEU, beam 4: slower)")
@@ -856,6 +870,10 @@ def add_arguments(parser: argparse.ArgumentParser):
     parser.add_argument("--output-dir", default=None, help="models, KD data and results (default "
                                                            "outputs/reproduce/TASK-PRESET)")
     parser.add_argument("--results-dir", default=None, help="also write reproduce_TASK_PRESET.{json,md} here")
+    parser.add_argument("--export-fp16", default=None, metavar="DIR",
+                        help="also save each trained row's final model (under --recipe hard_retrieval: the average of "
+                             "its last checkpoints) in fp16 safetensors with its tokenizer and card to DIR/ROW, small "
+                             "enough to keep beside the results (a d_model 256 row: about 15 MB)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--seed", type=int, default=0, help="random seed of every row (default 0)")
     parser.add_argument("--force", action="store_true", help="rerun rows that are already in results.json")

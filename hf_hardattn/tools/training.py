@@ -34,6 +34,7 @@ import time
 
 import sacrebleu
 import torch
+from safetensors.torch import load_file
 from tqdm.auto import tqdm
 from transformers import (
     DataCollatorForSeq2Seq,
@@ -400,8 +401,6 @@ def average_checkpoints(paths) -> dict:
     ``model.safetensors``): summed in float64, then cast to each tensor's own dtype. Tensors that are not floating
     point (integer buffers) must be equal in every checkpoint and are kept. As the hard-retrieval paper evaluates
     (the average of the last 5 checkpoints)."""
-    from safetensors.torch import load_file
-
     paths = [os.fspath(path) for path in paths]
     if not paths:
         raise ValueError("`paths` is empty: averaging needs at least one checkpoint folder.")
