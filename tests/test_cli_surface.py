@@ -9,8 +9,8 @@ import warnings
 import pytest
 
 from hf_hardattn import SoftTransformerConfig, SoftTransformerForConditionalGeneration
-from hf_hardattn_cli.command import build_parser, main
 from hf_hardattn.tools.tokenization import train_tokenizer
+from hf_hardattn_cli.command import build_parser, main
 
 
 def subparsers():

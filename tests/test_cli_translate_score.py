@@ -16,9 +16,9 @@ from transformers import MarianConfig, MarianMTModel
 from common import FP32_PATHS_RTOL, memorise, tiny_kwargs
 from hf_hardattn import (HardRetrievalConfig, HardRetrievalForConditionalGeneration, SoftTransformerConfig,
                          SoftTransformerForConditionalGeneration)
-from hf_hardattn_cli.command import main
 from hf_hardattn.packed_linear import packing_available
 from hf_hardattn.tools.tokenization import train_tokenizer
+from hf_hardattn_cli.command import main
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 SOURCES = ["a b c", "c b a d e", "e e d", "b", "d c b a e c", "a a"]

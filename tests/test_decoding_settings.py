@@ -15,9 +15,9 @@ from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, GenerationConfig
 
 from hf_hardattn.soft import SoftTransformerConfig, SoftTransformerForConditionalGeneration
 from hf_hardattn.registry import MODEL_TYPES
-from hf_hardattn_cli.command import main
 from hf_hardattn.tools.tokenization import train_tokenizer
 from hf_hardattn.tools.training import tokenize_dataset, train_seq2seq, translate
+from hf_hardattn_cli.command import main
 
 from test_train_cli import SIZES, write_pairs
 

@@ -20,10 +20,10 @@ from huggingface_hub.repocard_data import model_index_to_eval_results
 from transformers import MarianConfig, MarianMTModel, Seq2SeqTrainer, Seq2SeqTrainingArguments
 
 from common import randomize, tiny_kwargs, toy_tokenizer
-from hf_hardattn_cli.command import main
 from hf_hardattn.model_card import CARD_METADATA, RESULTS_FILE, render_model_card
 from hf_hardattn.tools.trainer_card import Seq2SeqCardTrainer
 from hf_hardattn.tools.training import Seq2SeqLengthTrainer
+from hf_hardattn_cli.command import main
 from test_pipelines_hub import MODELS, hub  # noqa: F401  (the recording HfApi fixture)
 from test_train_cli import SIZES, data  # noqa: F401  (the en/de reversal task fixture)
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from common import contract_model, toy_tokenizer
-from hf_hardattn_cli.command import main
 from hf_hardattn.tools.plot import attention_maps, plot_comparison, plot_layers
+from hf_hardattn_cli.command import main
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 SOURCE = "t5 t9 t7 t12 t6"

@@ -146,8 +146,8 @@ def test_a_vocab_size_below_what_the_kind_needs_is_refused_naming_the_minimum(tm
     silently), and the sizes from 260 up are honoured exactly. char: the specials and one character."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-    from hf_hardattn_cli.command import main
     from hf_hardattn.tools.tokenization import SPECIAL_TOKENS, min_vocab_size
+    from hf_hardattn_cli.command import main
 
     texts = CORPUS * 5 + DE * 5
     raw = Tokenizer(models.BPE(unk_token="<unk>"))  # the reference: the library alone, as train_tokenizer sets it up

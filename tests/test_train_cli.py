@@ -17,9 +17,9 @@ from safetensors.torch import load_file
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, MarianConfig, MarianMTModel
 
 from hf_hardattn.tools import train_cli
-from hf_hardattn_cli.command import main
 from hf_hardattn.tools.tokenization import train_tokenizer
 from hf_hardattn.tools.training import translate
+from hf_hardattn_cli.command import main
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 SIZES = ["--d-model", "32", "--encoder-layers", "1", "--decoder-layers", "1", "--heads", "2", "--ffn-dim", "64"]
