@@ -256,9 +256,9 @@ class HardAttnConfig(PreTrainedConfig):
             raise ValueError(f"`layer_norm_eps` must be a positive finite number (default 1e-5), got "
                              f"{self.layer_norm_eps!r}.")
         if self.init_std is not None and self.init_std not in INIT_SCHEMES and not _positive_finite(self.init_std):
-            raise ValueError(f"`init_std` must be None (Xavier linears), a positive finite number (every linear, and "
-                             f"the embeddings unless `embed_init_std` is set, N(0, init_std)) or one of "
-                             f"{INIT_SCHEMES}, got {self.init_std!r}.")
+            raise ValueError(f"`init_std` must be None (Xavier linears), one of {INIT_SCHEMES} (Xu et al. 2020a's "
+                             f"init) or a positive finite number (every linear, and the embeddings unless "
+                             f"`embed_init_std` is set, N(0, init_std)), got {self.init_std!r}.")
         if self.embed_init_std is not None and not _positive_finite(self.embed_init_std):
             raise ValueError(f"`embed_init_std` must be None (embeddings as `init_std` says) or a positive finite "
                              f"number (every embedding N(0, embed_init_std)), got {self.embed_init_std!r}.")
