@@ -269,6 +269,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                          "has them, slower on the AVX2 CPU measured)")
     tr.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                     help="weights' dtype while decoding (bfloat16: CPUs with native bf16)")
+    tr.add_argument("--compile", action="store_true",
+                    help="static cache and compiled decoding steps (torch.compile; the first batches pay the compile, "
+                         "tens of seconds; soft and hard-retrieval models, MarianMTModel / BART; not with --int8 or "
+                         "--pack-linears)")
     tr.add_argument("--threads", type=positive_int, default=max(1, min(os.cpu_count() or 1, 8)),
                     help="torch CPU threads (default: the cores, at most 8)")
     tr.add_argument("--quiet", action="store_true", help="no progress bar, no speed line")

@@ -86,8 +86,9 @@ def test_static_and_compiled_decoding_equal_eager_dynamic(name, backend):
 
 @pytest.mark.parametrize("name", STATIC_TYPES)
 def test_generate_builds_a_static_cache_of_the_call(name):
-    """generate() decodes with a StaticHardAttnCache of the call's rows (sentences x beams) and max_length - 1 slots,
-    and returns it; transformers sees it as compileable, with no linear (state-space) layer."""
+    """generate() decodes with a StaticHardAttnCache of the call's rows (sentences x beams) and max_length - 1 slots
+    (or more: the longest of the model's earlier static calls), and returns it; transformers sees it as compileable,
+    with no linear (state-space) layer."""
     model = model_of(name)
     out = generate(model, "beam", cache_implementation="static")
     cache = getattr(out, CACHE_FIELD)
@@ -96,10 +97,13 @@ def test_generate_builds_a_static_cache_of_the_call(name):
     assert cache.max_cache_len == out.sequences.shape[1] - 1 == 8 and cache.max_batch_size == 2 * 4
     assert int(cache.get_seq_length()) == 8
     assert all(layer.keys.shape == (8, 4, 8, 8) for layer in cache.self_attention_cache.layers)
+    shorter = model.generate(**dict(zip(("input_ids", "attention_mask"), source_batch())), max_new_tokens=4,
+                             cache_implementation="static", return_dict_in_generate=True)
+    assert getattr(shorter, CACHE_FIELD).max_cache_len == 8  # the longest so far: a compiled step keeps its shapes
 
 
 def test_compiles_are_bounded_over_batch_sizes_and_source_lengths():
-    """``dynamic=True``: greedy calls of 2, 3 and 5 sentences and sources of 7, 9 and 11 tokens, 6 steps each, share
+    """``dynamic=True``: greedy calls of 2, 3, 5 and 17 sentences and sources of 7, 9 and 11 tokens, 6 steps each, share
     ONE graph (batch and source length symbolic; the decoding step takes one attention path for every batch size);
     beam search (a grouped memory: g rows per sentence) adds one graph for every batch size and source length. A single
     sentence gets its own graph (torch specialises sizes of 1): at most 4 graphs in all, however many shapes."""
@@ -114,7 +118,7 @@ def test_compiles_are_bounded_over_batch_sizes_and_source_lengths():
         model.generate(input_ids=ids, max_new_tokens=6, min_new_tokens=6, cache_implementation="static",
                        compile_config=config, **kwargs)
 
-    for batch, length in ((2, 7), (3, 7), (3, 9), (5, 11)):
+    for batch, length in ((2, 7), (3, 7), (3, 9), (5, 11), (17, 9)):
         run(batch, length)
     assert counter.compiled == 1
     for batch, length in ((2, 7), (3, 9)):
@@ -242,3 +246,70 @@ def test_other_cache_implementations_are_refused():
     with pytest.raises(ValueError, match=r"`cache_implementation`='sliding_window' is not supported .* allowed: "
                                          r"None, 'dynamic' or 'static'"):
         model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, cache_implementation="sliding_window")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# translate --compile and the translation pipeline
+# ----------------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def saved_soft(tmp_path_factory):
+    """The fitted float64 soft model saved with the toy tokenizer, and 7 sources of the reversal task."""
+    from common import copy_task, toy_tokenizer
+
+    folder = tmp_path_factory.mktemp("static") / "soft64"
+    as_float64(contract_model("soft")).save_pretrained(folder, tokenizer=toy_tokenizer())
+    sources = [" ".join(f"t{i}" for i in row["input_ids"][:-1]) for row in copy_task(7, seed=5)]
+    return folder, sources
+
+
+def test_translate_compile_gives_the_eager_lines(saved_soft, tmp_path, monkeypatch):
+    """``hf-hardattn translate --compile`` (beam 4, batches of 3: padded, the last one smaller) writes the lines of
+    the eager translate (float64 model); its decoding steps ran compiled (a graph was compiled: the backend is
+    swapped for a counting dynamo-only one here, inductor's compile taking tens of seconds)."""
+    import functools
+
+    from hf_hardattn import modeling_hardattn
+    from hf_hardattn_cli.command import main
+
+    folder, sources = saved_soft
+    source = tmp_path / "in.txt"
+    source.write_text("\n".join(sources), encoding="utf-8")
+    counter = Counter("eager")
+    monkeypatch.setattr(modeling_hardattn, "compiled_decoding",
+                        functools.partial(modeling_hardattn.compiled_decoding, backend=counter))
+    outputs = []
+    for extra in ([], ["--compile"]):
+        out = tmp_path / f"out{len(extra)}.txt"
+        assert main(["translate", str(folder), "-i", str(source), "-o", str(out), "--quiet", "--threads", "1",
+                     "--num-beams", "4", "--batch-size", "3", "--max-new-tokens", "9", *extra]) == 0
+        outputs.append(out.read_text().splitlines())
+    assert len(set(outputs[0])) >= 5, outputs[0]  # varied: the comparison could fail
+    assert outputs[1] == outputs[0]
+    assert counter.compiled >= 1
+
+
+@pytest.mark.parametrize("other", ["--int8", "--pack-linears"])
+def test_translate_compile_refuses_prepacked_layers(saved_soft, tmp_path, other, capsys):
+    from hf_hardattn_cli.command import main
+
+    folder, sources = saved_soft
+    source = tmp_path / "in.txt"
+    source.write_text(sources[0], encoding="utf-8")
+    assert main(["translate", str(folder), "-i", str(source), "--compile", other]) != 0
+    assert f"--compile and {other} exclude each other" in capsys.readouterr().err
+
+
+def test_translation_pipeline_takes_the_compiled_decoding_keywords(saved_soft):
+    """``pipeline("translation")`` passes compiled_decoding's generate() keywords through: the eager texts."""
+    from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, pipeline
+
+    from hf_hardattn.modeling_hardattn import compiled_decoding
+
+    folder, sources = saved_soft
+    model = AutoModelForSeq2SeqLM.from_pretrained(folder).eval()
+    translator = pipeline("translation", model=model, tokenizer=AutoTokenizer.from_pretrained(folder))
+    counter = Counter("eager")
+    eager = translator(sources[:3], num_beams=2, max_new_tokens=9)
+    compiled = translator(sources[:3], num_beams=2, max_new_tokens=9, **compiled_decoding(model, backend=counter))
+    assert compiled == eager and len({row["translation_text"] for row in eager}) == 3
+    assert counter.compiled >= 1

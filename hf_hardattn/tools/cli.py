@@ -290,6 +290,10 @@ def run_translate(args):
         other = "--pack-linears" if args.pack_linears else f"--dtype {args.dtype}"
         raise CommandError(f"--int8 and {other} exclude each other: int8 layers replace the packed fp32 ones and run "
                            f"on float32 inputs; choose one.")
+    if args.compile and (args.int8 or args.pack_linears):
+        other = "--int8" if args.int8 else "--pack-linears"
+        raise CommandError(f"--compile and {other} exclude each other: torch.compile cannot trace the prepacked "
+                           f"weights of {other}'s layers; choose one.")
     if args.pack_linears and not packed_linear.packing_available():
         raise CommandError("--pack-linears needs oneDNN's prepacked linear layers, which this torch build lacks; "
                            "translate without it (or with --int8).")
@@ -319,6 +323,10 @@ def run_translate(args):
         raise CommandError(f"line {too_long[0] + 1} of --input={args.input!r} has {too_long[1]} tokens, more than "
                            f"--max-source-tokens={limit}; split the sentence (it is never truncated).")
     sampling = dict(top_k=args.top_k, top_p=args.top_p, temperature=args.temperature) if args.do_sample else {}
+    if args.compile:  # static cache + compiled decoding steps (generate() keywords)
+        from hf_hardattn.modeling_hardattn import compiled_decoding
+
+        sampling.update(compiled_decoding(model))
     if args.do_sample:
         torch.manual_seed(args.seed)
     start = time.perf_counter()
