@@ -29,6 +29,7 @@ import glob
 import json
 import math
 import os
+import re
 import statistics
 import sys
 from dataclasses import dataclass, field
@@ -157,6 +158,11 @@ class Claim:
     bound: Bound
     kind: str  # "quality" (A - B, BLEU or exact match points) or "speed" / "cost" (a ratio)
     evidence: tuple = field(default_factory=tuple)
+    device: str | None = None  # speed and cost: "GPU" where the paper's figure is of a GPU (the headline rule)
+
+    def __post_init__(self):
+        if self.device not in (None, "GPU"):
+            raise ValueError(f"Claim {self.id}: device={self.device!r}; allowed: 'GPU' (the paper timed a GPU) or None.")
 
 
 H200_EMB = "xavier, emb N(0,0.02)"
@@ -210,7 +216,7 @@ CLAIMS = [
               Rounds("Transformer-base, random weights", GPU, "decoding", "hard_retrieval", "soft"),
               Rounds("Transformer-base, random weights", GPU512, "decoding", "hard_retrieval", "soft", (512,)),
               Figures("Transformer-base, random weights", CPU_DECODE, "hard_retrieval / soft"),
-          )),
+          ), device="GPU"),
     Claim("003-hc-sa", "003", "hc-sa about equal to soft (Table 2: almost identical BLEU)", Bound(low=-0.5), "quality", (
         Rows("each type's default init", (SEEDS.format("hc_sa"), EMB.format("soft")), "hc_sa@xavier",
              f"soft@{H200_EMB}"),
@@ -229,13 +235,13 @@ CLAIMS = [
               Rounds("Transformer-base, random weights", GPU, "decoding", "sh_x", "soft"),
               Rounds("Transformer-base, random weights", GPU512, "decoding", "sh_x", "soft", (512,)),
               Figures("Transformer-base, random weights", CPU_DECODE, "sh_x / soft"),
-          )),
+          ), device="GPU"),
     Claim("003-hc-sa-speed", "003", "hc-sa decodes 1.06x as fast as soft (Table 7, GPU, batch 256)", Bound(low=1.06),
           "speed", (
               Rounds("Transformer-base, random weights", GPU, "decoding", "hc_sa", "soft"),
               Rounds("Transformer-base, random weights", GPU512, "decoding", "hc_sa", "soft", (512,)),
               Figures("Transformer-base, random weights", CPU_DECODE[::2], "hc_sa / soft"),
-          )),
+          ), device="GPU"),
     Claim("002-below-teacher", "002", "the hybrid (6-1, RNN decoder) is below its Transformer teacher (Tables 2-3)",
           Bound(high=0.0), "quality", (
               Rows("earlier init", MIN35, "hybrid_dot@xavier", "soft@xavier"),
@@ -257,7 +263,7 @@ CLAIMS = [
         Rounds("Transformer-base, random weights", GPU, "decoding", "hybrid_dot", "soft"),
         Rounds("Transformer-base, random weights", GPU512, "decoding", "hybrid_dot", "soft", (512,)),
         Figures("Transformer-base, random weights", CPU_DECODE, "hybrid_dot / soft"),
-    )),
+    ), device="GPU"),
     Claim("004-about-equal", "004", "the recurrent variants about equal to soft (Table 2: no significant gain)",
           Bound(low=-0.5, high=0.5), "quality", (
               pair("default init", EMB, "recurrent_concat_weight", "soft"),
@@ -299,7 +305,7 @@ CLAIMS = [
         Rounds("Luong LSTM setting, against the same LSTM with soft attention, batch 64", GPU, "training",
                "beam_joint_rnn_k6", "hybrid_rnn_soft"),
         Figures("Transformer setting, d 256, 3+3 layers, batch 128", CPU_TRAIN, "beam_joint_k6 x_soft"),
-    )),
+    ), device="GPU"),
 ]
 BASELINE = Claim("baseline-marian", "baseline", "our soft at or above MarianMTModel of the same size (level: >= -0.5)",
                  Bound(low=-0.5), "quality", (
@@ -529,7 +535,8 @@ def number(value, kind) -> str:
     return f"{value:+.2f}" if kind == "quality" else f"{value:.2f}x"
 
 
-def sets_cell(entry, kind) -> str:
+def sets_cell(entry, kind, compact=False) -> str:
+    """Per set: mean [90% interval]; compact writes a ratio's interval ends without their "x"."""
     parts = []
     for name, s in entry["sets"].items():
         if "figures" in s:
@@ -538,8 +545,9 @@ def sets_cell(entry, kind) -> str:
         elif s["interval"] is None:
             parts.append(f"{name} {number(s['mean'], kind)}")
         else:
-            low, high = s["interval"]
-            parts.append(f"{name} {number(s['mean'], kind)} [{number(low, kind)}, {number(high, kind)}]")
+            low, high = (number(end, kind)[:-1] if compact and kind != "quality" else number(end, kind)
+                         for end in s["interval"])
+            parts.append(f"{name} {number(s['mean'], kind)} [{low}, {high}]")
     return "; ".join(parts)
 
 
@@ -568,17 +576,104 @@ def measure_text(entry) -> str:
 
 
 def paper_table(entries, paper) -> str:
+    """docs/results.md: every evidence group of each claim of one paper, the claim's cell carrying its anchor
+    (``claim-ID``, the README's link) and the headline group marked."""
     lines = ["| paper's claim (bound) | measure; rows: machine, precision, steps, seeds | ours: mean [90% interval] "
              "| verdict |", "| --- | --- | --- | --- |"]
-    last = None
-    for entry in entries:
-        if entry["paper"] != paper:
-            continue
-        kind = "quality" if entry["task"] != "speed" else "speed"
-        claim = "" if entry["claim"] == last else f"{entry['claim']} (bound {entry['bound']})"
-        last = entry["claim"]
-        lines.append(f"| {claim} | `{measure_text(entry)}`; {rows_cell(entry)} | {sets_cell(entry, kind)} "
-                     f"| {verdict_cell(entry)} |")
+    for claim in claims_of(paper):
+        group = [e for e in entries if e["id"] == claim.id]
+        top = headline(claim, group)
+        for i, entry in enumerate(group):
+            cell = f'<a id="{anchor(claim)}"></a>{entry["claim"]} (bound {entry["bound"]})' if i == 0 else ""
+            mark = "**headline:** " if entry is top else ""
+            lines.append(f"| {cell} | {mark}`{measure_text(entry)}`; {rows_cell(entry)} | "
+                         f"{sets_cell(entry, kind_of(entry))} | {verdict_cell(entry)} |")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------- the headline
+DEFAULT_INIT = ("default init", "each type's default init")  # evidence labels of today's default init
+
+
+def device_of(entry) -> str:
+    """A speed entry's device: "GPU" for gpu_speed.py's files (they name the GPU in ``environment``), else "CPU"."""
+    with open(os.path.join(RESULTS, entry["rows"][0]["file"])) as handle:
+        payload = json.load(handle)
+    return "GPU" if payload.get("environment", {}).get("gpu_name") else "CPU"
+
+
+def headline_key(claim: Claim, entry) -> tuple:
+    """The headline rule as a sort key (smallest first).
+
+    quality: the most seeds, then the longest training (a group's fewest steps), then today's default init;
+    speed and cost: timed rounds before figures (figures give no verdict), then rounds on the paper's device (the GPU
+    where the claim's paper timed one, ``Claim.device``, else a CPU), then the most rounds.
+    Ties keep the order of the claim's evidence in CLAIMS."""
+    if entry["task"] != "speed":
+        return (-len(entry["seeds"]), -min(entry["steps"]), not entry["evidence"].startswith(DEFAULT_INIT))
+    rounds = entry.get("rounds") or []
+    return (not rounds, device_of(entry) != (claim.device or "CPU"), -max(rounds, default=0))
+
+
+def headline(claim: Claim, entries) -> dict:
+    """The claim's headline evidence (the README's one row): the first of its entries by headline_key."""
+    entries = list(entries)
+    if not entries:
+        raise ValueError(f"claim {claim.id}: no evidence entry to choose a headline from.")
+    return sorted(entries, key=lambda entry: headline_key(claim, entry))[0]  # sorted is stable: CLAIMS order on ties
+
+
+def claims_of(paper) -> list[Claim]:
+    return [claim for claim in CLAIMS + [BASELINE] if claim.paper == paper]
+
+
+def anchor(claim: Claim) -> str:
+    return f"claim-{claim.id}"
+
+
+def kind_of(entry) -> str:
+    return "quality" if entry["task"] != "speed" else "speed"
+
+
+def short_word(verdict: str) -> str:
+    """A verdict in a word or three, for the README's list of the other groups: split, not told apart, not judged."""
+    for head in ("split", "not told apart", "not judged"):
+        if verdict.startswith(head):
+            return head
+    return verdict
+
+
+def readme_word(verdict: str) -> str:
+    """The verdict less its "(n seeds)" / "(n rounds)", which the headline evidence cell gives beside it."""
+    return re.sub(r" \(\d+ (?:seed|round)s\)", "", verdict)
+
+
+def short_rows(entry) -> str:
+    """The headline's evidence in short form: label; machine precision, steps, seed count (or rounds)."""
+    if entry["task"] == "speed":
+        count = (f"{joined(entry['rounds'])} rounds" if entry.get("rounds") else "one figure per setting")
+        return f"{entry['evidence']}; {entry['machine']} {entry['precision']}, {count}"
+    task = "nouns, " if entry["task"] == "nouns" else ""
+    n = len(entry["seeds"])
+    return (f"{task}{entry['evidence']}; {entry['machine']} {entry['precision']}, {joined(entry['steps'])} steps, "
+            f"{n} seed{'s' if n != 1 else ''}")
+
+
+def headline_table(entries, paper) -> str:
+    """README: one row per claim of the paper: the claim with our measure and its bound, the headline evidence, its
+    mean [90% interval] per set, the rule's word, and a link to the other groups in docs/results.md."""
+    lines = ["| paper's claim: our measure, bound | headline evidence | ours [90% interval] | verdict (more groups) |",
+             "| --- | --- | --- | --- |"]
+    for claim in claims_of(paper):
+        group = [e for e in entries if e["id"] == claim.id]
+        top = headline(claim, group)
+        others = [e for e in group if e is not top]
+        more = ("" if not others else f" ([{len(others)} more](docs/results.md#{anchor(claim)}): "
+                f"{', '.join(short_word(e['verdict']) for e in others)})")
+        recipe = "" if not top["recipe"].startswith("paper") else \
+            f" (paper's recipe, {'converged' if top['converged'] else 'not converged'})"
+        lines.append(f"| {claim.claim}: `{measure_text(top)}` {top['bound']} | {short_rows(top)} | "
+                     f"{sets_cell(top, kind_of(top), compact=True)} | {readme_word(top['verdict'])}{recipe}{more} |")
     return "\n".join(lines)
 
 
@@ -605,22 +700,24 @@ def detail_table(entries) -> str:
 
 def regions(entries) -> dict:
     """{(file, region name): generated text}."""
-    out = {(DOCS_RESULTS, "verdicts"): detail_table(entries)}
+    out = {(DOCS_RESULTS, "verdicts"): detail_table(entries), (DOCS_RESULTS, "groups"): "\n\n".join(
+        f"**{title}**\n\n{paper_table(entries, paper)}" for paper, title in
+        [*TABLES.items(), ("baseline", "Baseline: our soft against MarianMTModel of the same size")])}
     for paper in TABLES:
-        out[(README, f"paper {paper}")] = paper_table(entries, paper)
+        out[(README, f"paper {paper}")] = headline_table(entries, paper)
     quality = [e for e in entries if e["converged"] is not None and e["paper"] != "baseline"]
     earned = [e for e in quality if e["converged"] and e["recipe"].startswith("paper")]
-    count = f"None of the {len(quality)} quality verdicts yet rests" if not earned else \
-        f"{len(earned)} of the {len(quality)} quality verdicts rest"
+    count = "No quality verdict yet rests" if not earned else \
+        f"{len(earned)} of the {len(quality)} quality verdicts (evidence groups) rest"
     out[(README, "status")] = (
         f"**{count} on rows trained to convergence with the paper's recipe**"
-        + (f": {'they' if not earned else 'the others'} are of our recipe (our init, a fixed budget of steps or minutes, the last "
-                      "checkpoint), as each cell says, so a \"no\" there is about that budget, not yet about the "
-                      "mechanism." if len(earned) < len(quality) else "."))
+        + (f": {'all' if not earned else 'the others'} are of our recipe (our init, a fixed budget of steps or "
+           "minutes, the last checkpoint), so a \"no\" is about that budget, not yet the mechanism."
+           if len(earned) < len(quality) else "."))
     baseline = [e for e in entries if e["paper"] == "baseline"][0]
     out[(README, "baseline")] = (
-        f"Baseline: our soft model against `MarianMTModel` of the same size ({rows_cell(baseline)}): soft - Marian "
-        f"{sets_cell(baseline, 'quality')}: **{baseline['verdict']}** for \"{baseline['claim']}\".")
+        f"Baseline, {baseline['claim']}: `{measure_text(baseline)}` {baseline['bound']} ({short_rows(baseline)}): "
+        f"{sets_cell(baseline, 'quality')}: **{baseline['verdict']}**.")
     return out
 
 

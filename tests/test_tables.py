@@ -26,11 +26,11 @@ def test_check_fails_with_a_diff_when_a_generated_cell_is_edited_by_hand(tmp_pat
     assert tables.main(["--check"]) == 0
     text = readme.read_text()
     start = text.index("<!-- tables.py: paper 000 -->")
-    cut = text.index("| no |", start)  # a verdict typed by hand instead of the rule's
-    readme.write_text(text[:cut] + "| holds |" + text[cut + len("| no |"):])
+    cut = text.index("| no (", start)  # a verdict typed by hand instead of the rule's
+    readme.write_text(text[:cut] + "| holds (" + text[cut + len("| no ("):])
     assert tables.main(["--check"]) == 1
     out = capsys.readouterr().out
-    assert "+" in out and "| holds |" in out and "README.md (committed)" in out
+    assert "+" in out and "| holds (" in out and "README.md (committed)" in out
     assert readme.read_text() != text  # --check writes nothing
     assert tables.main([]) == 0 and readme.read_text() == text  # writing restores the rule's table
 
@@ -187,3 +187,92 @@ def test_every_verdict_entry_has_the_fields_the_issue_asks_for():
             assert entry["converged"] is False and "not converged" not in entry["verdict"]
             if len(entry["seeds"]) == 1:
                 assert entry["verdict"] == "one seed"
+
+
+def quality_entry(evidence, seeds, steps):
+    return dict(task="multi30k", evidence=evidence, seeds=seeds, steps=steps)
+
+
+def test_the_headline_rule_by_hand():
+    """Quality: the most seeds (4 seeds at 1500 steps over 2 seeds at 3000), then the longest training (a group's
+    fewest steps: 2000 over 1500 / 3000), then today's default init, then the group listed first."""
+    claim = tables.Claim("x", "000", "hard within 0.5 of soft", tables.Bound(low=-0.5), "quality")
+    few, many = quality_entry("earlier init", [0, 1], [3000]), quality_entry("earlier init", [0, 1, 2, 3], [1500])
+    assert tables.headline(claim, [few, many]) is many and tables.headline(claim, [many, few]) is many
+    long, mixed = quality_entry("earlier init", [0, 1], [2000]), quality_entry("earlier init", [0, 1], [1500, 3000])
+    assert tables.headline(claim, [mixed, long]) is long
+    earlier, default = quality_entry("earlier init", [0, 1], [1500]), quality_entry("default init", [0, 1], [1500])
+    assert tables.headline(claim, [earlier, default]) is default
+    assert tables.headline(claim, [quality_entry("each type's default init", [0, 1], [1500]), earlier])["evidence"] \
+        == "each type's default init"
+    twin = quality_entry("earlier init", [0, 1], [1500])
+    assert tables.headline(claim, [earlier, twin]) is earlier and tables.headline(claim, [twin, earlier]) is twin
+    with pytest.raises(ValueError, match="claim x: no evidence entry"):
+        tables.headline(claim, [])
+
+
+def test_the_speed_headline_is_timed_rounds_on_the_papers_device(tmp_path, monkeypatch):
+    """Speed: rounds before figures; the GPU's rounds (fewer) where the claim's paper timed a GPU, a CPU's otherwise;
+    then the most rounds."""
+    monkeypatch.setattr(tables, "RESULTS", str(tmp_path))
+    (tmp_path / "gpu.json").write_text(json.dumps(dict(environment=dict(gpu_name="NVIDIA H200"))))
+    (tmp_path / "cpu.json").write_text(json.dumps(dict(machine=dict(cpu="AMD EPYC", cpu_capability="AVX512"))))
+    gpu = dict(task="speed", rounds=[5], rows=[dict(file="gpu.json")])
+    gpu_more = dict(task="speed", rounds=[15], rows=[dict(file="gpu.json")])
+    cpu = dict(task="speed", rounds=[10], rows=[dict(file="cpu.json")])
+    figures = dict(task="speed", rows=[dict(file="cpu.json")])
+    on_gpu = tables.Claim("g", "000", "fast on a GPU", tables.Bound(low=1.4), "speed", device="GPU")
+    unstated = tables.Claim("c", "004", "slow", tables.Bound(low=5.4), "cost")
+    assert tables.headline(on_gpu, [figures, cpu, gpu]) is gpu
+    assert tables.headline(on_gpu, [gpu, gpu_more, cpu]) is gpu_more
+    assert tables.headline(unstated, [figures, gpu_more, cpu]) is cpu
+    assert tables.headline(unstated, [figures, gpu_more]) is gpu_more  # no CPU rounds: the GPU's before figures
+    assert tables.headline(unstated, [figures]) is figures
+    with pytest.raises(ValueError, match="device='TPU'"):
+        tables.Claim("t", "000", "fast", tables.Bound(low=1.4), "speed", device="TPU")
+
+
+def generated(path, name):
+    text = open(path).read()
+    return text.split(f"<!-- tables.py: {name} -->\n", 1)[1].split("\n<!-- /tables.py -->", 1)[0]
+
+
+def table_rows(body):
+    return [line for line in body.splitlines() if line.startswith("| ") and not line.startswith(("| paper's", "| ---"))]
+
+
+def test_the_readme_has_one_row_per_claim_and_docs_results_every_group():
+    """Every claim of verdicts.json: one README row (its headline's numbers and word, and a link to the claim's
+    anchor in docs/results.md when it has more groups); every group: one row of docs/results.md's full tables."""
+    with open(tables.VERDICTS) as handle:
+        entries = json.load(handle)["verdicts"]
+    claims = {claim.id: claim for claim in tables.CLAIMS + [tables.BASELINE]}
+    ids = list(dict.fromkeys(entry["id"] for entry in entries))
+    assert sorted(ids) == sorted(claims)
+    readme_rows = [row for paper in tables.TABLES for row in table_rows(generated(tables.README, f"paper {paper}"))]
+    baseline = generated(tables.README, "baseline")
+    docs = generated(tables.DOCS_RESULTS, "groups")
+    docs_rows = table_rows(docs)
+    assert len(readme_rows) == len(ids) - 1 and len(docs_rows) == len(entries)
+    for claim_id in ids:
+        claim, group = claims[claim_id], [entry for entry in entries if entry["id"] == claim_id]
+        top = tables.headline(claim, group)
+        cells = [f"`{tables.measure_text(top)}` {top['bound']}", tables.short_rows(top),
+                 tables.sets_cell(top, tables.kind_of(top), compact=True), tables.readme_word(top["verdict"])]
+        if claim.paper == "baseline":
+            assert baseline.count(claim.claim) == 1 and all(cell in baseline for cell in cells)
+        else:
+            mine = [row for row in readme_rows if row.startswith(f"| {claim.claim}: `")]
+            assert len(mine) == 1, (claim_id, mine)
+            cut = mine[0].split(" | ")
+            assert cut[0] == f"| {claim.claim}: {cells[0]}" and cut[1:3] == cells[1:3]
+            assert cut[3].startswith(cells[3]), (cut[3], cells[3])
+            link = f"(docs/results.md#{tables.anchor(claim)})"
+            assert (link in mine[0]) == (len(group) > 1), mine[0]
+        assert docs.count(f'<a id="{tables.anchor(claim)}"></a>') == 1
+        for entry in group:
+            row = (f"`{tables.measure_text(entry)}`; {tables.rows_cell(entry)} | "
+                   f"{tables.sets_cell(entry, tables.kind_of(entry))} | {tables.verdict_cell(entry)} |")
+            found = [line for line in docs_rows if line.endswith(row)]
+            assert len(found) == 1, (claim_id, row)
+            assert ("**headline:** " in found[0]) == (entry == top)
