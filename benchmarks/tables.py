@@ -18,7 +18,10 @@ is judged on (reproduce rows for quality, timed rounds for speed). The rule, per
 
 Every verdict says its recipe (today: ours, a fixed step budget, the last checkpoint) and `converged` false: no row
 yet trained to convergence with the paper's recipe. The output is results/verdicts.json and the regions between
-``<!-- tables.py: NAME -->`` and ``<!-- /tables.py -->`` in README.md and docs/results.md.
+``<!-- tables.py: NAME -->`` and ``<!-- /tables.py -->`` in README.md and docs/results.md: the README has one row
+per claim, its headline evidence (headline_key: the most seeds, then the longest training, then today's default init;
+for speed, timed rounds on the paper's device, then the most rounds) with the other groups' words and a link to
+docs/results.md, whose generated tables hold every group (the headline marked) and every set's per-seed differences.
 """
 
 from __future__ import annotations
@@ -162,7 +165,8 @@ class Claim:
 
     def __post_init__(self):
         if self.device not in (None, "GPU"):
-            raise ValueError(f"Claim {self.id}: device={self.device!r}; allowed: 'GPU' (the paper timed a GPU) or None.")
+            raise ValueError(f"Claim {self.id}: device={self.device!r}; allowed: 'GPU' (the paper timed a GPU) "
+                             f"or None.")
 
 
 H200_EMB = "xavier, emb N(0,0.02)"
