@@ -666,7 +666,7 @@ def short_rows(entry) -> str:
 def headline_table(entries, paper) -> str:
     """README: one row per claim of the paper: the claim with our measure and its bound, the headline evidence, its
     mean [90% interval] per set, the rule's word, and a link to the other groups in docs/results.md."""
-    lines = ["| paper's claim: our measure, bound | headline evidence | ours [90% interval] | verdict (more groups) |",
+    lines = ["| paper's claim: our measure, bound | headline evidence | ours: mean [90% interval] | verdict (more groups) |",
              "| --- | --- | --- | --- |"]
     for claim in claims_of(paper):
         group = [e for e in entries if e["id"] == claim.id]
