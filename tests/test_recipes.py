@@ -301,8 +301,9 @@ def stored(out, recipe):
 
 
 def test_hard_retrieval_recipe_row_converges_by_patience_and_stores_every_field(tmp_path, monkeypatch):
-    """A constant validation loss: the best at step 1, then 2 evaluations without improvement (patience 2): the row
-    stops at step 3 of its cap 6, converged, with its curve; its model is the mean of its checkpoints 1-3; every recipe
+    """A constant validation loss, evaluated every 2 steps: the best at step 2, then 2 evaluations without improvement
+    (patience 2): the row stops at step 6 of its cap 10, converged, with its curve; its model is the mean of its
+    checkpoints (one at every evaluation: steps 2, 4, 6); every recipe
     field is in the row's JSON and in the file's, and the model carries the paper's init and dropout placement;
     --export-fp16 keeps that averaged model in fp16 with its tokenizer and card."""
     from safetensors.torch import load_file
@@ -313,22 +314,23 @@ def test_hard_retrieval_recipe_row_converges_by_patience_and_stores_every_field(
     monkeypatch.setattr(training, "validation_loss", lambda *args, **kwargs: 1.0)
     out = tmp_path / "out"
     reproduce.main(tiny_argv(tmp_path, "--recipe", "hard_retrieval", "--rows", "hard_cross", "--output-dir", str(out),
-                             "--export-fp16", str(tmp_path / "fp16")))
+                             "--export-fp16", str(tmp_path / "fp16"), "--eval-steps", "2", "--max-steps", "10"))
     payload = stored(out, "hard_retrieval")
     row = payload["rows"]["hard_cross"]
-    assert row["converged"] is True and row["steps"] == 3 and row["convergence"]["steps_reached"] == 3
-    assert row["convergence"]["curve"] == [[1, 1.0], [2, 1.0], [3, 1.0]] and row["convergence"]["metric"] == "val_loss"
+    assert row["converged"] is True and row["steps"] == 6 and row["convergence"]["steps_reached"] == 6
+    assert row["convergence"]["curve"] == [[2, 1.0], [4, 1.0], [6, 1.0]] and row["convergence"]["metric"] == "val_loss"
     fields = {field.name for field in reproduce.dataclasses.fields(reproduce.Recipe)}
     assert set(row["recipe"]) == set(payload["recipe"]) == fields
     assert row["recipe_name"] == payload["recipe_name"] == "hard_retrieval" and "--recipe hard_retrieval" in row["command"]
     for name, value in reproduce.PAPER_RECIPES["hard_retrieval"]["fields"].items():
         assert row["recipe"][name] == value, name
-    assert (row["recipe"]["patience"], row["recipe"]["max_steps"], row["recipe"]["lr_scheduler"]) == (2, 6, "inverse_sqrt")
+    assert (row["recipe"]["patience"], row["recipe"]["max_steps"], row["recipe"]["eval_steps"]) == (2, 10, 2)
+    assert row["recipe"]["lr_scheduler"] == "inverse_sqrt" and "--eval-steps 2 " in row["command"] + " "
     assert row["model_fields"]["init_std"] == "lipschitz" and row["model_fields"]["embed_init_std"] is None
     assert row["model_fields"]["retrieval_dropout"] == "before_draw" and row["model_fields"]["attention_dropout"] == 0.1
-    assert row["averaged_checkpoints"] == [1, 2, 3]
+    assert row["averaged_checkpoints"] == [2, 4, 6] and row["checkpoint_steps"] == 2
     saved = [load_file(str(out / "trainer" / "hard_cross" / f"checkpoint-{step}" / "model.safetensors"))
-             for step in (1, 2, 3)]
+             for step in (2, 4, 6)]
     model = AutoModelForSeq2SeqLM.from_pretrained(out / "models" / "hard_cross")
     assert model.config.init_std == "lipschitz" and model.config.retrieval_dropout == "before_draw"
     state = model.state_dict()

@@ -122,7 +122,7 @@ class Recipe:
     attention_dropout: float | None = None  # config attention_dropout; None: the model's default (0)
     retrieval_dropout: str | None = None  # hard retrieval's dropout placement (config); None: the default, after_draw
     average_checkpoints: int = 0  # N > 0: the row's model is the mean of its last N checkpoints, checkpoint_steps apart
-    checkpoint_steps: int | None = None
+    checkpoint_steps: int | None = None  # None: at every evaluation (eval_steps)
     patience: int | None = None  # stop after this many evaluations (eval_steps apart) without improvement; None: budget
     patience_metric: str = "val_loss"  # training.PATIENCE_METRICS: the validation split's loss, or its BLEU
     eval_steps: int | None = None
@@ -229,8 +229,7 @@ def recipe_for(task: str, preset: str, name: str = "today") -> Recipe:
     if "dropout" in fields:
         fields["dims"] = dict(recipe.dims, dropout=fields.pop("dropout"))
     convergence = CONVERGENCE[preset]
-    return dataclasses.replace(recipe, name=name, minutes=None, lr_scheduler="inverse_sqrt",
-                               checkpoint_steps=convergence["eval_steps"], **convergence, **fields)
+    return dataclasses.replace(recipe, name=name, minutes=None, lr_scheduler="inverse_sqrt", **convergence, **fields)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -557,6 +556,7 @@ def train_row(row: Row, ctx, model, train_tok) -> dict:
     recipe, args = ctx["recipe"], ctx["args"]
     rules = {}  # stage -> its Convergence callback
     average = recipe.average_checkpoints
+    checkpoint_steps = recipe.checkpoint_steps or recipe.eval_steps or recipe.max_steps  # and the run's last step
     trainer_dir = os.path.join(ctx["out"], "trainer", row.name)
     if average and os.path.isdir(trainer_dir):  # checkpoints of an earlier run of this row must not be averaged
         shutil.rmtree(trainer_dir)
@@ -573,8 +573,7 @@ def train_row(row: Row, ctx, model, train_tok) -> dict:
         if carry is not None:
             kwargs["carry"] = carry
         if average and stage in ("train", "kd"):  # the last stage saves the checkpoints that are averaged
-            kwargs.update(save_steps=recipe.checkpoint_steps or recipe.eval_steps or recipe.max_steps,
-                          save_total_limit=average, save_only_model=True)
+            kwargs.update(save_steps=checkpoint_steps, save_total_limit=average, save_only_model=True)
         return kwargs
 
     start = time.perf_counter()
@@ -632,6 +631,7 @@ def train_row(row: Row, ctx, model, train_tok) -> dict:
         paths = training.last_checkpoints(last_dir, average)
         training.load_average(model, paths)
         result["averaged_checkpoints"] = [int(os.path.basename(p).rsplit("-", 1)[1]) for p in paths]
+        result["checkpoint_steps"] = checkpoint_steps
     return result
 
 
