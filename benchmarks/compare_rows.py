@@ -27,8 +27,8 @@ import sys
 
 def init_name(init_std, embed_init_std=None) -> str:
     """"xavier" (the earlier default, before the embeddings-only init), "N(0,0.02)" (every weight), "xavier, emb
-    N(0,0.02)" (Xavier linears, embeddings N(0, 0.02))."""
-    name = "xavier" if init_std is None else f"N(0,{init_std:g})"
+    N(0,0.02)" (Xavier linears, embeddings N(0, 0.02)); a named scheme by its name ("lipschitz")."""
+    name = "xavier" if init_std is None else init_std if isinstance(init_std, str) else f"N(0,{init_std:g})"
     return name if embed_init_std is None else f"{name}, emb N(0,{embed_init_std:g})"
 
 

@@ -16,12 +16,17 @@ is judged on (reproduce rows for quality, timed rounds for speed). The rule, per
   told apart (n seeds)** otherwise; one seed (or one timed figure) gives no interval and no verdict ("one seed");
 - over the sets: the word every set gives, or "split" naming each set's word.
 
-Every verdict says its recipe (today: ours, a fixed step budget, the last checkpoint) and `converged` false: no row
-yet trained to convergence with the paper's recipe. The output is results/verdicts.json and the regions between
-``<!-- tables.py: NAME -->`` and ``<!-- /tables.py -->`` in README.md and docs/results.md: the README has one row
-per claim, its headline evidence (headline_key: the most seeds, then the longest training, then today's default init;
-for speed, timed rounds on the paper's device, then the most rounds) with the other groups' words and a link to
-docs/results.md, whose generated tables hold every group (the headline marked) and every set's per-seed differences.
+Every verdict says its recipe: ours (a fixed step budget, the last checkpoint; `converged` false) or "paper (NAME)":
+rows of ``reproduce.py --recipe NAME`` (PaperRows), found by their ``recipe_name`` in any reproduce JSON under
+results/ (today's layout: ``paper_RECIPE_TASK_KIND_sN/reproduce_TASK_PRESET_RECIPE.json``), one group per task, preset
+and machine, never pooled with another recipe's rows; `converged` is true only where every row's ``convergence``
+record (every stage's; a decoded row's, its source row's) says converged. The output is results/verdicts.json and the
+regions between ``<!-- tables.py: NAME -->`` and ``<!-- /tables.py -->`` in README.md and docs/results.md: the README
+has one row per claim, its headline evidence (headline_key: a group of converged paper-recipe rows with three or more
+seeds first, as a verdict is earned at convergence with the paper's recipe; then the most seeds, the longest
+training, today's default init; for speed, timed rounds on the paper's device, then the most rounds) with the other
+groups' words and a link to docs/results.md, whose generated tables hold every group (the headline marked) and every
+set's per-seed differences. The README's status line counts the quality verdicts that rest on such rows.
 """
 
 from __future__ import annotations
@@ -129,6 +134,21 @@ class Rows:
 
 
 @dataclass(frozen=True)
+class PaperRows:
+    """Quality evidence trained with a paper's recipe (``reproduce.py --recipe NAME``, to convergence): rows A and B
+    of every result file under results/ whose ``recipe_name`` is ``recipe``, wherever it lies; one group per task,
+    preset and machine (paper_groups). No file, or no seed with both rows yet: no group (the runs have not landed)."""
+    recipe: str
+    a: str
+    b: str
+    note: str = ""
+
+    @property
+    def label(self) -> str:
+        return f"paper's recipe ({self.recipe})"
+
+
+@dataclass(frozen=True)
 class Rounds:
     """Speed evidence: timed rounds of A and B in a JSON section ("decoding" or "training") of gpu_speed.py, or
     "training" of recurrent_speed.py; a file without a ``protocol`` names where its rounds are documented as
@@ -183,6 +203,7 @@ GPU = "gpu_speed_nvidia_h200.json"
 GPU512 = "gpu_speed_nvidia_h200_decoding_b512.json"
 CPU_DECODE = ("decode_speed_intel_amx.json", "decode_speed_epyc_avx2_grouped.json",
               "decode_speed_epyc_avx512_grouped.json")
+HYBRIDS = ("additive", "dot", "multihead")  # the hybrid recipe's rows' cross-attention (reproduce.py PAPER_RECIPES)
 CPU_TRAIN = ("train_speed_intel_amx.json", "train_speed_epyc_avx2.json", "train_speed_epyc_avx512.json")
 
 
@@ -193,6 +214,7 @@ def pair(label, pattern, a, b, a_init=H200_EMB, b_init=H200_EMB, note=""):
 
 CLAIMS = [
     Claim("000-hard-cross", "000", "hard cross-attention within 0.5 BLEU of soft (Table 3)", Bound(low=-0.5), "quality", (
+        PaperRows("hard_retrieval", "hard_cross", "soft"),
         pair("default init", EMB, "hard_cross", "soft"),
         Rows("default init", ("default_init_cpu_epyc_avx2/*-s[01]-{hard_cross,soft}/reproduce_multi30k_cpu.json",),
              f"hard_cross@{H200_EMB}", f"soft@{H200_EMB}"),
@@ -201,18 +223,21 @@ CLAIMS = [
     )),
     Claim("000-hard-self-cross", "000", "hard decoder self + cross within 0.5 BLEU of soft (Table 3)", Bound(low=-0.5),
           "quality", (
+              PaperRows("hard_retrieval", "hard_self_cross", "soft"),
               pair("default init", EMB, "hard_self_cross", "soft"),
               pair("N(0, 0.02) everywhere", INIT002, "hard_self_cross", "soft", "N(0,0.02)", "N(0,0.02)"),
               Rows("earlier init", BF16_3267, "hard_self_cross@xavier", "soft@xavier"),
           )),
     Claim("000-soft-decoded-hard", "000", "a soft-trained model decoded hard drops (Table 4: -1.25 BLEU)",
           Bound(high=-1.25), "quality", (
+              PaperRows("hard_retrieval", "soft_decoded_hard", "soft"),
               Rows("earlier init", MIN35, "soft_decoded_hard@xavier", "soft@xavier"),
               Rows("earlier init", ("multi30k_fp32_1500_steps_epyc_avx512/reproduce_multi30k_cpu.json",),
                    "soft_decoded_hard@xavier", "soft@xavier"),
           )),
     Claim("000-hard-decoded-soft", "000", "a hard-trained model decoded soft does not drop (Table 4)", Bound(low=-0.5),
           "quality", (
+              PaperRows("hard_retrieval", "hard_decoded_soft", "hard_self_cross"),
               Rows("earlier init", MIN35, "hard_decoded_soft@xavier", "hard_self_cross@xavier"),
           )),
     Claim("000-decoding-speed", "000", "hard retrieval decodes 1.43x as fast as soft (GPU)", Bound(low=1.43),
@@ -248,6 +273,7 @@ CLAIMS = [
           ), device="GPU"),
     Claim("002-below-teacher", "002", "the hybrid (6-1, RNN decoder) is below its Transformer teacher (Tables 2-3)",
           Bound(high=0.0), "quality", (
+              *(PaperRows("hybrid", f"hybrid_{kind}", "soft") for kind in HYBRIDS),
               Rows("earlier init", MIN35, "hybrid_dot@xavier", "soft@xavier"),
               Rows("earlier init", ("multi30k_fp32_1500_steps_epyc/reproduce_multi30k_cpu.json",),
                    "hybrid_additive@xavier", "soft@xavier"),
@@ -255,6 +281,7 @@ CLAIMS = [
           )),
     Claim("002-eq1-near-teacher", "002", "distillation (Eq. 1) brings the hybrid within 0.5 BLEU of its teacher",
           Bound(low=-0.5), "quality", (
+              *(PaperRows("hybrid", f"hybrid_{kind}_kd_eq1", "soft") for kind in HYBRIDS),
               Rows("default init", ("default_init_cpu_epyc_avx2/*-s0-{soft,hybrid_additive_kd_eq1}/reproduce_*.json",
                                     "default_init_cpu_epyc_avx512/*-s1-soft-eq1/reproduce_*.json"),
                    "hybrid_additive_kd_eq1@xavier", f"soft@{H200_EMB}"),
@@ -286,21 +313,26 @@ CLAIMS = [
     )),
     Claim("001-rnn-above-soft", "001", "beam-joint (K=6) above soft, the paper's RNN setting (Table 1)",
           Bound(low=0.0), "quality", (
+              PaperRows("beam_joint", "beam_joint_rnn_k6", "rnn_luong_soft"),
               pair("Luong LSTM, earlier init", SEEDS, "beam_joint_rnn_k6", "rnn_luong_soft", "xavier", "xavier"),
               Rows("Luong LSTM, earlier init", NOUNS_BJ, "beam_joint_rnn_k6@xavier", "rnn_luong_soft@xavier"),
           )),
     Claim("001-transformer-above-soft", "001", "beam-joint (K=6) above soft, Transformer setting (the paper's "
           "future work)", Bound(low=0.0), "quality", (
+              PaperRows("beam_joint", "beam_joint_k6", "soft"),
               pair("default init", EMB, "beam_joint_k6", "soft"),
               Rows("earlier init", H200_1500, "beam_joint_k6@xavier", "soft@xavier"),
               Rows("earlier init, 3 minutes each (unequal steps)", NOUNS3, "beam_joint_k6@xavier", "soft@xavier"),
           )),
     Claim("001-k1-above-soft", "001", "decoded with K=1: still above soft (Table 2)", Bound(low=0.0), "quality", (
+        PaperRows("beam_joint", "beam_joint_rnn_k6_decoded_k1", "rnn_luong_soft"),
+        PaperRows("beam_joint", "beam_joint_k6_decoded_k1", "soft"),
         Rows("Luong LSTM, earlier init", H200_1500, "beam_joint_rnn_k6_decoded_k1@xavier", "rnn_luong_soft@xavier"),
         Rows("Transformer, earlier init", H200_1500, "beam_joint_k6_decoded_k1@xavier", "soft@xavier"),
         Rows("Luong LSTM, earlier init", NOUNS_BJ, "beam_joint_rnn_k6_decoded_k1@xavier", "rnn_luong_soft@xavier"),
     )),
     Claim("001-full-joint", "001", "full-joint above soft (Fig. 1a)", Bound(low=0.0), "quality", (
+        PaperRows("beam_joint", "full_joint_rnn", "rnn_luong_soft"),
         Rows("Luong LSTM, earlier init (full-joint at fewer steps)", NOUNS_BJ, "full_joint_rnn@xavier",
              "rnn_luong_soft@xavier"),
     )),
@@ -392,17 +424,88 @@ LABEL_SMOOTHING_IN_CONFIG = ("beam_joint", "full_joint", "rnn_luong_soft")
 SET_NAMES = {"test_2016_flickr": "test", "val": "val", "test": "nouns test"}
 
 
+def convergence_records(row, rows) -> list[dict]:
+    """A row's convergence records (reproduce.py): its ``convergence``, one record or one per stage of a two-stage
+    row; a row that decodes another row's model (``decoded_from``) has that row's, the same seed in the same file;
+    none (``[]``): trained to a fixed budget."""
+    record = row.get("convergence")
+    if record is None and row.get("decoded_from"):
+        sources = [r for r in rows if r["file"] == row["file"] and r["row"] == row["decoded_from"]
+                   and r["seed"] == row["seed"]]
+        if len(sources) != 1:
+            raise ValueError(f"{rel(row['file'])}: row {row['row']} (seed {row['seed']}) decodes "
+                             f"{row['decoded_from']}'s model, which the file holds {len(sources)} times; its "
+                             f"convergence is that row's, so exactly one is needed.")
+        return convergence_records(sources[0], rows)
+    if record is None:
+        return []
+    return [record] if "converged" in record else list(record.values())
+
+
+def row_converged(row, rows) -> bool:
+    """True only where the row's convergence records (every stage's) say converged; a stored ``converged`` flag that
+    disagrees with them is an error."""
+    records = convergence_records(row, rows)
+    converged = bool(records) and all(record.get("converged") is True for record in records)
+    if "converged" in row and row["converged"] is not converged:
+        raise ValueError(f"{rel(row['file'])}: row {row['row']} (seed {row['seed']}) has converged="
+                         f"{row['converged']!r} but its convergence records say {converged} "
+                         f"({len(records)} record(s)); they must agree.")
+    return converged
+
+
 def judge_rows(claim: Claim, evidence: Rows) -> dict:
     """One verdict entry from reproduce rows: paired differences A - B per seed and set, interval, word."""
-    paths = files_of(evidence.files)
-    names = {side.split("@")[0] for side in (evidence.a, evidence.b)}
-    payloads = {path: json.load(open(path)) for path in paths}
-    rows = [row for row in compare_rows.load_rows(paths) if row["row"] in names]
-    groups = compare_rows.group(rows)
     sides = [tuple(side.split("@", 1)) for side in (evidence.a, evidence.b)]
+    return judge_pairs(claim, evidence.label, evidence.note, files_of(evidence.files), sides, evidence.files)
+
+
+def paper_groups(evidence: PaperRows) -> list[list[str]]:
+    """The result files of rows trained with ``evidence.recipe``: every ``reproduce_*.json`` under results/ whose
+    ``recipe_name`` (the file's or one of its rows') is the recipe and which holds row A or B, grouped by task,
+    preset and the rows' machine (two machines' seeds are not pooled: each its own group)."""
+    groups = {}
+    for path in sorted(glob.glob(os.path.join(RESULTS, "**", "reproduce_*.json"), recursive=True)):
+        with open(path) as handle:
+            payload = json.load(handle)
+        rows = [row for row in payload.get("rows", {}).values() if row.get("row") in (evidence.a, evidence.b)]
+        names = {payload.get("recipe_name")} | {row.get("recipe_name") for row in rows}
+        if not rows or evidence.recipe not in names:
+            continue
+        machines = joined(sorted({machine_name(row.get("machine"), path) for row in rows}))
+        groups.setdefault((payload["task"], payload["preset"], machines), []).append(path)
+    return [paths for _, paths in sorted(groups.items())]
+
+
+def judge_paper(claim: Claim, evidence: PaperRows) -> list[dict]:
+    """One verdict entry per group of paper_groups with a seed holding both rows (none yet: no entry)."""
+    out = []
+    for paths in paper_groups(evidence):
+        rows = [row for row in compare_rows.load_rows(paths) if row["row"] in (evidence.a, evidence.b)]
+        seeds = [{row["seed"] for row in rows if row["row"] == name} for name in (evidence.a, evidence.b)]
+        if not seeds[0] & seeds[1]:
+            continue  # no seed has both rows yet
+        sides = []
+        for name in (evidence.a, evidence.b):
+            inits = sorted({compare_rows.row_init(row) for row in rows if row["row"] == name})
+            if len(inits) != 1:
+                raise ValueError(f"claim {claim.id} ({evidence.label}): row {name} with inits {inits} in "
+                                 f"{[rel(p) for p in paths]}; one recipe gives a row one init.")
+            sides.append((name, inits[0]))
+        out.append(judge_pairs(claim, evidence.label, evidence.note, paths, sides, [rel(p) for p in paths]))
+    return out
+
+
+def judge_pairs(claim: Claim, label: str, note: str, paths, sides, where) -> dict:
+    """The verdict entry of rows ``sides`` [(A, init), (B, init)] in the files ``paths`` (named ``where``)."""
+    names = {name for name, _ in sides}
+    payloads = {path: json.load(open(path)) for path in paths}
+    loaded = compare_rows.load_rows(paths)
+    rows = [row for row in loaded if row["row"] in names]
+    groups = compare_rows.group(rows)
     for side in sides:
         if side not in groups:
-            raise ValueError(f"claim {claim.id}: no row {side[0]} with init {side[1]!r} in {evidence.files} "
+            raise ValueError(f"claim {claim.id}: no row {side[0]} with init {side[1]!r} in {where} "
                              f"(found {sorted(groups)}).")
     differences = compare_rows.differences(groups[sides[0]], groups[sides[1]])
     used = [row for row in rows if (row["row"], compare_rows.row_init(row)) in sides
@@ -410,7 +513,8 @@ def judge_rows(claim: Claim, evidence: Rows) -> dict:
     sets, words, seeds = {}, {}, set()
     metric_keys = [key for key in differences if key[0] != "chrF"]
     if not metric_keys:
-        raise ValueError(f"claim {claim.id}: {evidence.a} and {evidence.b} share no seed in {evidence.files}.")
+        raise ValueError(f"claim {claim.id}: {'@'.join(sides[0])} and {'@'.join(sides[1])} share no seed in "
+                         f"{where}.")
     for metric, split in metric_keys:
         per_seed = differences[(metric, split)]
         result = interval(per_seed.values())
@@ -435,7 +539,7 @@ def judge_rows(claim: Claim, evidence: Rows) -> dict:
     # rows pool only under one recipe (rows written before recipes had names ran ours: None, as "today")
     recipe_names = sorted({row.get("recipe_name") or "today" for row in used})
     if len(recipe_names) > 1:
-        raise ValueError(f"claim {claim.id} ({evidence.label}): rows of recipes {recipe_names} pooled; a verdict "
+        raise ValueError(f"claim {claim.id} ({label}): rows of recipes {recipe_names} pooled; a verdict "
                          f"rests on rows of one recipe.")
     inits = (sides[0][1] if sides[0][1] == sides[1][1] else f"{sides[0][0]}: {sides[0][1]}; {sides[1][0]}: "
              f"{sides[1][1]}")
@@ -444,12 +548,13 @@ def judge_rows(claim: Claim, evidence: Rows) -> dict:
         f"{joined(f'{m:g}' for m in sorted({float(payloads[r['file']]['recipe']['minutes']) for r in used}))} minutes " \
         f"({joined(steps)} steps)"
     return dict(
-        id=claim.id, paper=claim.paper, claim=claim.claim, bound=claim.bound.text(), measure=f"{evidence.a} - "
-        f"{evidence.b}", evidence=evidence.label, verdict=overall(words), seeds=sorted(seeds), sets=sets,
+        id=claim.id, paper=claim.paper, claim=claim.claim, bound=claim.bound.text(),
+        measure=" - ".join("@".join(side) for side in sides), evidence=label, verdict=overall(words),
+        seeds=sorted(seeds), sets=sets,
         recipe=(f"paper ({recipe_names[0]})" if recipe_names[0] not in (None, "today") else
-                f"ours: {evidence.label} ({inits}), {budget}, {smoothing_text}, last checkpoint"),
-        converged=all(row.get("converged") is True for row in used), machine=joined(machines), precision=joined(precisions), steps=steps,
-        task=joined(row["task"] for row in used), note=evidence.note,
+                f"ours: {label} ({inits}), {budget}, {smoothing_text}, last checkpoint"),
+        converged=all(row_converged(row, loaded) for row in used), machine=joined(machines),
+        precision=joined(precisions), steps=steps, task=joined(row["task"] for row in used), note=note,
         rows=[dict(file=rel(row["file"]), row=row["row"], seed=row["seed"]) for row in
               sorted(used, key=lambda r: (r["row"], r["seed"], rel(r["file"])))])
 
@@ -529,6 +634,9 @@ def verdicts(claims=None) -> list[dict]:
     out = []
     for claim in (CLAIMS + [BASELINE] if claims is None else claims):
         for evidence in claim.evidence:
+            if isinstance(evidence, PaperRows):  # one entry per group of the recipe's rows; none before they land
+                out += judge_paper(claim, evidence)
+                continue
             judge = {Rows: judge_rows, Rounds: judge_rounds, Figures: judge_figures}[type(evidence)]
             out.append(judge(claim, evidence))
     return out
@@ -555,23 +663,38 @@ def sets_cell(entry, kind, compact=False) -> str:
     return "; ".join(parts)
 
 
+def is_paper(entry) -> bool:
+    """A quality entry of rows trained with a paper's recipe (recipe "paper (NAME)")."""
+    return entry["task"] != "speed" and entry["recipe"].startswith("paper (")
+
+
+def steps_text(entry) -> str:
+    """Our recipe: each step budget ("1500 / 3000 steps"); a paper's recipe: the steps reached, their range over the
+    rows and seeds, and whether every row converged ("6750-8000 steps reached, converged")."""
+    if not is_paper(entry):
+        return f"{joined(entry['steps'])} steps"
+    low, high = min(entry["steps"]), max(entry["steps"])
+    reached = f"{low}" if low == high else f"{low}-{high}"
+    return f"{reached} steps reached, {'converged' if entry['converged'] else 'not converged'}"
+
+
 def rows_cell(entry) -> str:
     if entry["task"] == "speed":
         rounds = f", {joined(entry['rounds'])} rounds" if entry.get("rounds") else ""
         return f"{entry['evidence']}; {entry['machine']}, {entry['precision']}{rounds}"
     task = "nouns, " if entry["task"] == "nouns" else ""
-    return (f"{task}{entry['evidence']}; {entry['machine']}, {entry['precision']}, {joined(entry['steps'])} steps, "
+    return (f"{task}{entry['evidence']}; {entry['machine']}, {entry['precision']}, {steps_text(entry)}, "
             f"{seeds_text(entry['seeds'])}")
 
 
 def verdict_cell(entry) -> str:
     if entry["converged"] is None:  # speed
         return entry["verdict"]
-    recipe = "paper's recipe" if entry["recipe"].startswith("paper") else "our recipe"
-    state = "converged" if entry["converged"] else "not converged"
-    context = f" ({joined(entry['steps'])} steps, not converged)" if recipe == "our recipe" and not \
-        entry["converged"] else f" ({recipe}, {state} at {joined(entry['steps'])} steps)"
-    return f"{entry['verdict']}{context}"
+    if is_paper(entry):
+        state = "converged" if entry["converged"] else "not converged"
+        low, high = min(entry["steps"]), max(entry["steps"])
+        return f"{entry['verdict']} (paper's recipe, {state} at {low if low == high else f'{low}-{high}'} steps)"
+    return f"{entry['verdict']} ({joined(entry['steps'])} steps, not converged)"
 
 
 def measure_text(entry) -> str:
@@ -597,6 +720,13 @@ def paper_table(entries, paper) -> str:
 
 # ----------------------------------------------------------------------------------------------- the headline
 DEFAULT_INIT = ("default init", "each type's default init")  # evidence labels of today's default init
+PAPER_SEEDS = 3  # seeds a group of converged paper-recipe rows needs to come first
+
+
+def earned(entry) -> bool:
+    """A quality verdict earned as the papers' claims are: rows of the paper's recipe, every one converged (its
+    convergence records, a decoded row its source's), at least PAPER_SEEDS paired seeds."""
+    return is_paper(entry) and entry["converged"] is True and len(entry["seeds"]) >= PAPER_SEEDS
 
 
 def device_of(entry) -> str:
@@ -609,12 +739,15 @@ def device_of(entry) -> str:
 def headline_key(claim: Claim, entry) -> tuple:
     """The headline rule as a sort key (smallest first).
 
-    quality: the most seeds, then the longest training (a group's fewest steps), then today's default init;
+    quality: first a group of converged paper-recipe rows with three or more seeds (``earned``: a verdict is earned
+    at convergence with the paper's recipe), then the most seeds, then the longest training (a group's fewest steps),
+    then today's default init;
     speed and cost: timed rounds before figures (figures give no verdict), then rounds on the paper's device (the GPU
     where the claim's paper timed one, ``Claim.device``, else a CPU), then the most rounds.
     Ties keep the order of the claim's evidence in CLAIMS."""
     if entry["task"] != "speed":
-        return (-len(entry["seeds"]), -min(entry["steps"]), not entry["evidence"].startswith(DEFAULT_INIT))
+        return (not earned(entry), -len(entry["seeds"]), -min(entry["steps"]),
+                not entry["evidence"].startswith(DEFAULT_INIT))
     rounds = entry.get("rounds") or []
     return (not rounds, device_of(entry) != (claim.device or "CPU"), -max(rounds, default=0))
 
@@ -659,7 +792,7 @@ def short_rows(entry) -> str:
         return f"{entry['evidence']}; {entry['machine']} {entry['precision']}, {count}"
     task = "nouns, " if entry["task"] == "nouns" else ""
     n = len(entry["seeds"])
-    return (f"{task}{entry['evidence']}; {entry['machine']} {entry['precision']}, {joined(entry['steps'])} steps, "
+    return (f"{task}{entry['evidence']}; {entry['machine']} {entry['precision']}, {steps_text(entry)}, "
             f"{n} seed{'s' if n != 1 else ''}")
 
 
@@ -702,6 +835,30 @@ def detail_table(entries) -> str:
     return "\n".join(lines)
 
 
+def status_line(entries) -> str:
+    """README: how many of the README's quality verdicts (each quality claim's headline) rest on converged
+    paper-recipe rows of three or more seeds (``earned``), and what the others rest on."""
+    tops = [headline(claim, group) for claim in CLAIMS if claim.kind == "quality"
+            for group in [[e for e in entries if e["id"] == claim.id]] if group]
+    m = len(tops)
+    n = sum(earned(top) for top in tops)
+    paper = sum(is_paper(top) and not earned(top) for top in tops)
+    ours = m - n - paper
+    head = ("**No quality verdict yet rests on rows trained to convergence with the paper's recipe**" if not n else
+            f"**{n} of the {m} quality verdicts rest on converged paper-recipe rows** ({PAPER_SEEDS} or more seeds, "
+            "every row trained with the paper's recipe until its validation loss stopped improving; such a group is "
+            "a claim's headline before any other)")
+    rest = []
+    if ours:
+        rest.append(("all are" if ours == m else f"{ours} of the {m} {'is' if ours == 1 else 'are'}") +
+                    " of our recipe (our init, a fixed budget of steps or minutes, the last checkpoint), so a \"no\" "
+                    "is about that budget, not yet the mechanism")
+    if paper:
+        rest.append(f"{paper} of the {m} rest{'s' if paper == 1 else ''} on paper-recipe rows not all converged or "
+                    f"of fewer than {PAPER_SEEDS} seeds")
+    return head + (": " + "; ".join(rest) + "." if rest else ".")
+
+
 def regions(entries) -> dict:
     """{(file, region name): generated text}."""
     out = {(DOCS_RESULTS, "verdicts"): detail_table(entries), (DOCS_RESULTS, "groups"): "\n\n".join(
@@ -709,15 +866,7 @@ def regions(entries) -> dict:
         [*TABLES.items(), ("baseline", "Baseline: our soft against MarianMTModel of the same size")])}
     for paper in TABLES:
         out[(README, f"paper {paper}")] = headline_table(entries, paper)
-    quality = [e for e in entries if e["converged"] is not None and e["paper"] != "baseline"]
-    earned = [e for e in quality if e["converged"] and e["recipe"].startswith("paper")]
-    count = "No quality verdict yet rests" if not earned else \
-        f"{len(earned)} of the {len(quality)} quality verdicts (evidence groups) rest"
-    out[(README, "status")] = (
-        f"**{count} on rows trained to convergence with the paper's recipe**"
-        + (f": {'all' if not earned else 'the others'} are of our recipe (our init, a fixed budget of steps or "
-           "minutes, the last checkpoint), so a \"no\" is about that budget, not yet the mechanism."
-           if len(earned) < len(quality) else "."))
+    out[(README, "status")] = status_line(entries)
     baseline = [e for e in entries if e["paper"] == "baseline"][0]
     out[(README, "baseline")] = (
         f"Baseline, {baseline['claim']}: `{measure_text(baseline)}` {baseline['bound']} ({short_rows(baseline)}): "
