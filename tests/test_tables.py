@@ -285,3 +285,169 @@ def test_the_readme_has_one_row_per_claim_and_docs_results_every_group():
             found = [line for line in docs_rows if line.endswith(row)]
             assert len(found) == 1, (claim_id, row)
             assert ("**headline:** " in found[0]) == (entry == top)
+
+
+# ----------------------------------------------------------------------------------------------- paper-recipe rows
+EPYC = dict(cpu="AMD EPYC", cpu_capability="AVX512", cpu_bf16_matmul=True, threads=1, torch="x", gpu=None)
+H200 = dict(cpu="Intel Xeon", cpu_capability="AVX512", cpu_bf16_matmul=True, threads=1, torch="x", gpu="NVIDIA H200")
+
+
+def write_paper(results, seed, rows, recipe="beam_joint", task="nouns", machine=EPYC, kind="epyc_avx512"):
+    """A reproduce.py --recipe file as it lands: results/paper_RECIPE_TASK_KIND_sN/reproduce_TASK_cpu_RECIPE.json.
+    rows: {name: dict(score, steps, converged: bool or {stage: bool} or None (no record), decoded_from, init_std,
+    recipe_name, flag (a stored ``converged`` that disagrees))}."""
+    fields = dict(name=recipe, max_steps=12000, minutes=None, bf16=False, label_smoothing=0.0, init_std="model",
+                  patience=5, eval_steps=250)
+    out = {}
+    for name, spec in rows.items():
+        row = dict(row=name, seed=seed, recipe_name=spec.get("recipe_name", recipe), recipe=fields, machine=machine,
+                   command=f"python benchmarks/reproduce.py --task {task} --preset cpu --rows {name} --seed {seed} "
+                           f"--recipe {recipe} --output-dir OUT/s{seed}",
+                   init_std=spec.get("init_std"), embed_init_std=None)
+        if task == "nouns":
+            row.update(metric="accuracy", score=spec["score"])
+        else:
+            row.update(metric="BLEU", score=spec["score"], scores={"test_2016_flickr": spec["score"],
+                                                                   "val": spec["score"] + 1.0})
+        if "decoded_from" in spec:  # reproduce.py: a derived row carries its source's steps, no convergence of its own
+            row.update(decoded_from=spec["decoded_from"], steps=rows[spec["decoded_from"]]["steps"])
+        else:
+            row["steps"] = spec["steps"]
+            converged = spec.get("converged", True)
+            if isinstance(converged, dict):  # a two-stage row: one record per stage
+                row["convergence"] = {stage: record(c, spec["steps"] // 2) for stage, c in converged.items()}
+                row["converged"] = all(converged.values())
+            elif converged is not None:
+                row.update(convergence=record(converged, spec["steps"]), converged=converged)
+        if "flag" in spec:
+            row["converged"] = spec["flag"]
+        out[name] = row
+    folder = results / f"paper_{recipe}_{task}_{kind}_s{seed}"
+    folder.mkdir(parents=True, exist_ok=True)
+    payload = dict(task=task, preset="cpu", recipe_name=recipe, recipe=fields, rows=out)
+    (folder / f"reproduce_{task}_cpu_{recipe}.json").write_text(json.dumps(payload))
+
+
+BJ = dict(rnn_luong_soft=80.0, beam_joint_rnn_k6=(81.0, 82.0, 83.0))  # beam-joint - soft: +1, +2, +3 over seeds 0-2
+RNN = tables.Claim("r", "001", "beam-joint above soft", tables.Bound(low=0.0), "quality", (
+    tables.PaperRows("beam_joint", "beam_joint_rnn_k6", "rnn_luong_soft"),))
+K1 = tables.Claim("k", "001", "K=1 above soft", tables.Bound(low=0.0), "quality", (
+    tables.PaperRows("beam_joint", "beam_joint_rnn_k6_decoded_k1", "rnn_luong_soft"),))
+
+
+def write_beam_joint(results, seeds=(0, 1, 2), overrides=None):
+    """Seeds of the beam-joint recipe on nouns (soft 80, beam-joint 81 + seed, its K=1 decoding 79 + seed); overrides:
+    {(row, seed): spec fields}."""
+    for seed in seeds:
+        rows = dict(rnn_luong_soft=dict(score=BJ["rnn_luong_soft"], steps=6000 + 500 * seed),
+                    beam_joint_rnn_k6=dict(score=BJ["beam_joint_rnn_k6"][seed], steps=7000 + 500 * seed),
+                    beam_joint_rnn_k6_decoded_k1=dict(score=79.0 + seed, decoded_from="beam_joint_rnn_k6"))
+        for (name, s), spec in (overrides or {}).items():
+            if s == seed:
+                rows[name].update(spec)
+        write_paper(results, seed, rows)
+
+
+def test_paper_recipe_rows_form_one_group_per_recipe_and_machine(tmp_path, monkeypatch):
+    """Three converged seeds of the beam-joint recipe: one group, its differences by hand (+1, +2, +3: mean 2, sd 1,
+    2 +- 2.920 / sqrt(3) = [0.314, 3.686], holds >= 0), recipe "paper (beam_joint)", converged, the steps reached;
+    the same rows of our recipe, of another recipe and of another machine are not pooled into it."""
+    monkeypatch.setattr(tables, "RESULTS", str(tmp_path))
+    assert tables.verdicts([RNN, K1]) == []  # no file yet: no group, the committed tables unchanged
+    write_beam_joint(tmp_path, seeds=(0,))  # soft and beam-joint of seed 0 ...
+    write_paper(tmp_path, 1, dict(rnn_luong_soft=dict(score=80.0, steps=6000)))  # ... seed 1's soft alone
+    [entry] = tables.verdicts([RNN])
+    assert entry["seeds"] == [0] and entry["verdict"] == "one seed"
+    write_paper(tmp_path, 5, dict(beam_joint_rnn_k6=dict(score=90.0, steps=100)), kind="b")  # no soft of seed 5
+    assert len(tables.verdicts([RNN])) == 1
+    write_beam_joint(tmp_path)
+    for seed in (0, 1):  # our recipe's rows of the same names (in a reproduce_nouns_cpu.json) and another recipe's
+        write_run(tmp_path / f"today-s{seed}", "beam_joint_rnn_k6", seed, 10.0, 10.0)
+        write_paper(tmp_path, seed, dict(rnn_luong_soft=dict(score=10.0, steps=100),
+                                         beam_joint_rnn_k6=dict(score=50.0, steps=100)), recipe="hybrid")
+    write_paper(tmp_path, 0, dict(rnn_luong_soft=dict(score=70.0, steps=900),  # seed 0 again, on another machine
+                                  beam_joint_rnn_k6=dict(score=75.0, steps=900)), machine=H200, kind="h200")
+    epyc, h200 = tables.verdicts([RNN])
+    assert epyc["recipe"] == "paper (beam_joint)" and epyc["converged"] is True and epyc["machine"] == "AVX512 EPYC"
+    test = epyc["sets"]["nouns test"]
+    assert test["differences"] == [1.0, 2.0, 3.0] and test["interval"] == pytest.approx([0.314, 3.686], abs=1e-3)
+    assert epyc["verdict"] == "holds" and epyc["seeds"] == [0, 1, 2] and epyc["steps"] == [6000, 6500, 7000, 7500, 8000]
+    assert {r["file"].split("/")[0] for r in epyc["rows"]} == {f"paper_beam_joint_nouns_epyc_avx512_s{s}" for s in
+                                                              (0, 1, 2)} and len(epyc["rows"]) == 6
+    assert h200["machine"] == "H200" and h200["seeds"] == [0] and h200["sets"]["nouns test"]["differences"] == [5.0]
+    assert tables.short_rows(epyc) == ("nouns, paper's recipe (beam_joint); AVX512 EPYC fp32, 6000-8000 steps "
+                                       "reached, converged, 3 seeds")
+    assert tables.rows_cell(epyc).endswith("fp32, 6000-8000 steps reached, converged, seeds 0-2")
+    assert tables.verdict_cell(epyc) == "holds (paper's recipe, converged at 6000-8000 steps)"
+    [k1] = tables.verdicts([K1])  # the H200 file has no K=1 row; the decoded row: its source's steps and convergence
+    assert k1["sets"]["nouns test"]["differences"] == [-1.0, 0.0, 1.0] and k1["converged"] is True
+    assert k1["steps"] == [6000, 6500, 7000, 7500, 8000]
+
+
+def test_a_paper_group_is_converged_only_when_every_row_converged(tmp_path, monkeypatch):
+    """One row of one seed short of convergence (or without a record) makes the group not converged; a decoded row
+    follows its source; a two-stage row needs every stage; a stored flag that disagrees with its records is an
+    error; a row of another recipe among the recipe's files is never pooled."""
+    monkeypatch.setattr(tables, "RESULTS", str(tmp_path))
+    write_beam_joint(tmp_path)
+    assert [e["converged"] for e in tables.verdicts([RNN, K1])] == [True, True]
+    write_beam_joint(tmp_path, overrides={("beam_joint_rnn_k6", 2): dict(converged=False)})
+    assert [e["converged"] for e in tables.verdicts([RNN, K1])] == [False, False]  # K=1 decodes that model
+    assert tables.verdict_cell(tables.verdicts([RNN])[0]) == "holds (paper's recipe, not converged at 6000-8000 steps)"
+    write_beam_joint(tmp_path, overrides={("rnn_luong_soft", 1): dict(converged=None)})  # no record: a fixed budget
+    assert [e["converged"] for e in tables.verdicts([RNN, K1])] == [False, False]
+    write_beam_joint(tmp_path, overrides={("rnn_luong_soft", 1): dict(flag=True, converged=None)})
+    with pytest.raises(ValueError, match="rnn_luong_soft \\(seed 1\\) has converged=True but its convergence records"):
+        tables.verdicts([RNN])
+    write_beam_joint(tmp_path, overrides={("rnn_luong_soft", 0): dict(recipe_name="today")})
+    with pytest.raises(ValueError, match="rows of recipes \\['beam_joint', 'today'\\] pooled"):
+        tables.verdicts([RNN])
+    eq1 = tables.Claim("e", "002", "Eq. 1 within 0.5", tables.Bound(low=-0.5), "quality", (
+        tables.PaperRows("hybrid", "hybrid_dot_kd_eq1", "soft"),))
+    for seed in (0, 1, 2):
+        write_paper(tmp_path, seed, dict(soft=dict(score=30.0, steps=4000), hybrid_dot_kd_eq1=dict(
+            score=29.9, steps=8000, converged=dict(mle=True, kd=seed != 1))), recipe="hybrid", task="multi30k")
+    [entry] = tables.verdicts([eq1])
+    assert entry["converged"] is False and set(entry["sets"]) == {"test", "val"}
+    for seed in (0, 1, 2):
+        write_paper(tmp_path, seed, dict(soft=dict(score=30.0, steps=4000), hybrid_dot_kd_eq1=dict(
+            score=29.9, steps=8000, converged=dict(mle=True, kd=True))), recipe="hybrid", task="multi30k")
+    assert tables.verdicts([eq1])[0]["converged"] is True
+
+
+def test_hard_retrieval_rows_of_the_authors_init_pair_by_seed(tmp_path, monkeypatch):
+    """The hard-retrieval recipe's rows carry init_std "lipschitz" (a named init): paired as any other."""
+    monkeypatch.setattr(tables, "RESULTS", str(tmp_path))
+    claim = tables.Claim("h", "000", "hard within 0.5", tables.Bound(low=-0.5), "quality", (
+        tables.PaperRows("hard_retrieval", "hard_cross", "soft"),))
+    for seed in (0, 1, 2):
+        write_paper(tmp_path, seed, dict(soft=dict(score=35.0, steps=5000, init_std="lipschitz"), hard_cross=dict(
+            score=35.0 - 0.1 * seed, steps=5250, init_std="lipschitz")), recipe="hard_retrieval", task="multi30k")
+    [entry] = tables.verdicts([claim])
+    assert entry["measure"] == "hard_cross@lipschitz - soft@lipschitz" and entry["converged"] is True
+    assert entry["sets"]["test"]["differences"] == [0.0, -0.1, -0.2] and entry["verdict"] == "holds"
+
+
+def test_a_converged_paper_group_of_three_seeds_is_the_headline(tmp_path, monkeypatch):
+    """Before any other group, even one with more seeds and longer training; not when a row did not converge, nor
+    with two seeds; the README's status line counts the quality verdicts resting on such a group."""
+    claim = tables.Claim("x", "001", "beam-joint above soft", tables.Bound(low=0.0), "quality")
+    more = quality_entry("default init", [0, 1, 2, 3], [9000])
+    paper = quality_entry("paper's recipe (beam_joint)", [0, 1, 2], [6000, 8000], "paper (beam_joint)", True)
+    assert tables.headline(claim, [more, paper]) is paper
+    assert tables.headline(claim, [more, dict(paper, converged=False)]) is more
+    assert tables.headline(claim, [more, dict(paper, seeds=[0, 1])]) is more
+    assert tables.headline(claim, [dict(paper, seeds=[0, 1]), quality_entry("default init", [0, 1], [500])])[
+        "seeds"] == [0, 1]  # short of the rule: ranked as any group (longest training)
+    monkeypatch.setattr(tables, "RESULTS", str(tmp_path))
+    monkeypatch.setattr(tables, "CLAIMS", [RNN, K1, tables.Claim("o", "001", "other", tables.Bound(low=0.0),
+                                                                 "quality")])
+    write_beam_joint(tmp_path, overrides={("beam_joint_rnn_k6", 2): dict(converged=False)})
+    entries = tables.verdicts([RNN, K1])
+    entries.append(dict(quality_entry("default init", [0, 1, 2, 3], [1500]), id="o"))
+    assert tables.status_line(entries).startswith("**No quality verdict yet rests on rows trained to convergence")
+    assert "; 2 of the 3 rest on paper-recipe rows not all converged" in tables.status_line(entries)
+    write_beam_joint(tmp_path)
+    entries = tables.verdicts([RNN, K1]) + [dict(quality_entry("default init", [0, 1, 2, 3], [1500]), id="o")]
+    assert tables.status_line(entries).startswith("**2 of the 3 quality verdicts rest on converged paper-recipe rows")
+    assert "1 of the 3 is of our recipe" in tables.status_line(entries)
