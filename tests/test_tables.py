@@ -354,8 +354,9 @@ def test_paper_recipe_rows_form_one_group_per_recipe_and_machine(tmp_path, monke
     the same rows of our recipe, of another recipe and of another machine are not pooled into it."""
     monkeypatch.setattr(tables, "RESULTS", str(tmp_path))
     assert tables.verdicts([RNN, K1]) == []  # no file yet: no group, the committed tables unchanged
-    write_beam_joint(tmp_path, seeds=(0,))  # soft and beam-joint of seed 0 ...
-    write_paper(tmp_path, 1, dict(rnn_luong_soft=dict(score=80.0, steps=6000)))  # ... seed 1's soft alone
+    write_paper(tmp_path, 1, dict(rnn_luong_soft=dict(score=80.0, steps=6000)))  # seed 1's soft alone: no pair yet
+    assert tables.verdicts([RNN, K1]) == []
+    write_beam_joint(tmp_path, seeds=(0,))  # soft and beam-joint of seed 0
     [entry] = tables.verdicts([RNN])
     assert entry["seeds"] == [0] and entry["verdict"] == "one seed"
     write_paper(tmp_path, 5, dict(beam_joint_rnn_k6=dict(score=90.0, steps=100)), kind="b")  # no soft of seed 5
