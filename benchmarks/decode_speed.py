@@ -40,6 +40,16 @@ alike.
   own default for the CPU (oneDNN int8 on AMD; ``CT2_USE_MKL=1`` was 3-4x slower on the AVX2 EPYC), printed with
   ``CT2_VERBOSE=1``.
 
+* ``*_static`` / ``*_compiled``: the same model decoding with ``generate(..., cache_implementation="static")``
+  (preallocated keys/values written in place, the shapes of a step fixed), run eagerly / with its decoding steps
+  compiled by torch.compile (inductor, ``fullgraph=True``, ``dynamic=True``: the generate() keywords of
+  ``hf_hardattn.modeling_hardattn.compiled_decoding``; transformers' own path for ``marian_compiled``, whose beam
+  search, transformers 5.24, runs its forward eagerly); ``soft_compiled_frozen``: inductor's freezing too (weights
+  constant, prepacked for oneDNN). ``--compile`` adds the ``*_compiled`` row of every named model that has one. The
+  first call of every model (its warm-up) is timed too: for a compiled model it holds the compile, on a fresh
+  inductor cache (a temporary ``TORCHINDUCTOR_CACHE_DIR``); the compiled rows' tokens are compared with their eager
+  model's (fp32: a near tie may part them).
+
 The speed targets: soft >= 1.2x marian; hard_retrieval >= 0.8x attention_removed; hybrid 6-1 >= 4x soft;
 sh_x >= 1.3x soft. The int8 targets: soft_int8 >= 1.0x ct2_int8 at every setting and >= 1.3x at batch 1; hybrid_dot_int8
 >= 2.5x ct2_int8.
@@ -52,6 +62,7 @@ quantization, another process).
 
     python benchmarks/decode_speed.py                     # full table -> benchmarks/results/decode_speed_KIND.json
     python benchmarks/decode_speed.py --models soft marian --batch-sizes 1 --modes greedy --repeats 3
+    python benchmarks/decode_speed.py --models soft marian --compile --repeats 5   # static cache + compiled steps
 """
 
 import argparse
@@ -70,6 +81,7 @@ from hf_hardattn import (BeamJointTransformerConfig, BeamJointTransformerForCond
                          RecurrentForConditionalGeneration, SoftTransformerConfig,
                          SoftTransformerForConditionalGeneration)
 from hf_hardattn.layers import SoftAttention
+from hf_hardattn.modeling_hardattn import compiled_decoding
 from hf_hardattn.packed_linear import pack_linears
 from hf_hardattn.tools.training import cpu_has_bf16_matmul, machine
 from machine_kind import default_output
@@ -137,6 +149,19 @@ def expanded_memory(model):
     return model
 
 
+def static(model):
+    """``model`` decoding with a static cache (eager steps)."""
+    model.generation_config.cache_implementation = "static"
+    return model
+
+
+def compiled(model, **options):
+    """``model`` decoding with a static cache and compiled steps (:func:`compiled_decoding`'s generate() keywords, set
+    on its generation config)."""
+    model.generation_config.update(**compiled_decoding(model, **options))
+    return model
+
+
 BUILDERS = {
     "marian": build_marian,
     "soft": lambda: SoftTransformerForConditionalGeneration(SoftTransformerConfig(**DIMS, **SPECIAL)),
@@ -165,8 +190,18 @@ BUILDERS["soft_int8_onednn"] = lambda: build_soft_from_marian().eval().quantize_
 for _name in ("hard_retrieval", "sh_x", "hybrid_dot", "recurrent_expand_1", "beam_joint_k6"):
     BUILDERS[f"{_name}_int8"] = lambda _name=_name: int8(BUILDERS[_name]())
 BUILDERS["soft_int8_expanded"] = lambda: expanded_memory(BUILDERS["soft_int8"]())
+for _name in ("soft", "hard_retrieval", "marian"):  # static cache (eager and compiled steps)
+    BUILDERS[f"{_name}_static"] = lambda _name=_name: static(BUILDERS[_name]())
+    BUILDERS[f"{_name}_compiled"] = lambda _name=_name: compiled(BUILDERS[_name]())
+BUILDERS["soft_compiled_frozen"] = lambda: compiled(BUILDERS["soft"](), options={"freezing": True})
 CT2 = ("ct2_float32", "ct2_int8")
 RATIOS = [  # label, numerator, denominator
+    ("soft_static / soft", "soft_static", "soft"),
+    ("soft_compiled / soft", "soft_compiled", "soft"),
+    ("soft_compiled_frozen / soft", "soft_compiled_frozen", "soft"),
+    ("soft_compiled / marian_compiled", "soft_compiled", "marian_compiled"),
+    ("marian_compiled / marian", "marian_compiled", "marian"),
+    ("hard_retrieval_compiled / soft_compiled", "hard_retrieval_compiled", "soft_compiled"),
     ("soft / marian", "soft", "marian"),
     ("hard_retrieval / attention_removed", "hard_retrieval", "attention_removed"),
     ("hard_retrieval / soft", "hard_retrieval", "soft"),
@@ -320,13 +355,16 @@ def ct2_serve(names, threads):
             print("CT2 " + json.dumps(times), flush=True)
 
 
-def measure(models, ids, mask, num_beams, new_tokens, repeats, ct2=None):
+def measure(models, ids, mask, num_beams, new_tokens, repeats, ct2=None, first_calls=None):
     """(sentences/s per model: batch size / median time, the times of every round); models alternate within each
     round (the ct2_* models of ``ct2``, a :class:`CT2Process`, too: after the torch models, with a pause around
-    them)."""
+    them). ``first_calls``: a dict that gets each torch model's warm-up (first call) seconds and tokens."""
     times = {name: [] for name in models}
-    for model in models.values():
-        run_once(model, ids, mask, num_beams, new_tokens)  # warm-up
+    for name, model in models.items():
+        start = time.perf_counter()
+        out = run_once(model, ids, mask, num_beams, new_tokens)  # warm-up
+        if first_calls is not None:
+            first_calls[name] = (time.perf_counter() - start, out)
     if ct2 is not None:
         time.sleep(PAUSE_S)
         times.update({name: [] for name in ct2.times(ids.shape[0], num_beams, new_tokens)})  # warm-up
@@ -341,6 +379,24 @@ def measure(models, ids, mask, num_beams, new_tokens, repeats, ct2=None):
                 times[name].append(seconds)
             time.sleep(PAUSE_S)
     return {name: ids.shape[0] / statistics.median(t) for name, t in times.items()}, times
+
+
+def compiled_costs(first_calls, times, batch_size):
+    """For every ``X_compiled*`` model beside its eager ``X``: its first call (the compile, and one decode), the
+    compile's cost above its median call, the sentences after which that cost is earned back (the compile time over
+    the time the compiled decode saves per sentence against X's; None when it saves none) and the share of token
+    positions equal to X's (the same weights, fp32)."""
+    costs = {}
+    for name, (first, out) in first_calls.items():
+        eager = name.split("_compiled")[0] if "_compiled" in name else None
+        if eager not in first_calls:
+            continue
+        compile_s = first - statistics.median(times[name])
+        saved = (statistics.median(times[eager]) - statistics.median(times[name])) / batch_size
+        costs[name] = {"eager": eager, "first_call_s": first, "compile_s": compile_s,
+                       "sentences_to_earn_back": max(0, round(compile_s / saved)) if saved > 0 else None,
+                       "tokens_equal": float((out == first_calls[eager][1]).float().mean())}
+    return {"compile": costs}
 
 
 def weight_bytes(model):
@@ -390,6 +446,8 @@ def main(argv=None):
     parser.add_argument("--new-tokens", type=int, default=30)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--output", default=default_output("decode_speed"))
+    parser.add_argument("--compile", action="store_true",
+                        help="also the *_compiled row (static cache, compiled steps) of every named model that has one")
     parser.add_argument("--memory", action="store_true",
                         help="instead of speed: peak memory and weight size of each model, each in a fresh process")
     parser.add_argument("--ct2-serve", action="store_true", help=argparse.SUPPRESS)
@@ -408,6 +466,10 @@ def main(argv=None):
     if not args.models and not cpu_has_bf16_matmul():  # bf16 GEMMs run ~100x slower than fp32 on such a CPU
         names = [n for n in names if not n.endswith("_bf16")]
         print("skipping the *_bf16 models: this CPU has no native bf16 matrix products (name them to run them)")
+    if args.compile:
+        names += [f"{n}_compiled" for n in names if f"{n}_compiled" in BUILDERS and f"{n}_compiled" not in names]
+    if any(n.endswith(("_compiled", "_compiled_frozen")) for n in names):  # compile times on a fresh inductor cache
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="decode_speed_inductor_"))
     if any(n in CT2 for n in names) and not ctranslate2_available():
         parser.error("ct2_* models need `pip install ctranslate2`")
     if args.memory:
@@ -427,11 +489,17 @@ def main(argv=None):
     try:
         for mode, batch_size in settings:
             ids, mask = make_inputs(batch_size)
+            first_calls = {}
             speeds, times = measure(models, ids, mask, 4 if mode == "beam4" else 1, args.new_tokens, args.repeats,
-                                    ct2)
-            rows.append({"mode": mode, "batch_size": batch_size, "sentences_per_s": speeds, "seconds_per_round": times})
+                                    ct2, first_calls)
+            rows.append({"mode": mode, "batch_size": batch_size, "sentences_per_s": speeds, "seconds_per_round": times,
+                         **compiled_costs(first_calls, times, batch_size)})
             print(f"{mode:6s} batch {batch_size:3d}: " + ", ".join(f"{n} {s:.2f}" for n, s in speeds.items()),
                   flush=True)
+            for name, cost in rows[-1]["compile"].items():
+                print(f"    {name}: first call {cost['first_call_s']:.1f} s, {cost['compile_s']:.1f} s above a "
+                      f"timed call; earned back after {cost['sentences_to_earn_back']} sentences; tokens equal to "
+                      f"{cost['eager']}'s in {cost['tokens_equal']:.1%} of positions", flush=True)
     finally:
         if ct2 is not None:
             ct2.close()
@@ -453,7 +521,8 @@ def main(argv=None):
     os.makedirs(os.path.dirname(args.output), exist_ok=True)
     with open(args.output, "w") as handle:
         json.dump({"machine": machine(), "settings": {**DIMS, "new_tokens": args.new_tokens, "threads": args.threads,
-                                "repeats": args.repeats, "source_length": SOURCE_LENGTH},
+                                "repeats": args.repeats, "source_length": SOURCE_LENGTH, "seed": 0,
+                                "precision": "float32 unless the model's name says bf16 or int8"},
                    "rows": rows, "table": table}, handle, indent=2)
     return rows
 
