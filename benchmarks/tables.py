@@ -141,11 +141,12 @@ class PaperRows:
     recipe: str
     a: str
     b: str
+    setting: str = ""  # the model setting where a claim has two ("Luong LSTM", "Transformer"), as the labels name it
     note: str = ""
 
     @property
     def label(self) -> str:
-        return f"paper's recipe ({self.recipe})"
+        return f"{self.setting + ', ' if self.setting else ''}paper's recipe ({self.recipe})"
 
 
 @dataclass(frozen=True)
@@ -313,26 +314,26 @@ CLAIMS = [
     )),
     Claim("001-rnn-above-soft", "001", "beam-joint (K=6) above soft, the paper's RNN setting (Table 1)",
           Bound(low=0.0), "quality", (
-              PaperRows("beam_joint", "beam_joint_rnn_k6", "rnn_luong_soft"),
+              PaperRows("beam_joint", "beam_joint_rnn_k6", "rnn_luong_soft", "Luong LSTM"),
               pair("Luong LSTM, earlier init", SEEDS, "beam_joint_rnn_k6", "rnn_luong_soft", "xavier", "xavier"),
               Rows("Luong LSTM, earlier init", NOUNS_BJ, "beam_joint_rnn_k6@xavier", "rnn_luong_soft@xavier"),
           )),
     Claim("001-transformer-above-soft", "001", "beam-joint (K=6) above soft, Transformer setting (the paper's "
           "future work)", Bound(low=0.0), "quality", (
-              PaperRows("beam_joint", "beam_joint_k6", "soft"),
+              PaperRows("beam_joint", "beam_joint_k6", "soft", "Transformer"),
               pair("default init", EMB, "beam_joint_k6", "soft"),
               Rows("earlier init", H200_1500, "beam_joint_k6@xavier", "soft@xavier"),
               Rows("earlier init, 3 minutes each (unequal steps)", NOUNS3, "beam_joint_k6@xavier", "soft@xavier"),
           )),
     Claim("001-k1-above-soft", "001", "decoded with K=1: still above soft (Table 2)", Bound(low=0.0), "quality", (
-        PaperRows("beam_joint", "beam_joint_rnn_k6_decoded_k1", "rnn_luong_soft"),
-        PaperRows("beam_joint", "beam_joint_k6_decoded_k1", "soft"),
+        PaperRows("beam_joint", "beam_joint_rnn_k6_decoded_k1", "rnn_luong_soft", "Luong LSTM"),
+        PaperRows("beam_joint", "beam_joint_k6_decoded_k1", "soft", "Transformer"),
         Rows("Luong LSTM, earlier init", H200_1500, "beam_joint_rnn_k6_decoded_k1@xavier", "rnn_luong_soft@xavier"),
         Rows("Transformer, earlier init", H200_1500, "beam_joint_k6_decoded_k1@xavier", "soft@xavier"),
         Rows("Luong LSTM, earlier init", NOUNS_BJ, "beam_joint_rnn_k6_decoded_k1@xavier", "rnn_luong_soft@xavier"),
     )),
     Claim("001-full-joint", "001", "full-joint above soft (Fig. 1a)", Bound(low=0.0), "quality", (
-        PaperRows("beam_joint", "full_joint_rnn", "rnn_luong_soft"),
+        PaperRows("beam_joint", "full_joint_rnn", "rnn_luong_soft", "Luong LSTM"),
         Rows("Luong LSTM, earlier init (full-joint at fewer steps)", NOUNS_BJ, "full_joint_rnn@xavier",
              "rnn_luong_soft@xavier"),
     )),

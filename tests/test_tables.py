@@ -378,6 +378,7 @@ def test_paper_recipe_rows_form_one_group_per_recipe_and_machine(tmp_path, monke
     assert h200["machine"] == "H200" and h200["seeds"] == [0] and h200["sets"]["nouns test"]["differences"] == [5.0]
     assert tables.short_rows(epyc) == ("nouns, paper's recipe (beam_joint); AVX512 EPYC fp32, 6000-8000 steps "
                                        "reached, converged, 3 seeds")
+    assert tables.PaperRows("beam_joint", "a", "b", "Luong LSTM").label == "Luong LSTM, paper's recipe (beam_joint)"
     assert tables.rows_cell(epyc).endswith("fp32, 6000-8000 steps reached, converged, seeds 0-2")
     assert tables.verdict_cell(epyc) == "holds (paper's recipe, converged at 6000-8000 steps)"
     [k1] = tables.verdicts([K1])  # the H200 file has no K=1 row; the decoded row: its source's steps and convergence
