@@ -22,7 +22,7 @@ import difflib
 
 import torch
 from torch import nn
-from transformers import GenerationMixin, PreTrainedModel
+from transformers import CompileConfig, GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.modeling_outputs import BaseModelOutput, Seq2SeqLMOutput, Seq2SeqModelOutput
 from transformers.utils import logging
@@ -35,7 +35,7 @@ from .int8 import Int8Mixin
 from .layers import DecoderResult, HardAttnDecoder, HardAttnEncoder, PositionEmbedding, SoftAttention
 from .loss import smoothed_cross_entropy, token_mean
 from .packed_linear import DEFAULT_MAX_ROWS, pack_linears, unpack_linears
-from .registry import ROLES
+from .registry import KINDS, ROLES
 from .saving import SavingMixin
 
 logger = logging.get_logger(__name__)
@@ -65,8 +65,6 @@ def compiled_decoding(model, backend: str = "inductor", dynamic: bool | None = T
     error, not a slow path), ``dynamic=True`` (one graph for every batch size and source length, see
     docs/usage.md), allowed on a CPU too (``_compile_all_devices``), CUDA graphs on a GPU (``mode="reduce-overhead"``,
     transformers' default). ``options``: more ``CompileConfig`` fields (e.g. ``options={"freezing": True}``)."""
-    from transformers import CompileConfig
-
     mode = "reduce-overhead" if model.device.type == "cuda" else None
     config = CompileConfig(**{"fullgraph": True, "dynamic": dynamic, "backend": backend, "mode": mode, **options})
     config._compile_all_devices = True  # (transformers compiles on a CPU only when asked)
@@ -242,7 +240,7 @@ class HardAttnModel(HardAttnPreTrainedModel):
         return self.decoder.run(decoder_input_ids, encoder_hidden_states, attention_mask, decoder_attention_mask,
                                 decoder_inputs_embeds, cache, output_attentions, output_hidden_states)
 
-    STATIC_KINDS = ("soft", "hard_retrieval", "none")  # decoder attention kinds whose cache is keys/values alone
+    STATIC_KINDS = tuple(sorted(name for name, kind in KINDS.items() if kind.static_cache))  # (registry.py)
 
     def static_decoding_refusal(self) -> str | None:
         """Why this model cannot decode with a :class:`~caches.StaticHardAttnCache`, or None when it can: the

@@ -37,13 +37,14 @@ class AttentionKind(NamedTuple):
     class_name: str | None
     roles: tuple  # the roles it may fill
     settings: dict = {}  # config keys it reads from any config that uses it -> its default where a config lacks them
+    static_cache: bool = False  # its decoder cache is keys/values alone: it decodes with a StaticHardAttnCache
 
 
 KINDS = {
-    "soft": AttentionKind("layers", "SoftAttention", tuple(ROLES)),
+    "soft": AttentionKind("layers", "SoftAttention", tuple(ROLES), static_cache=True),
     "hard_retrieval": AttentionKind("hard_retrieval", "HardRetrievalAttention", tuple(ROLES), dict(
-        retrieval_dropout="after_draw")),
-    "none": AttentionKind(None, None, tuple(ROLES)),  # the sub-layer removed (no parameters, no computation)
+        retrieval_dropout="after_draw"), static_cache=True),
+    "none": AttentionKind(None, None, tuple(ROLES), static_cache=True),  # the sub-layer removed (no parameters, no computation)
     "gaussian": AttentionKind("gaussian", "GaussianAttention", tuple(ROLES), dict(
         gaussian_implementation="full", gaussian_sigma=1.0, gaussian_window=3, length_ratio=None,
         cross_attention_heads=None, encoder_offsets=(-1, 1), decoder_offsets=(-1, 0), cross_offsets=(-1, 0, 1))),

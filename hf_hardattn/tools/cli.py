@@ -31,6 +31,7 @@ from hf_hardattn_cli.command import read_lines, write_lines
 from .. import packed_linear
 from ..hard_retrieval import HardRetrievalConfig, HardRetrievalForConditionalGeneration
 from ..model_card import CARD_METADATA, RESULTS_FILE, metrics_table, write_model_card
+from ..modeling_hardattn import compiled_decoding
 from ..registry import ROLES
 from ..safe_io import atomic_folder, write_json_atomic
 from ..soft import SoftTransformerConfig, SoftTransformerForConditionalGeneration
@@ -324,8 +325,6 @@ def run_translate(args):
                            f"--max-source-tokens={limit}; split the sentence (it is never truncated).")
     sampling = dict(top_k=args.top_k, top_p=args.top_p, temperature=args.temperature) if args.do_sample else {}
     if args.compile:  # static cache + compiled decoding steps (generate() keywords)
-        from hf_hardattn.modeling_hardattn import compiled_decoding
-
         sampling.update(compiled_decoding(model))
     if args.do_sample:
         torch.manual_seed(args.seed)
