@@ -140,10 +140,12 @@ def verdict_line(model_type):
     words = [f"{claim}: {', '.join(verdicts)}" for claim, verdicts in claims.items()]
     if not words:
         return ""
+    converged = any(entry["converged"] for entry in entries if entry["id"].startswith(CARD_CLAIMS.get(model_type, ("-",))))
+    state = ("a verdict marked converged rests on rows trained to convergence with the paper's recipe, the others on "
+             "our recipe's fixed budgets" if converged else "no row yet at convergence with the paper's recipe")
     return ("**Verdicts by the rule** (`benchmarks/tables.py`: paired differences over seeds, 90% interval against "
-            "the paper's bound; `benchmarks/results/verdicts.json`; no row yet at convergence with the paper's "
-            "recipe; the notes after this are a reading by hand, and where they differ the verdict is this one): "
-            + "; ".join(words) + ".")
+            f"the paper's bound; `benchmarks/results/verdicts.json`; {state}; the notes after this are a reading by "
+            "hand, and where they differ the verdict is this one): " + "; ".join(words) + ".")
 
 
 def notes():
