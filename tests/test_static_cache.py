@@ -269,13 +269,14 @@ def test_translate_compile_gives_the_eager_lines(saved_soft, tmp_path, monkeypat
     import functools
 
     from hf_hardattn import modeling_hardattn
+    from hf_hardattn.tools import cli
     from hf_hardattn_cli.command import main
 
     folder, sources = saved_soft
     source = tmp_path / "in.txt"
     source.write_text("\n".join(sources), encoding="utf-8")
     counter = Counter("eager")
-    monkeypatch.setattr(modeling_hardattn, "compiled_decoding",
+    monkeypatch.setattr(cli, "compiled_decoding",  # the name translate calls
                         functools.partial(modeling_hardattn.compiled_decoding, backend=counter))
     outputs = []
     for extra in ([], ["--compile"]):
