@@ -231,8 +231,9 @@ def test_end_processes_flushes_and_ends_a_multi_process_run_with_its_status(tmp_
     ended with the given status without the interpreter's teardown (no-op without a process group)."""
     script = tmp_path / "end.py"
     script.write_text(END_PROCESSES)
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONUNBUFFERED"}  # stdout block-buffered
     proc = subprocess.run([sys.executable, str(script), str(tmp_path / "store")], capture_output=True, text=True,
-                          timeout=120)
+                          env=env, timeout=120)
     assert (proc.returncode, proc.stdout) == (3, "before"), proc.stderr[-2000:]
 
 
