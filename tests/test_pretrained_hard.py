@@ -8,6 +8,7 @@ import json
 import os
 import re
 import shlex
+import sys
 
 import pytest
 import sacrebleu
@@ -29,6 +30,11 @@ README = os.path.join(os.path.dirname(__file__), "..", "docs", "usage.md")  # (t
 
 
 def load_script():
+    """The script as ``python benchmarks/pretrained_hard.py`` runs it: its folder first on ``sys.path`` (it imports
+    ``machine_kind`` from beside itself), whatever other test files put there before."""
+    folder = os.path.dirname(os.path.abspath(SCRIPT))
+    if folder not in [os.path.abspath(path) for path in sys.path if path]:
+        sys.path.insert(0, folder)
     spec = importlib.util.spec_from_file_location("pretrained_hard", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
