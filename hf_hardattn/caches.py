@@ -276,21 +276,22 @@ class StaticKVLayer(StaticLayer):
 
     def __init__(self, max_cache_len: int, max_batch_size: int):
         super().__init__(max_cache_len)
-        self.max_batch_size = max_batch_size
+        self.row_limit, self.rows = max_batch_size, None  # (own names: StaticLayer's differ across transformers 5.x)
 
     def lazy_initialization(self, key_states, value_states):
         rows = key_states.shape[0]
-        if rows > self.max_batch_size:
+        if rows > self.row_limit:
             raise ValueError(f"A batch of {rows} rows (sentences x beams / returned sequences) is larger than the "
-                             f"static cache's `max_batch_size`={self.max_batch_size}; allowed: at most "
-                             f"{self.max_batch_size} rows (build the cache for the larger batch).")
+                             f"static cache's `max_batch_size`={self.row_limit}; allowed: at most "
+                             f"{self.row_limit} rows (build the cache for the larger batch).")
         super().lazy_initialization(key_states, value_states)
+        self.rows = rows
 
     def update(self, key_states, value_states, *args, **kwargs):
         steps = key_states.shape[-2]
-        if self.is_initialized and key_states.shape[0] != self.batch_size:
-            raise ValueError(f"The static cache holds {self.batch_size} rows since its first step, got a step of "
-                             f"{key_states.shape[0]} rows; allowed: {self.batch_size} (call `reset()` for a new batch).")
+        if self.is_initialized and key_states.shape[0] != self.rows:
+            raise ValueError(f"The static cache holds {self.rows} rows since its first step, got a step of "
+                             f"{key_states.shape[0]} rows; allowed: {self.rows} (call `reset()` for a new batch).")
         if not is_tracing() and int(self.cumulative_length) + steps > self.max_cache_len:  # (eager: a sync is cheap)
             raise ValueError(f"The static cache holds {self.max_cache_len} positions (`max_cache_len`) and "
                              f"{int(self.cumulative_length)} are filled; a step of {steps} more does not fit; allowed: "
@@ -339,10 +340,21 @@ class StaticHardAttnCache(HardAttnCache):
             if type(value) is not int or value < 1:
                 raise ValueError(f"`{name}`={value!r}; allowed: an int >= 1.")
         super().__init__(StaticKVCache(num_layers, max_cache_len, max_batch_size), DynamicCache())
-        self.max_cache_len, self.max_batch_size = max_cache_len, max_batch_size
+        self._max_cache_len, self._max_batch_size = max_cache_len, max_batch_size
         self.position = torch.zeros((), dtype=torch.long, device=device)
         if not is_tracing():
             torch._dynamo.mark_static_address(self.position)
+
+    # properties: transformers' ``Cache`` defines both, read-only, in some 5.x releases
+    @property
+    def max_cache_len(self) -> int:
+        """The target positions it holds."""
+        return self._max_cache_len
+
+    @property
+    def max_batch_size(self) -> int:
+        """The rows it holds."""
+        return self._max_batch_size
 
     def get_seq_length(self, layer_idx: int = 0):
         return self.position

@@ -518,8 +518,9 @@ class HardAttnForConditionalGeneration(HardAttnPreTrainedModel, GenerationMixin)
         model's earlier static calls, so that a compiled step keeps its shapes across calls), which generate() then
         compiles the decoding steps for when its ``compile_config`` allows it (on CPU: ``_compile_all_devices``)."""
         implementation = generation_config.cache_implementation
-        if (implementation is None or implementation in ("dynamic", "offloaded", "quantized")
-                or model_kwargs.get("cache") is not None or generation_config.use_cache is False):
+        # transformers' dynamic kinds ("dynamic_full": what earlier 5.x's assisted decoding sets) go to its own path
+        if (implementation is None or implementation in ("dynamic", "dynamic_full", "offloaded", "quantized")
+                or model_kwargs.get(CACHE_FIELD) is not None or generation_config.use_cache is False):
             return super()._prepare_cache_for_generation(generation_config, model_kwargs, generation_mode, batch_size,
                                                          max_cache_length, *args, **kwargs)
         if implementation != "static":
@@ -529,7 +530,7 @@ class HardAttnForConditionalGeneration(HardAttnPreTrainedModel, GenerationMixin)
         length = max(max_cache_length, getattr(generation_config, "max_cache_len", None) or 0,
                      getattr(self, "_previous_max_cache_length", 0))
         rows = max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1) * batch_size
-        model_kwargs["cache"] = StaticHardAttnCache(self.config.decoder_layers, length, rows, device=self.device)
+        model_kwargs[CACHE_FIELD] = StaticHardAttnCache(self.config.decoder_layers, length, rows, device=self.device)
         self._previous_max_cache_length = length
 
     def create_masks_for_generate(self, attention_mask=None, **kwargs):
