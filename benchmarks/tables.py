@@ -806,8 +806,7 @@ def headline_table(entries, paper) -> str:
         group = [e for e in entries if e["id"] == claim.id]
         top = headline(claim, group)
         others = [e for e in group if e is not top]
-        more = ("" if not others else f" ([{len(others)} more](docs/results.md#{anchor(claim)}): "
-                f"{', '.join(short_word(e['verdict']) for e in others)})")
+        more = "" if not others else f" ([{len(others)} more](docs/results.md#{anchor(claim)}))"
         recipe = "" if not top["recipe"].startswith("paper") else \
             f" (paper's recipe, {'converged' if top['converged'] else 'not converged'})"
         lines.append(f"| {claim.claim}: `{measure_text(top)}` {top['bound']} | {short_rows(top)} | "
