@@ -546,6 +546,8 @@ class HardAttnEncoder(nn.Module):
 
 
 class HardAttnDecoder(nn.Module):
+    writes_static_cache = True  # its states go through the cache's own writes (see HardAttnModel.static_decoding_refusal)
+
     def __init__(self, config: HardAttnConfig, embed_tokens: nn.Embedding):
         super().__init__()
         self.config = config

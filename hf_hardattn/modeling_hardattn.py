@@ -241,15 +241,17 @@ class HardAttnModel(HardAttnPreTrainedModel):
                                 decoder_inputs_embeds, cache, output_attentions, output_hidden_states)
 
     STATIC_KINDS = tuple(sorted(name for name, kind in KINDS.items() if kind.static_cache))  # (registry.py)
+    decode_writes_static_cache = True  # declared beside each ``decode`` whose decoder writes a StaticHardAttnCache
 
     def static_decoding_refusal(self) -> str | None:
-        """Why this model cannot decode with a :class:`~caches.StaticHardAttnCache`, or None when it can: the
-        skeleton's decoder run as is (no ``decode`` of a variant's own: RNN decoders, beam-joint's candidates), with
-        decoder self- and cross-attention kinds that cache keys/values only (``STATIC_KINDS``; Gaussian attention
-        reads the position as a number, recurrent attention carries a state)."""
+        """Why this model cannot decode with a :class:`~caches.StaticHardAttnCache`, or None when it can: the class
+        that defines its ``decode`` declares ``decode_writes_static_cache``, its decoder module
+        ``writes_static_cache`` (every state written in place, see ``StaticHardAttnCache``), and its decoder self- and
+        cross-attention kinds are registered with ``static_cache`` (``STATIC_KINDS``)."""
         owner = next(cls for cls in type(self).__mro__ if "decode" in vars(cls))
-        if owner is not HardAttnModel or type(self.decoder) is not HardAttnDecoder:
-            return "its decoder is not the Transformer skeleton's"
+        if not vars(owner).get("decode_writes_static_cache", False) or not getattr(self.decoder,
+                                                                                    "writes_static_cache", False):
+            return f"its decoder ({type(self.decoder).__name__}) does not write a static cache"
         kinds = sorted({kind for role in ("decoder", "cross") for kind in self.config.attention_kinds(role)}
                        - set(self.STATIC_KINDS))
         return f"its decoder uses the attention kind(s) {kinds}" if kinds else None
@@ -498,17 +500,20 @@ class HardAttnForConditionalGeneration(HardAttnPreTrainedModel, GenerationMixin)
         return output if return_dict else output.to_tuple()
 
     # ---- static cache and compiled decoding steps (generate(..., cache_implementation="static")) ----------------
+    output_logits_static = True  # declared beside each ``output_logits`` that runs a decoding step's shapes unchanged
+
     def check_static_decoding(self):
         """A clear error unless this model decodes with a static cache (see ``HardAttnModel.static_decoding_refusal``;
-        a full model whose output layer is not the skeleton's, beam-joint's mixture, is refused too)."""
+        the class that defines ``output_logits`` declares ``output_logits_static`` too)."""
         reason = self.model.static_decoding_refusal()
-        if reason is None and type(self).output_logits is not HardAttnForConditionalGeneration.output_logits:
-            reason = "its output layer is not the skeleton's"
+        owner = next(cls for cls in type(self).__mro__ if "output_logits" in vars(cls))
+        if reason is None and not vars(owner).get("output_logits_static", False):
+            reason = f"its output layer ({owner.__name__}.output_logits) is not declared static"
         if reason is not None:
             raise ValueError(
                 f"`cache_implementation`='static' is not yet supported for model_type {self.config.model_type!r} "
-                f"({reason}); allowed for it: None or 'dynamic'. Static caches serve soft_transformer and "
-                f"hard_retrieval_transformer (decoder attention kinds {list(HardAttnModel.STATIC_KINDS)}).")
+                f"({reason}); allowed for it: None or 'dynamic'. Static caches serve the decoder attention kinds "
+                f"{list(HardAttnModel.STATIC_KINDS)}.")
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size,
                                       max_cache_length, *args, **kwargs):
