@@ -208,6 +208,11 @@ class HardAttnCache(EncoderDecoderCache):
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.seen_tokens
 
+    def set_state(self, name: str, value: torch.Tensor):
+        """Write the per-step state ``name`` (first dimension: rows; reordered by beam search). Decoders write states
+        through this, never into ``states`` directly: :class:`StaticHardAttnCache` copies them in place."""
+        self.states[name] = value
+
     def advance(self, steps: int):
         """Count ``steps`` more target positions (the decoder, after each call)."""
         self.seen_tokens += steps
@@ -365,6 +370,29 @@ class StaticHardAttnCache(HardAttnCache):
     def advance(self, steps: int):
         """Count ``steps`` more target positions (in place: the tensor keeps its address)."""
         self.position.add_(steps)
+
+    def set_state(self, name: str, value: torch.Tensor):
+        """The first write of ``name`` (the eager first step) allocates its buffer; later writes copy into it in
+        place, so a state must keep its shape and dtype from step to step (a compiled step reads the same buffer)."""
+        state = self.states.get(name)
+        if state is None:
+            if is_tracing():
+                raise ValueError(f"The static cache's state {name!r} was not written by the first (eager) decoding "
+                                 f"step; allowed: states allocated at the first step.")
+            self.states[name] = state = value.detach().clone()
+            torch._dynamo.mark_static_address(state)
+        elif state.shape != value.shape or state.dtype != value.dtype:
+            raise ValueError(f"The static cache's state {name!r} is {state.dtype} {tuple(state.shape)} since its first "
+                             f"step, got {value.dtype} {tuple(value.shape)}; allowed: the same shape and dtype at every "
+                             f"step (call `reset()` for a new batch).")
+        else:
+            state.copy_(value)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor):
+        """Keys/values and states reordered in place (the buffers keep their address)."""
+        self.self_attention_cache.reorder_cache(beam_idx)
+        for state in self.states.values():
+            state.copy_(state.index_select(0, beam_idx.to(state.device)))
 
     def reset(self):
         super().reset()
