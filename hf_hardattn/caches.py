@@ -208,9 +208,11 @@ class HardAttnCache(EncoderDecoderCache):
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.seen_tokens
 
-    def set_state(self, name: str, value: torch.Tensor):
-        """Write the per-step state ``name`` (first dimension: rows; reordered by beam search). Decoders write states
-        through this, never into ``states`` directly: :class:`StaticHardAttnCache` copies them in place."""
+    def set_state(self, name: str, value: torch.Tensor, per_position=None):
+        """Write the per-step state ``name`` (first dimension: rows; reordered by beam search) after the call's last
+        position. Decoders write states through this, never into ``states`` directly: :class:`StaticHardAttnCache`
+        copies them in place. ``per_position``: the state after each of the call's positions (the last is ``value``),
+        for a call of several positions."""
         self.states[name] = value
 
     def advance(self, steps: int):
@@ -371,7 +373,7 @@ class StaticHardAttnCache(HardAttnCache):
         """Count ``steps`` more target positions (in place: the tensor keeps its address)."""
         self.position.add_(steps)
 
-    def set_state(self, name: str, value: torch.Tensor):
+    def set_state(self, name: str, value: torch.Tensor, per_position=None):
         """The first write of ``name`` (the eager first step) allocates its buffer; later writes copy into it in
         place, so a state must keep its shape and dtype from step to step (a compiled step reads the same buffer)."""
         state = self.states.get(name)

@@ -154,10 +154,13 @@ class RecurrentCrossAttention(SoftAttention):
                 state[name] = cache.states.get(f"recurrent.{self.layer_idx}.{name}", state[name])
         return state
 
-    def store_state(self, cache, state):
+    def store_state(self, cache, state, per_position=None):
+        """The state after the call's last position into the cache (its own writes: in place in a static cache);
+        ``per_position``: the states after each of the call's positions, kept by the dynamic cache for ``crop``."""
         if cache is not None:
             for name, value in state.items():
-                cache.states[f"recurrent.{self.layer_idx}.{name}"] = value
+                steps = None if per_position is None else [step[name] for step in per_position]
+                cache.set_state(f"recurrent.{self.layer_idx}.{name}", value, steps)
 
     # -- per-forward precomputation -----------------------------------------------------------------------------------
     def previous_pair(self, context):
@@ -277,11 +280,14 @@ class RecurrentCrossAttention(SoftAttention):
 
         state = self.load_state(cache, batch, source_length, q)
         outputs, step_weights = [], []
+        per_position = [] if cache is not None and length > 1 else None  # (what a crop inside this call restores)
         for energy, query in zip(energies.unbind(2), queries.unbind(2)):  # only this loop is sequential
             out, state, weights = self.step(energy, query, keys_extra, v, valid, state)
             outputs.append(out)
             step_weights.append(weights)
-        self.store_state(cache, state)
+            if per_position is not None:
+                per_position.append(state)
+        self.store_state(cache, state, per_position)
         if "context" in state and not is_tracing():
             self.check_bounded(state["context"], q, k, v)
 

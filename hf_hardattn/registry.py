@@ -50,7 +50,7 @@ KINDS = {
         cross_attention_heads=None, encoder_offsets=(-1, 1), decoder_offsets=(-1, 0), cross_offsets=(-1, 0, 1))),
     "recurrent": AttentionKind("recurrent", "RecurrentCrossAttention", ("cross",), dict(
         recurrent_variant="expand_1", continuity_window=5, continuity_lambda=0.5, coverage_lambda=0.5,
-        recurrent_context_norm=False)),
+        recurrent_context_norm=False), static_cache=True),
 }
 
 
