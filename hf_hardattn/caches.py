@@ -397,7 +397,13 @@ class StaticHardAttnCache(HardAttnCache):
             state.copy_(state.index_select(0, beam_idx.to(state.device)))
 
     def reset(self):
+        """Empty for a new call of the same shapes: every buffer keeps its address (keys/values and states zeroed in
+        place, the position set to 0), so that graphs compiled for it (inductor's freezing, CUDA graphs) stay valid."""
+        states = self.states
         super().reset()
+        self.states = states
+        for state in states.values():
+            state.zero_()
         self.position.zero_()
 
     def crop(self, n: int) -> None:

@@ -535,7 +535,15 @@ class HardAttnForConditionalGeneration(HardAttnPreTrainedModel, GenerationMixin)
         length = max(max_cache_length, getattr(generation_config, "max_cache_len", None) or 0,
                      getattr(self, "_previous_max_cache_length", 0))
         rows = max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1) * batch_size
-        model_kwargs[CACHE_FIELD] = StaticHardAttnCache(self.config.decoder_layers, length, rows, device=self.device)
+        cache = getattr(self, "_static_cache", None)  # reused when the shapes allow (compiled graphs keep its buffers)
+        if cache is None or (cache.max_cache_len, cache.max_batch_size, cache.model_dtype, cache.position.device) != (
+                length, rows, self.dtype, self.device):
+            cache = self._static_cache = StaticHardAttnCache(self.config.decoder_layers, length, rows,
+                                                             device=self.device)
+            cache.model_dtype = self.dtype  # (the dtype its buffers will take at the first step)
+        else:
+            cache.reset()
+        model_kwargs[CACHE_FIELD] = cache
         self._previous_max_cache_length = length
 
     def create_masks_for_generate(self, attention_mask=None, **kwargs):

@@ -102,6 +102,24 @@ def test_generate_builds_a_static_cache_of_the_call(name):
     assert getattr(shorter, CACHE_FIELD).max_cache_len == 8  # the longest so far: a compiled step keeps its shapes
 
 
+def test_a_second_call_of_the_same_shapes_reuses_the_static_cache_and_gives_the_same_answers():
+    """generate() keeps its static cache on the model and reuses it (reset in place: every buffer keeps its address,
+    what inductor's freezing and CUDA graphs need) for a later call of the same length, rows, dtype and device; the
+    reused cache gives the answers of a fresh one. Other rows (greedy after beam search) get a new cache."""
+    model = model_of("hard_retrieval")
+    first = generate(model, "beam", cache_implementation="static")
+    cache = getattr(first, CACHE_FIELD)
+    addresses = [layer.keys.data_ptr() for layer in cache.self_attention_cache.layers]
+    second = generate(model, "beam", cache_implementation="static")
+    assert getattr(second, CACHE_FIELD) is cache
+    assert [layer.keys.data_ptr() for layer in cache.self_attention_cache.layers] == addresses
+    assert_same(second, first, "reused cache")
+    assert_same(second, generate(model, "beam"), "reused cache against the dynamic cache")
+    greedy = generate(model, "greedy", cache_implementation="static")
+    assert getattr(greedy, CACHE_FIELD) is not cache and getattr(greedy, CACHE_FIELD).max_batch_size == 2
+    assert_same(greedy, generate(model, "greedy"), "greedy after beam search")
+
+
 def test_compiles_are_bounded_over_batch_sizes_and_source_lengths():
     """``dynamic=True``: greedy calls of 2, 3, 5 and 17 sentences and sources of 7, 9 and 11 tokens, 6 steps each, share
     ONE graph (batch and source length symbolic; the decoding step takes one attention path for every batch size);
