@@ -305,6 +305,7 @@ class HybridDecoderOutput(ModelOutput):
 
 class HybridDecoder(InputFeedingStep, nn.Module):
     reads_memory_grouped = True  # every attention function reads a grouped memory (see AdditiveAttention.attend)
+    writes_static_cache = True  # its states go through the cache's own writes (see HardAttnModel.static_decoding_refusal)
     gradient_checkpointing = False  # set by model.gradient_checkpointing_enable(): see checkpointed_step
 
     def __init__(self, config: HybridConfig, embed_tokens: nn.Embedding):
@@ -448,10 +449,13 @@ class HybridDecoder(InputFeedingStep, nn.Module):
             states = [s.repeat_interleave(groups, dim=0) if groups > 1 else s
                       for s in self.initial_states(encoder_hidden_states, encoder_attention_mask)]
         tops, contexts, attentions, readouts, all_states = [], [], [], [], []
+        per_position = [] if cache is not None and word_inputs.shape[1] > 1 else None  # (what a crop inside restores)
         checkpointed = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         step = self.checkpointed_step if checkpointed else self.step
         for t in range(word_inputs.shape[1]):
             states, context, probs = step(word_inputs[:, t], states, keys, values, mask)
+            if per_position is not None:
+                per_position.append(states)
             tops.append(self.output(states[self.num_layers - 1]))
             contexts.append(context)
             attentions.append(probs)
@@ -459,10 +463,10 @@ class HybridDecoder(InputFeedingStep, nn.Module):
                 readouts.append(states[-2])
             if output_hidden_states:
                 all_states.append([self.output(s) for s in states[: self.num_layers]])
-        if cache is not None:
-            for name, state in zip(self.state_names, states):
-                cache.states[name] = state
-            cache.seen_tokens += word_inputs.shape[1]
+        if cache is not None:  # the cache's own writes (in place in a static cache)
+            for i, (name, state) in enumerate(zip(self.state_names, states)):
+                cache.set_state(name, state, None if per_position is None else [step[i] for step in per_position])
+            cache.advance(word_inputs.shape[1])
         tops, contexts = torch.stack(tops, 1), torch.stack(contexts, 1)
         if self.luong:
             readout = torch.stack(readouts, 1)  # h~_t (not dropped: see the module docstring)
@@ -578,6 +582,7 @@ class HybridModel(HybridPreTrainedModel, HardAttnModel):
                             output_hidden_states=output_hidden_states)
 
     decode_reads_memory_grouped = True  # see HardAttnForConditionalGeneration._memory_grouped_decoding
+    decode_writes_static_cache = True  # see HardAttnModel.static_decoding_refusal
 
     def decode(self, decoder_input_ids, encoder_hidden_states, attention_mask, decoder_attention_mask,
                decoder_inputs_embeds, cache, output_attentions=False, output_hidden_states=False) -> DecoderResult:

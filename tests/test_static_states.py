@@ -141,3 +141,36 @@ def test_every_recurrent_variant_compiles_to_one_graph(variant, fresh_dynamo):
                 for t in range(1, DECODER_IDS.shape[1])]
     torch.testing.assert_close(torch.cat([first, *rest], 1), reference, rtol=1e-12, atol=1e-12)
     assert counter.compiled == 1
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# hybrid_transformer
+# ----------------------------------------------------------------------------------------------------------------
+HYBRIDS = {"hybrid_additive": "aot_eager",  # GRU, bahdanau, additive attention, one layer
+           "hybrid_multihead": "eager",  # GRU, bahdanau, multi-head attention, two layers
+           "hybrid_luong_lstm": "eager"}  # LSTM, luong (input feeding: two more states), dot attention, two layers
+
+
+@pytest.mark.parametrize("name", sorted(HYBRIDS))
+def test_hybrid_static_and_compiled_decoding_equal_eager_dynamic(name, fresh_dynamo):
+    """float64 fitted hybrids of each attention function, a right-padded batch: greedy, beam 4 (2 returned), sampling
+    with a seed, static eager and compiled = dynamic. Two graphs: beam search reads a grouped memory (one encoder row
+    per sentence for its beams)."""
+    check_static_and_compiled(as_float64(contract_model(name)), HYBRIDS[name], name, graphs=2)
+
+
+@pytest.mark.parametrize("name", sorted(HYBRIDS))
+def test_hybrid_steps_through_a_static_cache_as_through_the_dynamic_one(name):
+    """The RNN states written in place (their buffers keep their address) give the dynamic cache's logits, one
+    position a call and then two (float64)."""
+    model = as_float64(contract_model(name))
+    ids, mask = source_batch()
+    reference, _ = step_logits(model, None, DECODER_IDS, input_ids=ids, attention_mask=mask)
+    cache = StaticHardAttnCache(model.config.decoder_layers, 8, 2)
+    first, _ = step_logits(model, cache, DECODER_IDS[:, :2], input_ids=ids, attention_mask=mask)
+    addresses = {name: state.data_ptr() for name, state in cache.states.items()}
+    rest, _ = step_logits(model, cache, DECODER_IDS[:, 2:], 2, input_ids=ids, attention_mask=mask)
+    torch.testing.assert_close(torch.cat([first, rest], 1), reference, rtol=1e-12, atol=1e-12)
+    assert len(addresses) == len(model.model.decoder.state_names)
+    assert {name: state.data_ptr() for name, state in cache.states.items()} == addresses
+    assert int(cache.get_seq_length()) == 6
