@@ -53,6 +53,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import GenerationMixin
 
+from .caches import StaticHardAttnCache
 from .configuration_hardattn import HardAttnConfig
 from .inputs import is_tracing
 from .modeling_hardattn import HardAttnForConditionalGeneration, HardAttnModel
@@ -396,17 +397,21 @@ class GaussianAttention(nn.Module):
             cache.states[key] = values[:, :, max(values.shape[2] - self.lookback, 0):]
         return values, query_start, query_start + hidden.shape[1] - values.shape[2]
 
+    def source_values(self, memory, cache):
+        """Encoder values [B, H, S, hd] of the whole source, computed once per sentence (``cross_attention_cache``)."""
+        if cache is not None and cache.is_updated.get(self.layer_idx):
+            return cache.cross_attention_cache.layers[self.layer_idx].values
+        values = self._split(self.v_proj(memory))
+        if cache is not None:
+            # no keys: a 1-wide slice stands in for them so the cache layer reports (and batch-selects) its length
+            cache.cross_attention_cache.update(values[..., :1], values, self.layer_idx)
+            cache.is_updated[self.layer_idx] = True
+        return values
+
     def cross_values(self, memory, cache, query_length, whole=False):
         """Encoder values [B, H, S', hd] for the queries' reach (``whole``: all of them), and the position of the first
         one. The values of the whole source are computed once per sentence (``cross_attention_cache``)."""
-        if cache is not None and cache.is_updated.get(self.layer_idx):
-            values = cache.cross_attention_cache.layers[self.layer_idx].values
-        else:
-            values = self._split(self.v_proj(memory))
-            if cache is not None:
-                # no keys: a 1-wide slice stands in for them so the cache layer reports (and batch-selects) its length
-                cache.cross_attention_cache.update(values[..., :1], values, self.layer_idx)
-                cache.is_updated[self.layer_idx] = True
+        values = self.source_values(memory, cache)
         if cache is None or whole:
             return values, 0 if cache is None else cache.seen_tokens, 0
         query_start, source_length = cache.seen_tokens, values.shape[2]
@@ -414,6 +419,92 @@ class GaussianAttention(nn.Module):
         last = math.floor(self.gamma * (query_start + query_length - 1) + max(self.offsets)) + self.radius
         low, high = min(max(first, 0), source_length), min(max(last + 1, 0), source_length)
         return values[:, :, low:max(high, low)], query_start, low
+
+    # -- a static cache (generate(..., cache_implementation="static"), compiled steps) ------------------------
+    # The position is a tensor (``cache.get_seq_length()``), so every shape of a step is fixed and nothing reads it as
+    # a number: decoder self-attention keeps the last ``lookback`` value rows in one buffer (rows before the sentence
+    # hidden), cross-attention reads the whole source with the dynamic path's reach as a mask. Same weights, same keys.
+    @staticmethod
+    def check_static_step(cache, rows: int, steps: int):
+        """The static cache's errors for a step it cannot hold (eager calls only: a compiled step's shapes are those
+        its first, eager, call checked)."""
+        if is_tracing():
+            return
+        if rows > cache.max_batch_size:
+            raise ValueError(f"A batch of {rows} rows (sentences x beams / returned sequences) is larger than the "
+                             f"static cache's `max_batch_size`={cache.max_batch_size}; allowed: at most "
+                             f"{cache.max_batch_size} rows (build the cache for the larger batch).")
+        filled = int(cache.get_seq_length())
+        if filled + steps > cache.max_cache_len:
+            raise ValueError(f"The static cache holds {cache.max_cache_len} positions (`max_cache_len`) and {filled} "
+                             f"are filled; a step of {steps} more does not fit; allowed: at most "
+                             f"{cache.max_cache_len - filled} (decode with a longer `max_length` / `max_cache_len`, or "
+                             f"a dynamic cache).")
+
+    def static_self_values(self, hidden, mask, cache):
+        """Decoder self-attention over a static cache: (values [B, H, L + Tq, hd] of positions p - L, ..., p + Tq - 1,
+        p the cache's position and L = ``lookback``; their key mask [B or 1, 1, Tq, L + Tq]: the rows before position 0
+        hidden, and, from the decoder's mask over the cache's slots, its padding; the key positions [L + Tq]). The last
+        L rows stay in ``cache.states`` (one buffer of L rows, written in place: the same shape at every step)."""
+        values = self._split(self.v_proj(hidden))
+        batch, heads, query_length, head_dim = values.shape
+        if self.lookback:
+            name = f"gaussian.{self.layer_idx}"
+            past = cache.states.get(name)
+            if past is None:  # the first step: no row before the sentence is read (hidden below)
+                past = values.new_zeros(batch, heads, self.lookback, head_dim)
+            values = torch.cat([past, values], dim=2)
+            cache.set_state(name, values[:, :, -self.lookback:])
+        keys = cache.get_seq_length() - self.lookback + torch.arange(self.lookback + query_length, device=values.device)
+        visible = (keys >= 0)[None, None, None, :]
+        if mask is not None:  # the decoder's [B or 1, 1, Tq, slots] mask over the static slots, at these positions
+            visible = visible & mask.index_select(-1, keys.clamp(0, mask.shape[-1] - 1))
+        return values, visible, keys
+
+    def static_cross_weights(self, mask, position, query_length, source_length, device, dtype):
+        """Cross-attention weights [B or 1, H, Tq, S] of queries at ``position`` + [0, Tq) (a tensor) over the whole
+        source: the kernel of every key's distance from its head's centre floor(gamma * i + o) (Sec. 3.2), moved right
+        by each row's leading padding, cut, as cached dynamic decoding cuts them, to the keys from
+        floor(gamma * first + min o) - r to floor(gamma * last + max o) + r (:meth:`cross_values`; no cut when some
+        row has leading padding, as there), padded keys 0 (not renormalised)."""
+        q_pos = position + torch.arange(query_length, device=device)
+        k_pos = torch.arange(source_length, device=device, dtype=torch.float64)
+        centres = self.centres(q_pos)[None, :, :, None]  # [1, H, Tq, 1]
+        shifted = None
+        if mask is not None:  # the padded keys before each row's first real one (0 for a right-padded row)
+            shift = (mask[:, 0, 0, :].long().cumsum(-1) == 0).sum(-1)
+            centres, shifted = centres + shift.to(torch.float64)[:, None, None, None], (shift > 0).any()
+        weights = self.kernel(k_pos - centres)
+        first = torch.floor(self.gamma * q_pos[0].to(torch.float64) + min(self.offsets)) - self.radius
+        last = torch.floor(self.gamma * q_pos[-1].to(torch.float64) + max(self.offsets)) + self.radius
+        reach = (k_pos >= first) & (k_pos <= last)
+        weights = weights * (reach if shifted is None else reach | shifted)
+        weights = weights.to(dtype)
+        return weights if mask is None else torch.where(mask, weights, weights.new_zeros(()))
+
+    def static_forward(self, hidden, memory, mask, cache, output_attentions):
+        """:meth:`forward` over a :class:`~caches.StaticHardAttnCache`."""
+        batch, query_length, _ = hidden.shape
+        self.check_static_step(cache, batch, query_length)
+        if self.is_cross:
+            values = self.source_values(memory, cache)
+            weights = self.static_cross_weights(mask, cache.get_seq_length(), query_length, values.shape[2],
+                                                values.device, values.dtype)
+            out = (weights @ values).transpose(1, 2)
+            dense = weights.expand(batch, *weights.shape[1:])
+        else:
+            values, visible, keys = self.static_self_values(hidden, mask, cache)
+            compute = self.dense if self.implementation == "full" else self.banded
+            out, dense_weights = compute(values, visible, self.lookback, 0, query_length, None)
+        out = self.out_proj(out.reshape(batch, query_length, self.num_heads * self.head_dim))
+        if not output_attentions:
+            return out
+        if self.is_cross:
+            return out, dense
+        weights = dense_weights()  # [B, H, Tq, L + Tq] -> the cache's slots (rows before position 0 have weight 0)
+        slots = cache.max_cache_len
+        shown = weights.new_zeros(batch, self.num_heads, query_length, slots)
+        return out, shown.scatter_add_(3, keys.clamp(0, slots - 1).expand_as(weights), weights)
 
     # -- the two computations --------------------------------------------------------------------------------
     def dense(self, values, mask, query_start, key_start, query_length, shift):
@@ -470,6 +561,8 @@ class GaussianAttention(nn.Module):
                 "length of the training data) was never set: fit it with fit_length_ratio(model, dataset, tokenizer) "
                 "before training or generating, or give it in the config (length_ratio=...)."
             )
+        if isinstance(cache, StaticHardAttnCache):
+            return self.static_forward(hidden, memory, mask, cache, output_attentions)
         batch, query_length, _ = hidden.shape
         shift = leading_padding(mask) if self.is_cross else None  # self-attention weights are relative: no shift
         if self.is_cross:

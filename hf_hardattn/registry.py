@@ -47,7 +47,8 @@ KINDS = {
     "none": AttentionKind(None, None, tuple(ROLES), static_cache=True),  # the sub-layer removed (no parameters, no computation)
     "gaussian": AttentionKind("gaussian", "GaussianAttention", tuple(ROLES), dict(
         gaussian_implementation="full", gaussian_sigma=1.0, gaussian_window=3, length_ratio=None,
-        cross_attention_heads=None, encoder_offsets=(-1, 1), decoder_offsets=(-1, 0), cross_offsets=(-1, 0, 1))),
+        cross_attention_heads=None, encoder_offsets=(-1, 1), decoder_offsets=(-1, 0), cross_offsets=(-1, 0, 1)),
+        static_cache=True),
     "recurrent": AttentionKind("recurrent", "RecurrentCrossAttention", ("cross",), dict(
         recurrent_variant="expand_1", continuity_window=5, continuity_lambda=0.5, coverage_lambda=0.5,
         recurrent_context_norm=False), static_cache=True),
