@@ -62,7 +62,7 @@ from transformers import GenerationMixin
 from transformers.utils import ModelOutput
 
 from .configuration_hardattn import HardAttnConfig
-from .caches import CACHE_FIELD, HardAttnCache
+from .caches import CACHE_FIELD, HardAttnCache, StaticHardAttnCache
 from .hybrid import HybridConfig, HybridForConditionalGeneration, HybridModel
 from .inputs import is_tracing
 from .joint_kernel import JointWorkspace, at_least_fp32, joint_log_probs, select_candidates
@@ -180,6 +180,7 @@ class JointOutputMixin(JointDecoding):
     # quantize_int8 keeps these fp32: the chunked mixture reads the vocabulary projection's weight, and the RNN
     # setting's candidates split the readout's weight (candidate_readouts)
     INT8_KEEP = ("lm_head", "decoder.readout_proj", ".score")
+    output_logits_static = True  # a traced step takes joint_log_probs' plain form: no buffers, shapes unchanged
 
     def output_logits(self, hidden, **kwargs):
         """LOG-probabilities [B, T, V] of the mixture (Eq. 4-5), fp32."""
@@ -300,20 +301,36 @@ class BeamJointTransformerModel(JointModelMixin, HardAttnModel):
 
     config_class = BeamJointTransformerConfig
 
+    decode_writes_static_cache = True  # (see HardAttnModel.static_decoding_refusal)
+
     def decode(self, decoder_input_ids, encoder_hidden_states, attention_mask, decoder_attention_mask,
                decoder_inputs_embeds, cache, output_attentions=False, output_hidden_states=False):
         """The skeleton decoder's layers up to the joint layer, the joint layer with its cross-attention made hard on
         the top-K positions of P_t(a) (:meth:`DecoderLayer.forward_hard_cross`), the later layers per candidate beside
-        the soft stream (:meth:`DecoderLayer.forward_with_candidates`), the final norm on the candidates."""
+        the soft stream (:meth:`DecoderLayer.forward_with_candidates`), the final norm on the candidates.
+
+        With a :class:`~caches.StaticHardAttnCache` the candidates of the later layers read the cache's slots before
+        their own position (a mask from the position tensor), one position per call: a call of several positions
+        decodes them one by one (:meth:`decode_positions`)."""
         config, decoder = self.config, self.decoder
         joint = config.joint_layer_index()
         k_active = self.active_k()
         self.check_source_length(encoder_hidden_states.shape[1])
         self.check_memory(decoder_input_ids, decoder_inputs_embeds, encoder_hidden_states, attention_mask)
+        last = len(decoder.layers) - 1
+        inputs = decoder_input_ids if decoder_input_ids is not None else decoder_inputs_embeds
+        static = isinstance(cache, StaticHardAttnCache)
+        if static and joint < last and inputs.shape[1] > 1:
+            return self.decode_positions(decoder_input_ids, encoder_hidden_states, attention_mask,
+                                         decoder_attention_mask, decoder_inputs_embeds, cache, output_attentions,
+                                         output_hidden_states)
         state = decoder.start(decoder_input_ids, encoder_hidden_states, attention_mask, decoder_attention_mask,
                               decoder_inputs_embeds, cache, output_attentions, output_hidden_states)
         decoder.run_layers(state, 0, joint)
-        last = len(decoder.layers) - 1
+        history_mask = state.attention_mask  # the decoder's [B, past + T] padding mask: what candidates may read
+        if static and joint < last:  # the slots before the query's position (its mask over the slots, [B or 1, slots])
+            slots = state.self_masks[joint][0][:, 0, 0, :]
+            history_mask = slots & (torch.arange(slots.shape[-1], device=slots.device) < cache.get_seq_length())
 
         def select(log_heads):  # P_t(a): the head average of Eq. 1's weights; the attention beam (Eq. 4-5)
             log_p = torch.logsumexp(log_heads, dim=1) - math.log(log_heads.shape[1])
@@ -326,10 +343,34 @@ class BeamJointTransformerModel(JointModelMixin, HardAttnModel):
         for index in range(joint + 1, last + 1):  # candidates attend to the soft history and themselves
             self_mask, causal = state.self_masks[index]
             x, y, self_weights, cross_weights = decoder.layers[index].forward_with_candidates(
-                x, y, state.memory, self_mask, causal, state.attention_mask, state.cross_mask, cache, index < last,
+                x, y, state.memory, self_mask, causal, history_mask, state.cross_mask, cache, index < last,
                 output_attentions)
             state.record(y, self_weights, cross_weights)
         return decoder.finish(state)._replace(last_hidden_state=JointCandidates(state.x, log_w))
+
+    def decode_positions(self, decoder_input_ids, encoder_hidden_states, attention_mask, decoder_attention_mask,
+                         decoder_inputs_embeds, cache, output_attentions=False, output_hidden_states=False):
+        """:meth:`decode` of a call of several positions over a static cache, one position at a time, the results
+        joined along the positions (the decoder's mask covers the positions from 0, so every call takes it whole)."""
+        def position(x, t):
+            return None if x is None else x[:, t:t + 1]
+
+        inputs = decoder_input_ids if decoder_input_ids is not None else decoder_inputs_embeds
+        steps = [self.decode(position(decoder_input_ids, t), encoder_hidden_states, attention_mask,
+                             decoder_attention_mask, position(decoder_inputs_embeds, t), cache, output_attentions,
+                             output_hidden_states) for t in range(inputs.shape[1])]
+
+        def joined(parts, dim):  # per-layer tuples (entries None for a missing sub-layer) or tensors
+            if parts[0] is None:
+                return None
+            if isinstance(parts[0], tuple):
+                return tuple(joined(list(layer), dim) for layer in zip(*parts))
+            return torch.cat(parts, dim)
+
+        candidates = JointCandidates(*(torch.cat(part, 1) for part in zip(*(step.last_hidden_state for step in steps))))
+        return DecoderResult(candidates, joined([step.hidden_states for step in steps], 1),
+                             joined([step.attentions for step in steps], 2),
+                             joined([step.cross_attentions for step in steps], 2))
 
 
 class BeamJointTransformerForConditionalGeneration(JointOutputMixin, HardAttnForConditionalGeneration,

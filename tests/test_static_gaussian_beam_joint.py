@@ -1,4 +1,4 @@
-"""Static caches and compiled decoding steps of gaussian_transformer:
+"""Static caches and compiled decoding steps of gaussian_transformer and beam_joint_transformer:
 ``generate(..., cache_implementation="static", compile_config=...)``.
 
 References: the eager decoding of the same float64 model with its growing (dynamic) cache, generate()'s own and a
@@ -10,6 +10,7 @@ import torch
 
 from common import (TYPE_MODELS, as_float64, assert_nontrivial, contract_model, fitted, randomize, source_batch,
                     tiny_kwargs)
+from hf_hardattn.beam_joint import BeamJointTransformerConfig, BeamJointTransformerForConditionalGeneration
 from hf_hardattn.caches import CACHE_FIELD, StaticHardAttnCache
 from hf_hardattn.gaussian import GaussianConfig, GaussianForConditionalGeneration
 from test_static_cache import MODES, Counter, assert_same, compile_config, generate, step_logits
@@ -44,24 +45,32 @@ _FITTED = {}
 
 def config_model(name):
     """float64 models of every configuration served: hc-all (Gaussian decoder self- and cross-attention, hc-all's cross
-    heads) in each implementation, sh-x (one soft cross head in the last layer), hc-sa (soft cross-attention)."""
+    heads) in each implementation, sh-x (one soft cross head in the last layer), hc-sa (soft cross-attention), and
+    beam_joint_transformer with its joint layer first (a later layer runs per candidate) or last (the default)."""
     if name not in _FITTED:
         if name.startswith("hc_all"):
             model = with_implementation(as_float64(contract_model("gaussian_hc_all")), name.split("_")[-1])
         elif name == "sh_x":
             model = as_float64(contract_model("gaussian_sh_x"))
-        else:
+        elif name == "hc_sa":
             torch.manual_seed(0)
             model = as_float64(fitted(GaussianForConditionalGeneration(GaussianConfig.preset("hc-sa", **tiny_kwargs())),
                                       steps=100))
+        elif name == "joint_first":
+            model = as_float64(contract_model("beam_joint_transformer"))  # joint_layer=0 of 2
+        else:
+            torch.manual_seed(0)
+            model = as_float64(fitted(BeamJointTransformerForConditionalGeneration(
+                BeamJointTransformerConfig(**tiny_kwargs(joint_k=3))), steps=100))
         _FITTED[name] = model
     return _FITTED[name]
 
 
 GAUSSIAN = ("hc_all_full", "hc_all_conv", "hc_all_index", "sh_x", "hc_sa")
+JOINT = ("joint_first", "joint_last")
 
 
-@pytest.mark.parametrize("name", GAUSSIAN)
+@pytest.mark.parametrize("name", GAUSSIAN + JOINT)
 def test_static_decoding_equals_eager_dynamic(name):
     """float64, a right-padded batch, greedy, beam 4 (2 returned), sampling with a seed: the static cache, run
     eagerly, gives the dynamic cache's tokens and scores."""
@@ -74,11 +83,13 @@ def test_static_decoding_equals_eager_dynamic(name):
         assert_same(out, reference, f"{name} {mode} static")
 
 
-@pytest.mark.parametrize("name, backend", [("hc_all_full", "aot_eager"), ("hc_all_index", "eager"), ("sh_x", "eager")])
+@pytest.mark.parametrize("name, backend", [("hc_all_full", "aot_eager"), ("hc_all_index", "eager"), ("sh_x", "eager"),
+                                           ("joint_first", "eager")])
 def test_compiled_decoding_equals_eager_dynamic(name, backend):
     """The same with the steps compiled (fullgraph=True: a graph break raises): the eager dynamic tokens and scores;
     the compiled graphs ran at every step after the first of each call (7 of 8). Gaussian decoder self-attention
-    dense (full) and banded (index), Gaussian and soft cross-attention; aot_eager (the tracing inductor needs) once."""
+    dense (full) and banded (index), Gaussian and soft cross-attention, the beam-joint layers per candidate; aot_eager
+    (the tracing inductor needs) once."""
     torch._dynamo.reset()
     model = config_model(name)
     counter = CallCounter(backend)
@@ -97,7 +108,7 @@ def left_padded_source():
     return ids, (ids != 0).long()
 
 
-@pytest.mark.parametrize("name", GAUSSIAN)
+@pytest.mark.parametrize("name", GAUSSIAN + JOINT)
 @pytest.mark.parametrize("steps", [1, 2])
 def test_forward_steps_through_a_static_cache_equal_the_dynamic_cache(name, steps):
     """Decoder inputs fed 1 or 2 positions a call into a static cache of 9 slots give the logits of the same calls
@@ -114,7 +125,7 @@ def test_forward_steps_through_a_static_cache_equal_the_dynamic_cache(name, step
         torch.testing.assert_close(torch.cat([first, rest], 1), reference, rtol=1e-12, atol=1e-12)
         assert int(cache.get_seq_length()) == 7
         assert {name: state.data_ptr() for name, state in cache.states.items()} == addresses
-        assert addresses  # Gaussian self-attention's rows
+        assert bool(addresses) == name.startswith(("hc_all", "sh_x", "hc_sa"))  # Gaussian self-attention's rows
 
 
 def test_attention_weights_over_the_static_slots():
