@@ -130,6 +130,8 @@ class HardRetrievalAttention(SoftAttention):
     can be decoded with the other kind than it was trained with; hard-retrieval paper, Table 4). Attention dropout acts
     where the config's ``retrieval_dropout`` says (:func:`sampled_retrieval`)."""
 
+    reads_left_padding = True  # masked keys (padding) are never retrieved: -inf before the argmax or the draw
+
     def __init__(self, config: HardAttnConfig, role: str, layer_idx: int):
         super().__init__(config, role, layer_idx)
         self.dropout_placement = check_retrieval_dropout(config)

@@ -32,9 +32,11 @@ def check_ids(name: str, ids: torch.Tensor, vocab_size: int):
         raise ValueError(f"`{name}` holds {ids[bad][0].item()}, outside the vocabulary; allowed: ids in [0, {vocab_size}).")
 
 
-def check_mask(name: str, mask: torch.Tensor, shapes: list, right_padded: bool = False, values: bool = True):
+def check_mask(name: str, mask: torch.Tensor, shapes: list, right_padded: bool = False, values: bool = True,
+               edges_only: bool = False, reason: str = ""):
     """A 0/1 padding mask whose shape is one of ``shapes``, with a token in every row (and, ``right_padded``, its
-    padding after its tokens); ``values=False`` checks the shape only."""
+    padding after its tokens, ``reason`` saying why; ``edges_only``, its padding before its first token or after its
+    last, none between two tokens); ``values=False`` checks the shape only."""
     if tuple(mask.shape) not in [tuple(shape) for shape in shapes]:
         allowed = " or ".join(str(tuple(shape)) for shape in shapes)
         raise ValueError(f"`{name}` has shape {tuple(mask.shape)}; allowed: {allowed} (one 0/1 entry per token).")
@@ -49,11 +51,17 @@ def check_mask(name: str, mask: torch.Tensor, shapes: list, right_padded: bool =
     if bool(empty.any()):
         raise ValueError(f"`{name}` row {int(empty.nonzero()[0])} is all padding; allowed: at least one token (1) per "
                          f"row.")
-    if right_padded:
-        left = present[:, 1:] & ~present[:, :-1]  # a token after padding
-        if bool(left.any()):
-            raise ValueError(f"`{name}` row {int(left.nonzero()[0, 0])} has padding before a token: "
-                             f"{mask[int(left.nonzero()[0, 0])].tolist()}; decoder inputs must be padded on the right.")
+    left = present[:, 1:] & ~present[:, :-1]  # a token after padding
+    hole = left & (present.cumsum(-1)[:, :-1] > 0)  # ... after a token
+    if edges_only and bool(hole.any()):
+        row = int(hole.nonzero()[0, 0])
+        raise ValueError(f"`{name}` row {row} has padding between two tokens: {mask[row].tolist()}; "
+                         f"allowed: padding before a row's first token (left) or after its last (right), none between "
+                         f"two tokens.")
+    if right_padded and bool(left.any()):
+        row = int(left.nonzero()[0, 0])
+        raise ValueError(f"`{name}` row {row} has padding before a token: {mask[row].tolist()}; decoder inputs must be "
+                         f"padded on the right{reason}.")
 
 
 def check_one_of(first: str, a, second: str, b, allow_neither: bool = False):

@@ -122,8 +122,20 @@ def token_positions(attention_mask):
     then (a data-dependent check, so while tracing, torch.compile / export, they are always computed)."""
     if attention_mask is None or (not is_tracing() and bool(attention_mask[:, 0].all())):
         return None
-    leading = (attention_mask.cumsum(-1) == 0).sum(-1, keepdim=True)  # padding before the first real token
+    leading = leading_padding(attention_mask)[:, None]
     return (torch.arange(attention_mask.shape[-1], device=attention_mask.device) - leading).clamp(min=0)
+
+
+def leading_padding(attention_mask: torch.Tensor) -> torch.Tensor:
+    """[B]: the padding positions before each row's first real token of a 0/1 (or bool) mask [B, T]."""
+    return (attention_mask.cumsum(-1) == 0).sum(-1)
+
+
+def see_own_prefix(mask: torch.Tensor, causal: torch.Tensor) -> torch.Tensor:
+    """A decoder self-attention ``mask`` (bool, True = may attend) whose query rows that see no key (the padding
+    before a left-padded prompt's first token) see their causal prefix instead (padding only): finite outputs there,
+    not NaN, which as keys would reach the real queries through their zero weights. Rows that see a key are kept."""
+    return mask | (causal & ~mask.any(-1, keepdim=True))
 
 
 class FeedForward(nn.Module):
@@ -190,6 +202,9 @@ class SoftAttention(nn.Module):
     """
 
     reads_memory_grouped = True
+    # declared by each kind's own class (not inherited: HardAttnModel.left_padding_refusal reads the class's own
+    # attributes): a left-padded decoder prompt's padding reaches it only as masked keys, and it reads no position
+    reads_left_padding = True
 
     def __init__(self, config: HardAttnConfig, role: str, layer_idx: int):
         super().__init__()
@@ -547,6 +562,10 @@ class HardAttnEncoder(nn.Module):
 
 class HardAttnDecoder(nn.Module):
     writes_static_cache = True  # its states go through the cache's own writes (see HardAttnModel.static_decoding_refusal)
+    # a left-padded decoder prompt: positions counted from each row's first real token, its padding hidden as keys (see
+    # decoder_padding and HardAttnModel.left_padding_refusal)
+    reads_left_padding = True
+    LEADING_PADDING = "decoder.leading_padding"  # the cache's sentence state: [rows] padding before each row's prompt
 
     def __init__(self, config: HardAttnConfig, embed_tokens: nn.Embedding):
         super().__init__()
@@ -569,34 +588,42 @@ class HardAttnDecoder(nn.Module):
                                 for layer in self.layers]
         self.final_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps) if config.normalize_before else None
 
-    def embed(self, input_ids, inputs_embeds, past_length, static_length=None):
+    def embed(self, input_ids, inputs_embeds, past_length, static_length=None, leading=None):
         """Token + position embeddings of positions past_length, ...; ``static_length``: a static cache's length,
-        ``past_length`` then its position tensor."""
+        ``past_length`` then its position tensor; ``leading`` [B]: each row's padding before its first real token,
+        subtracted from its positions (those of the padding clamped at 0)."""
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids) * self.embed_scale
         length = inputs_embeds.shape[1]
-        if static_length is None:
+        if static_length is None and leading is None:
             x = inputs_embeds + self.embed_positions(past_length, length)
         else:
             positions = past_length + torch.arange(length, device=inputs_embeds.device)
-            x = inputs_embeds + self.embed_positions.steps(positions, static_length)
+            if leading is not None:  # [B, T]: the count of real tokens before each position
+                positions = (positions[None, :] - leading[:, None]).clamp(min=0)
+            end = past_length + length if static_length is None else static_length
+            x = inputs_embeds + self.embed_positions.steps(positions, end)
         if self.layernorm_embedding is not None:
             x = self.layernorm_embedding(x)
         return F.dropout(x, self.config.dropout, self.training)
 
     @staticmethod
-    def self_attention_mask(decoder_attention_mask, query_length, past_length, device, causal_built_in=False):
+    def self_attention_mask(decoder_attention_mask, query_length, past_length, device, causal_built_in=False,
+                            left_padded=False):
         """(mask, causal) for decoder self-attention: no mask at all for one cached step, SDPA's causal flag for a
         whole unpadded sequence, an explicit bool mask otherwise. ``causal_built_in``: for a kind whose weights are
         zero after the query by construction (``causal_built_in = True``, e.g. Gaussian): the key padding mask
-        [B, 1, 1, Tk] alone (None without padding), O(B Tk), never a [B, 1, Tq, Tk] one."""
+        [B, 1, 1, Tk] alone (None without padding), O(B Tk), never a [B, 1, Tq, Tk] one. ``left_padded``: some row
+        starts with padding, whose queries then see their own prefix (:func:`see_own_prefix`)."""
         key_length = past_length + query_length
         padded = decoder_attention_mask is not None and (is_tracing() or not bool(decoder_attention_mask.all()))
         pad = decoder_attention_mask[:, None, None, -key_length:].bool() if padded else None
         if causal_built_in:
             return pad, False
         if padded:
-            return causal_mask(query_length, key_length, device) & pad, False
+            causal = causal_mask(query_length, key_length, device)
+            mask = causal & pad
+            return (see_own_prefix(mask, causal) if left_padded else mask), False
         if query_length == 1:
             return None, False
         if past_length == 0:
@@ -604,20 +631,50 @@ class HardAttnDecoder(nn.Module):
         return causal_mask(query_length, key_length, device), False
 
     @staticmethod
-    def static_self_attention_mask(decoder_attention_mask, query_length, position, slots):
+    def static_self_attention_mask(decoder_attention_mask, query_length, position, slots, left_padded=False):
         """Decoder self-attention over a static cache's ``slots`` key slots (:class:`~caches.StaticKVLayer`), bool
         [B or 1, 1, Tq, slots]: query i (at position ``position`` + i, a tensor) sees the slots up to its own and
         never the later ones, unwritten or stale (causal and unfilled in one comparison); with a decoder padding mask
-        [B, w] (of positions 0, ..., w - 1), not its padding either. The same shape at every step."""
+        [B, w] (of positions 0, ..., w - 1), not its padding either (``left_padded``: the padding before a row's
+        first token sees its own prefix, :func:`see_own_prefix`). The same shape at every step."""
         device = position.device
         queries = position + torch.arange(query_length, device=device)
-        mask = (torch.arange(slots, device=device)[None, :] <= queries[:, None])[None, None]
+        causal = (torch.arange(slots, device=device)[None, :] <= queries[:, None])[None, None]
+        mask = causal
         if decoder_attention_mask is not None:
             pad = F.pad(decoder_attention_mask.bool(), (0, slots - decoder_attention_mask.shape[-1]), value=True)
-            mask = mask & pad[:, None, None, :]
+            mask = causal & pad[:, None, None, :]
+            if left_padded:
+                mask = see_own_prefix(mask, causal)
         return mask
 
-    def self_attention_masks(self, decoder_attention_mask, query_length, past_length, device):
+    def decoder_padding(self, attention_mask, cache, past_length, length):
+        """(the decoder padding mask of every key, [B, past + T], or None; ``leading`` [B], each row's padding before
+        its first real token, or None when no row starts with padding). A left-padded prompt decodes as it would
+        alone, as decoder-only models do: each position counts the real tokens before it, and no real query sees a
+        padded key. ``leading`` is kept in the cache (a sentence state: the same for every beam of a sentence) for
+        later calls that pass no mask, or one of their new positions only (then its past from the cache). While traced
+        with a static cache the mask covers every position so far, as generate() passes it."""
+        static = isinstance(cache, StaticHardAttnCache)
+        stored = cache.sentence_states.get(self.LEADING_PADDING) if cache is not None else None
+        past = past_length if not static else 0 if is_tracing() else int(past_length)
+        if attention_mask is None and stored is not None:  # the past's padding, from the cache
+            width = cache.max_cache_len if static else past + length
+            return torch.arange(width, device=stored.device)[None, :] >= stored[:, None], stored
+        if attention_mask is None:
+            return None, None
+        if past and attention_mask.shape[-1] == length:  # the new positions' mask only: the past's before it
+            before = (torch.arange(past, device=attention_mask.device)[None, :] >= stored[:, None] if stored is not None
+                      else attention_mask.new_ones(attention_mask.shape[0], past))
+            attention_mask = torch.cat([before.to(attention_mask.dtype), attention_mask], dim=-1)
+        if not is_tracing() and bool(attention_mask[:, 0].all()):
+            return attention_mask, None
+        leading = leading_padding(attention_mask)
+        if cache is not None and stored is None and not is_tracing():
+            cache.sentence_states[self.LEADING_PADDING] = leading
+        return attention_mask, leading
+
+    def self_attention_masks(self, decoder_attention_mask, query_length, past_length, device, left_padded=False):
         """[(mask, causal)] per decoder layer, from :meth:`self_attention_mask`: the key padding mask alone for a layer
         whose self-attention builds its causal cut in (or that has none), the causal (& padding) mask otherwise; each
         built once, and the [B, 1, Tq, Tk] one only if some layer reads it."""
@@ -626,7 +683,7 @@ class HardAttnDecoder(nn.Module):
         def mask(built_in):
             if built_in not in built:
                 built[built_in] = self.self_attention_mask(decoder_attention_mask, query_length, past_length, device,
-                                                           built_in)
+                                                           built_in, left_padded)
             return built[built_in]
 
         return [mask(built_in) for built_in in self.causal_built_in]
@@ -665,13 +722,16 @@ class HardAttnDecoder(nn.Module):
         """Embeddings (tokens + positions, after the cache's past), the self- and cross-attention masks, and the
         lists the outputs are recorded in: the :class:`DecoderPass` that :meth:`run_layers` and :meth:`finish` take."""
         past_length = cache.get_seq_length() if cache is not None else 0
+        length = (input_ids if inputs_embeds is None else inputs_embeds).shape[1]
+        attention_mask, leading = self.decoder_padding(attention_mask, cache, past_length, length)
         if isinstance(cache, StaticHardAttnCache):  # fixed slots: positions and masks from its position tensor
-            x = self.embed(input_ids, inputs_embeds, past_length, cache.max_cache_len)
-            mask = self.static_self_attention_mask(attention_mask, x.shape[1], past_length, cache.max_cache_len)
+            x = self.embed(input_ids, inputs_embeds, past_length, cache.max_cache_len, leading)
+            mask = self.static_self_attention_mask(attention_mask, length, past_length, cache.max_cache_len,
+                                                   leading is not None)
             self_masks = [(mask, False)] * len(self.layers)
         else:
-            x = self.embed(input_ids, inputs_embeds, past_length)
-            self_masks = self.self_attention_masks(attention_mask, x.shape[1], past_length, x.device)
+            x = self.embed(input_ids, inputs_embeds, past_length, leading=leading)
+            self_masks = self.self_attention_masks(attention_mask, length, past_length, x.device, leading is not None)
         check_memory_rows(x.shape[0], encoder_hidden_states, encoder_attention_mask, self.reads_memory_grouped)
         return DecoderPass(x, encoder_hidden_states, self_masks, padding_mask(encoder_attention_mask), attention_mask,
                            cache, output_attentions, output_hidden_states)
@@ -737,5 +797,5 @@ class DecoderResult(NamedTuple):
 
 __all__ = ["DecoderLayer", "DecoderResult", "EncoderLayer", "FeedForward", "HardAttnDecoder", "HardAttnEncoder",
            "PositionEmbedding", "SoftAttention", "SubLayer", "WRITTEN_OUT_MIN_QUERIES", "WRITTEN_OUT_QUERIES",
-           "attention_classes", "build_attention", "causal_mask", "check_memory_rows", "embedding_norm", "full_mask", "padding_mask",
-           "sinusoidal_table", "token_positions", "ungroup_weights"]
+           "attention_classes", "build_attention", "causal_mask", "check_memory_rows", "embedding_norm", "full_mask",
+           "leading_padding", "padding_mask", "see_own_prefix", "sinusoidal_table", "token_positions", "ungroup_weights"]

@@ -35,7 +35,7 @@ from .int8 import Int8Mixin
 from .layers import DecoderResult, HardAttnDecoder, HardAttnEncoder, PositionEmbedding, SoftAttention
 from .loss import smoothed_cross_entropy, token_mean
 from .packed_linear import DEFAULT_MAX_ROWS, pack_linears, unpack_linears
-from .registry import KINDS, ROLES
+from .registry import KINDS, ROLES, attention_class
 from .saving import SavingMixin
 
 logger = logging.get_logger(__name__)
@@ -256,6 +256,29 @@ class HardAttnModel(HardAttnPreTrainedModel):
                        - set(self.STATIC_KINDS))
         return f"its decoder uses the attention kind(s) {kinds}" if kinds else None
 
+    decode_reads_left_padding = True  # declared beside each ``decode`` whose decoder reads a left-padded prompt
+
+    def left_padding_refusal(self) -> str | None:
+        """Why this model refuses a left-padded ``decoder_attention_mask``, or None when it decodes such a prompt as
+        the prompt alone (positions from each row's first real token, padded keys hidden): the class that defines its
+        ``decode`` declares ``decode_reads_left_padding``, its decoder module ``reads_left_padding``, and the class of
+        every decoder self- and cross-attention kind ``reads_left_padding`` itself (not inherited). Found once per
+        model (its modules are fixed at construction)."""
+        if "_left_padding_refusal" in vars(self):
+            return vars(self)["_left_padding_refusal"]
+        owner = next(cls for cls in type(self).__mro__ if "decode" in vars(cls))
+        kinds = sorted({kind for role in ("decoder", "cross") for kind in self.config.attention_kinds(role)
+                        if (cls := attention_class(kind, self.config)) is not None
+                        and not vars(cls).get("reads_left_padding", False)})
+        if not vars(owner).get("decode_reads_left_padding", False):
+            refusal = f"{owner.__name__}.decode counts decoder positions from the first column"
+        elif not getattr(self.decoder, "reads_left_padding", False):
+            refusal = f"its decoder ({type(self.decoder).__name__}) counts positions from the first column"
+        else:
+            refusal = f"its attention kind(s) {kinds} read positions from the first column" if kinds else None
+        self.__dict__["_left_padding_refusal"] = refusal
+        return refusal
+
     def decoder_checkpointing(self) -> bool:
         """Whether gradient checkpointing is on for any part of the decoder (``gradient_checkpointing_enable()``)."""
         return any(getattr(module, "gradient_checkpointing", False) for module in self.decoder.modules())
@@ -290,8 +313,9 @@ class HardAttnModel(HardAttnPreTrainedModel):
     def check_decoder_inputs(self, decoder_input_ids, decoder_attention_mask, decoder_inputs_embeds, memory,
                              attention_mask, cache):
         """Clear errors where the decoder's inputs enter: ids in the vocabulary or embeddings of d_model (one of the
-        two), a right-padded 0/1 ``decoder_attention_mask`` of [B, T] or [B, cached + T] (continuing from a cache),
-        and a given encoder output's ``attention_mask`` of its [B, S]."""
+        two), a 0/1 ``decoder_attention_mask`` of [B, T] or [B, cached + T] (continuing from a cache) padded on the
+        right, or also on the left where the model reads a left-padded prompt (:meth:`left_padding_refusal`), and a
+        given encoder output's ``attention_mask`` of its [B, S]."""
         check_one_of("decoder_input_ids", decoder_input_ids, "decoder_inputs_embeds", decoder_inputs_embeds)
         if decoder_inputs_embeds is None:
             check_ids("decoder_input_ids", decoder_input_ids, self.config.vocab_size)
@@ -310,8 +334,16 @@ class HardAttnModel(HardAttnPreTrainedModel):
                     raise ValueError(f"`decoder_attention_mask` covers {past + length} positions, more than the static "
                                      f"cache's `max_cache_len`={cache.max_cache_len}; allowed: at most "
                                      f"{cache.max_cache_len}.")
+            refusal = None if is_tracing() else self.left_padding_refusal()  # (traced: values are not checked)
+            new_only = bool(past) and decoder_attention_mask.shape[-1] == length  # (the new positions, after the past)
+            if refusal is not None:
+                reason = (f" for model_type {self.config.model_type!r} ({refusal}); allowed for it: padding after each "
+                          f"row's last token only")
+            else:  # (a mask of the new positions only)
+                reason = (" when the mask covers the new positions only (they follow the cached ones); a left-padded "
+                          "prompt's mask covers every position, [batch, cached + new]")
             check_mask("decoder_attention_mask", decoder_attention_mask, [(rows, length), (rows, past + length)],
-                       right_padded=True)
+                       right_padded=refusal is not None or new_only, edges_only=True, reason=reason)
         if attention_mask is not None:  # (its values once per sentence: generate() passes the same mask at every step)
             check_mask("attention_mask", attention_mask, [memory.shape[:2]],
                        values=cache is None or cache.get_seq_length() == 0)

@@ -1,14 +1,17 @@
 """Left-padded sources (a tokenizer with ``padding_side="left"``) for every contract model: positions (sinusoidal or
-learned, the Gaussian cross-attention centres) count from each row's first real token.
+learned, the Gaussian cross-attention centres) count from each row's first real token. Left-padded decoder prompts
+(``decoder_input_ids`` + ``decoder_attention_mask``, as decoder-only models take a batch of prompts): the same for the
+types whose decoder reads them, a clear refusal from the others.
 
-References: each sentence alone, in float64.
+References: each sentence (and prompt) alone, unpadded, in float64.
 """
 
 import pytest
 import torch
 
-from common import (CONTRACT_MODELS, PAD, as_float64, assert_nontrivial, assert_step_scores_close, contract_model,
-                    source_batch)
+from common import (BOS, CONTRACT_MODELS, ONE_PER_TYPE, PAD, as_float64, assert_nontrivial, assert_step_scores_close,
+                    contract_model, source_batch)
+from hf_hardattn.caches import CACHE_FIELD, StaticHardAttnCache
 
 
 def left_padded():
@@ -48,3 +51,183 @@ def test_left_padded_source_encodes_its_tokens_as_alone():
         batch = encoder(ids, mask).last_hidden_state
         alone = encoder(ids[1:, mask[1].bool()]).last_hidden_state
         torch.testing.assert_close(batch[1, mask[1].bool()], alone[0], rtol=0, atol=1e-10)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Left-padded decoder prompts: positions counted from each row's first real token, as decoder-only models do
+# ----------------------------------------------------------------------------------------------------------------
+# the model types whose decoder reads a left-padded prompt (HardAttnModel.left_padding_refusal is None): contract
+# models (fitted: varied tokens; soft_prenorm: pre-norm with learned positions)
+LEFT_PADDED_PROMPT_TYPES = ("soft", "soft_prenorm", "hard_retrieval")
+# the others refuse it where the input enters, naming their model type (see the docstring of the test)
+PROMPT_REFUSED = {"gaussian_hc_all": "gaussian_transformer", "recurrent_expand_1": "recurrent_transformer",
+                  "hybrid_additive": "hybrid_transformer", "beam_joint_transformer": "beam_joint_transformer",
+                  "beam_joint_rnn": "beam_joint_rnn"}
+PROMPTS = ([BOS, 9, 13, 6], [BOS], [BOS, 17])  # decoder prompts of 4, 1 and 2 tokens, each from the start token
+
+
+def left_padded_prompts(prompts=PROMPTS):
+    """(decoder ids [3, 4], decoder mask): ``prompts`` padded on the left (PAD, mask 0)."""
+    width = max(map(len, prompts))
+    ids = torch.tensor([[PAD] * (width - len(p)) + list(p) for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    return ids, mask
+
+
+def prompt_sources():
+    """Three sources (source_batch() and a third, right-padded), one per prompt."""
+    ids, mask = source_batch()
+    ids = torch.cat([ids, torch.tensor([[13, 9, 5, 2, PAD, PAD, PAD]])])
+    return ids, (ids != PAD).long()
+
+
+@pytest.mark.parametrize("cache", [None, "static"])
+@pytest.mark.parametrize("name", LEFT_PADDED_PROMPT_TYPES)
+def test_left_padded_decoder_prompts_decode_as_each_prompt_alone(name, cache):
+    """generate() with a batch of decoder prompts padded on the left (``decoder_input_ids`` and
+    ``decoder_attention_mask``, as decoder-only models take them), greedy and beam 4, with the dynamic and the static cache: each row's tokens and
+    step scores (common.assert_step_scores_close) are those of its prompt decoded alone, unpadded (float64)."""
+    model = as_float64(contract_model(name))
+    ids, mask = prompt_sources()
+    decoder_ids, decoder_mask = left_padded_prompts()
+    width = decoder_ids.shape[1]
+    for beams in (1, 4):
+        kwargs = dict(max_new_tokens=6, min_new_tokens=6, num_beams=beams, return_dict_in_generate=True,
+                      output_scores=True, cache_implementation=cache)
+        batch = model.generate(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder_ids,
+                               decoder_attention_mask=decoder_mask, **kwargs)
+        assert_nontrivial(batch.sequences)
+        for row, prompt in enumerate(PROMPTS):
+            alone = model.generate(input_ids=ids[row : row + 1, mask[row].bool()],
+                                   decoder_input_ids=torch.tensor([prompt]), **kwargs)
+            assert torch.equal(batch.sequences[row, width - len(prompt):], alone.sequences[0]), (row, beams)
+            assert (batch.sequences[row, : width - len(prompt)] == PAD).all()
+            for t, (a, b) in enumerate(zip(alone.scores, batch.scores, strict=True)):  # [beams, V] per step
+                assert_step_scores_close(a, b[row * beams : (row + 1) * beams], f"row {row}, {beams} beams, step {t}")
+
+
+def teacher_forced_alone(model, ids, mask, decoder_ids, decoder_mask):
+    """Per row: the logits [T_real, V] of its real decoder tokens decoded alone, unpadded, without a cache."""
+    return [model(input_ids=ids[row : row + 1, mask[row].bool()], decoder_input_ids=decoder_ids[row : row + 1, real],
+                  use_cache=False).logits[0]
+            for row, real in enumerate(decoder_mask.bool())]
+
+
+def assert_real_positions(logits, alone, decoder_mask, what):
+    for row, real in enumerate(decoder_mask.bool()):
+        torch.testing.assert_close(logits[row, real], alone[row][: int(real.sum())], rtol=0, atol=1e-10,
+                                   msg=f"{what}, row {row}")
+
+
+@pytest.mark.parametrize("name", LEFT_PADDED_PROMPT_TYPES)
+def test_left_padded_decoder_inputs_in_forward_equal_each_row_alone(name):
+    """forward() with left-padded decoder inputs (a prompt and 3 more tokens): in one call without a cache, in one call
+    into a cache, and through the dynamic and the static cache: the prompts in one call, then position by position
+    (the mask growing with the positions, as generate() passes it); then 2 more positions with no mask at all, and
+    (dynamic cache) 1 with the mask of its own position only: the cache keeps each row's padding. The logits of every
+    real position equal those of the row alone, unpadded, without a cache (float64); the padding's own are finite."""
+    model = as_float64(contract_model(name))
+    ids, mask = prompt_sources()
+    decoder_ids, decoder_mask = left_padded_prompts([p + [5, 7, 11] for p in PROMPTS])
+    more = torch.tensor([[8, 3], [12, 4], [6, 10]])
+    full_ids = torch.cat([decoder_ids, more, torch.tensor([[9], [9], [9]])], 1)
+    full_mask = torch.cat([decoder_mask, torch.ones(3, 3, dtype=torch.long)], 1)
+    alone = teacher_forced_alone(model, ids, mask, full_ids, full_mask)
+    width, prompt = decoder_ids.shape[1], max(map(len, PROMPTS))
+    inputs = dict(input_ids=ids, attention_mask=mask)
+    whole = model(**inputs, decoder_input_ids=decoder_ids, decoder_attention_mask=decoder_mask, use_cache=False).logits
+    assert whole.isfinite().all()
+    assert_real_positions(whole, alone, decoder_mask, "one call")
+    for cache in (None, StaticHardAttnCache(model.config.decoder_layers, 12, 3)):
+        logits = []
+        for start, stop in [(0, prompt)] + [(t, t + 1) for t in range(prompt, width)]:
+            out = model(**inputs, decoder_input_ids=decoder_ids[:, start:stop],
+                        decoder_attention_mask=decoder_mask[:, :stop], cache=cache, use_cache=True)
+            cache = getattr(out, CACHE_FIELD)
+            logits.append(out.logits)
+        for t in range(2):  # no mask: the cache's count of each row's padding hides it and places the positions
+            out = model(**inputs, decoder_input_ids=more[:, t : t + 1], cache=cache, use_cache=True)
+            logits.append(out.logits)
+        if not isinstance(cache, StaticHardAttnCache):  # the mask of the new position only
+            out = model(**inputs, decoder_input_ids=full_ids[:, -1:], decoder_attention_mask=full_mask[:, -1:],
+                        cache=cache, use_cache=True)
+            logits.append(out.logits)
+        steps = torch.cat(logits, 1)
+        assert steps.isfinite().all()
+        assert_real_positions(steps, alone, full_mask[:, : steps.shape[1]], f"step by step, {type(cache).__name__}")
+    cached = model(**inputs, decoder_input_ids=decoder_ids, decoder_attention_mask=decoder_mask, use_cache=True).logits
+    assert_real_positions(cached, alone, decoder_mask, "one call into a cache")
+
+
+def test_right_padded_decoder_inputs_are_unchanged():
+    """Teacher forcing with right-padded decoder inputs (labels padded with -100) reads no left padding: its positions
+    are 0, 1, ... and its loss and real positions' logits are the rows' alone (float64), the padding's own finite."""
+    model = as_float64(contract_model("soft"))
+    ids, mask = prompt_sources()
+    labels = torch.tensor([[5, 9, 13, 2], [7, 2, -100, -100], [6, 8, 2, -100]])
+    decoder_ids = model.prepare_decoder_input_ids_from_labels(labels)
+    decoder_mask = (labels != -100).long()
+    out = model(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder_ids, decoder_attention_mask=decoder_mask,
+                labels=labels)
+    assert out.logits.isfinite().all()
+    alone = teacher_forced_alone(model, ids, mask, decoder_ids, decoder_mask)
+    assert_real_positions(out.logits, alone, decoder_mask, "right-padded")
+    smoothing = model.config.label_smoothing
+    expected = torch.nn.functional.cross_entropy(torch.cat(alone), labels[labels != -100], label_smoothing=smoothing)
+    torch.testing.assert_close(out.loss.double(), expected, rtol=1e-6, atol=0)  # (the loss is summed in fp32)
+
+
+@pytest.mark.parametrize("name", LEFT_PADDED_PROMPT_TYPES)
+def test_no_real_query_sees_a_padded_key(name):
+    """output_attentions: every real query's decoder self-attention weights are 0 on the padding before its prompt (for
+    hard retrieval: its one-hot never picks a padded key), and the padding's queries see padding only."""
+    model = as_float64(contract_model(name))
+    ids, mask = prompt_sources()
+    decoder_ids, decoder_mask = left_padded_prompts()
+    out = model(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder_ids, decoder_attention_mask=decoder_mask,
+                output_attentions=True)
+    pad = ~decoder_mask.bool()
+    for weights in out.decoder_attentions:  # [B, H, Tq, Tk]
+        real_query_on_pad = weights * (~pad)[:, None, :, None] * pad[:, None, None, :]
+        assert real_query_on_pad.abs().max() == 0
+        pad_query_on_real = weights * pad[:, None, :, None] * (~pad)[:, None, None, :]
+        assert pad_query_on_real.abs().max() == 0
+        assert weights.isfinite().all()
+
+
+@pytest.mark.parametrize("name", PROMPT_REFUSED)
+def test_left_padded_decoder_prompt_refused_by_the_other_types(name):
+    """The types whose decoder counts positions from the first column refuse a left-padded decoder mask where it enters,
+    naming their model type and what is allowed: gaussian (its heads are centred by the query's position), recurrent
+    (a per-step state), hybrid and beam_joint_rnn (GRU / LSTM states that would step through the padding),
+    beam_joint_transformer (its own ``decode``, not declared to read one)."""
+    model = contract_model(name, fit=False)
+    ids, mask = prompt_sources()
+    decoder_ids, decoder_mask = left_padded_prompts()
+    pattern = (rf"`decoder_attention_mask` row 1 has padding before a token: \[0, 0, 0, 1\]; decoder inputs must be "
+               rf"padded on the right for model_type '{PROMPT_REFUSED[name]}' \(.*\); allowed for it: padding after "
+               rf"each row's last token only")
+    with pytest.raises(ValueError, match=pattern):
+        model(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder_ids, decoder_attention_mask=decoder_mask)
+    with pytest.raises(ValueError, match=pattern):
+        model.generate(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder_ids,
+                       decoder_attention_mask=decoder_mask, max_new_tokens=3)
+
+
+@pytest.mark.parametrize("name", ONE_PER_TYPE)
+def test_decoder_padding_between_tokens_is_refused(name):
+    """Padding between two tokens (a hole), or a mask of the new positions only whose padding follows the cached
+    tokens, is refused on every type: only padding before a row's first token or after its last is a layout."""
+    model = contract_model(name, fit=False)
+    ids, mask = prompt_sources()
+    decoder_ids = torch.tensor([[1, 6, 9, 12], [1, 8, 10, 2], [1, 5, 5, 5]])
+    hole = torch.tensor([[1, 1, 1, 1], [1, 0, 1, 1], [1, 1, 1, 0]])
+    with pytest.raises(ValueError, match=r"`decoder_attention_mask` row 1 has padding between two tokens: "
+                                         r"\[1, 0, 1, 1\]; allowed: padding before a row's first token \(left\) or "
+                                         r"after its last"):
+        model(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder_ids, decoder_attention_mask=hole)
+    cache = getattr(model(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder_ids[:, :2], use_cache=True),
+                    CACHE_FIELD)
+    with pytest.raises(ValueError, match=r"`decoder_attention_mask` row 2 has padding before a token: \[0, 1\]"):
+        model(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder_ids[:, 2:], cache=cache, use_cache=True,
+              decoder_attention_mask=torch.tensor([[1, 1], [1, 1], [0, 1]]))
