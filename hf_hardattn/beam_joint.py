@@ -473,6 +473,9 @@ class BeamJointRNNModel(JointModelMixin, HybridModel):
     position (:class:`BeamJointModelOutput`), without the vocabulary projection and mixture."""
 
     config_class = BeamJointRNNConfig
+    # the hybrid's decoder writes the RNN states, the hard contexts are sentence states (see
+    # HardAttnModel.static_decoding_refusal)
+    decode_writes_static_cache = True
 
     def hard_contexts(self, encoder_hidden_states, cache):
         """[B, S, C] hard contexts, computed once per sentence during cached decoding (kept in

@@ -1,4 +1,4 @@
-"""Static caches and compiled decoding steps of gaussian_transformer and beam_joint_transformer:
+"""Static caches and compiled decoding steps of gaussian_transformer, beam_joint_transformer and beam_joint_rnn:
 ``generate(..., cache_implementation="static", compile_config=...)``.
 
 References: the eager decoding of the same float64 model with its growing (dynamic) cache, generate()'s own and a
@@ -46,7 +46,8 @@ _FITTED = {}
 def config_model(name):
     """float64 models of every configuration served: hc-all (Gaussian decoder self- and cross-attention, hc-all's cross
     heads) in each implementation, sh-x (one soft cross head in the last layer), hc-sa (soft cross-attention), and
-    beam_joint_transformer with its joint layer first (a later layer runs per candidate) or last (the default)."""
+    beam_joint_transformer with its joint layer first (a later layer runs per candidate) or last (the default), and
+    beam_joint_rnn with the paper's Luong LSTM decoder and with the Bahdanau GRU one."""
     if name not in _FITTED:
         if name.startswith("hc_all"):
             model = with_implementation(as_float64(contract_model("gaussian_hc_all")), name.split("_")[-1])
@@ -56,6 +57,8 @@ def config_model(name):
             torch.manual_seed(0)
             model = as_float64(fitted(GaussianForConditionalGeneration(GaussianConfig.preset("hc-sa", **tiny_kwargs())),
                                       steps=100))
+        elif name.startswith("rnn"):  # the paper's Luong LSTM decoder (multi-head attention), the Bahdanau GRU one
+            model = as_float64(contract_model("beam_joint_rnn" + name[3:]))
         elif name == "joint_first":
             model = as_float64(contract_model("beam_joint_transformer"))  # joint_layer=0 of 2
         else:
@@ -67,7 +70,7 @@ def config_model(name):
 
 
 GAUSSIAN = ("hc_all_full", "hc_all_conv", "hc_all_index", "sh_x", "hc_sa")
-JOINT = ("joint_first", "joint_last")
+JOINT = ("joint_first", "joint_last", "rnn", "rnn_bahdanau")
 
 
 @pytest.mark.parametrize("name", GAUSSIAN + JOINT)
@@ -84,7 +87,7 @@ def test_static_decoding_equals_eager_dynamic(name):
 
 
 @pytest.mark.parametrize("name, backend", [("hc_all_full", "aot_eager"), ("hc_all_index", "eager"), ("sh_x", "eager"),
-                                           ("joint_first", "eager")])
+                                           ("joint_first", "eager"), ("rnn", "eager")])
 def test_compiled_decoding_equals_eager_dynamic(name, backend):
     """The same with the steps compiled (fullgraph=True: a graph break raises): the eager dynamic tokens and scores;
     the compiled graphs ran at every step after the first of each call (7 of 8). Gaussian decoder self-attention
@@ -125,7 +128,7 @@ def test_forward_steps_through_a_static_cache_equal_the_dynamic_cache(name, step
         torch.testing.assert_close(torch.cat([first, rest], 1), reference, rtol=1e-12, atol=1e-12)
         assert int(cache.get_seq_length()) == 7
         assert {name: state.data_ptr() for name, state in cache.states.items()} == addresses
-        assert bool(addresses) == name.startswith(("hc_all", "sh_x", "hc_sa"))  # Gaussian self-attention's rows
+        assert bool(addresses) == name.startswith(("hc_all", "sh_x", "hc_sa", "rnn"))  # Gaussian rows, RNN states
 
 
 def test_attention_weights_over_the_static_slots():
