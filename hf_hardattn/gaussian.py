@@ -389,13 +389,19 @@ class GaussianAttention(nn.Module):
         values = self._split(self.v_proj(hidden))
         if cache is None:
             return values, 0, 0
-        query_start, key = cache.seen_tokens, f"gaussian.{self.layer_idx}"
+        query_start, key, query_length = cache.seen_tokens, f"gaussian.{self.layer_idx}", hidden.shape[1]
         past = cache.states.get(key)
         if past is not None:
             values = torch.cat([past, values], dim=2)
-        if self.lookback > 0:
-            cache.states[key] = values[:, :, max(values.shape[2] - self.lookback, 0):]
-        return values, query_start, query_start + hidden.shape[1] - values.shape[2]
+        if self.lookback > 0:  # the rows kept after each position (a crop inside a call of several restores them)
+            def kept(end):
+                return values[:, :, max(end - self.lookback, 0):end]
+
+            length = values.shape[2]
+            per_position = [kept(length - query_length + j + 1) for j in range(query_length)] if query_length > 1 \
+                else None
+            cache.set_state(key, kept(length), per_position)
+        return values, query_start, query_start + query_length - values.shape[2]
 
     def source_values(self, memory, cache):
         """Encoder values [B, H, S, hd] of the whole source, computed once per sentence (``cross_attention_cache``)."""
