@@ -38,7 +38,10 @@ Cached decoding (``HardAttnCache``): a step only reads the keys within the heads
 ``index`` its centre, ``full`` the positions whose density is >= 1e-6 of the peak (|d| <= sigma * sqrt(2 ln 1e6),
 5 positions for sigma = 1); the rest of the prefix contributes < 1e-6 of the peak per position and is skipped.
 Decoder self-attention keeps only that many value rows in ``cache.states`` (beam search reorders them); hard-coded
-cross-attention computes the encoder's values once (``cross_attention_cache``).
+cross-attention computes the encoder's values once (``cross_attention_cache``). With a ``StaticHardAttnCache``
+(compiled decoding steps) the same keys get the same weights in shapes that never change: the kept rows are one buffer
+of ``lookback`` rows (those before the sentence masked) and cross-attention reads the whole source, the keys beyond the
+heads' reach masked, both from the cache's position tensor (``static_forward``).
 
 Presets (Sec. 3, Table 2): ``GaussianConfig.preset("hc-sa" | "hc-all" | "sh-x", **overrides)``.
 
