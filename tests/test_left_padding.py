@@ -231,3 +231,48 @@ def test_decoder_padding_between_tokens_is_refused(name):
     with pytest.raises(ValueError, match=r"`decoder_attention_mask` row 2 has padding before a token: \[0, 1\]"):
         model(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder_ids[:, 2:], cache=cache, use_cache=True,
               decoder_attention_mask=torch.tensor([[1, 1], [1, 1], [0, 1]]))
+
+
+@pytest.mark.parametrize("cache", [None, "static"])
+def test_beam_joint_transformer_decodes_left_padded_prompts_through_the_skeleton(monkeypatch, cache):
+    """beam_joint_transformer runs the skeleton decoder (start / run_layers / finish) with its own ``decode``, which does
+    not declare ``decode_reads_left_padding`` yet (so it refuses, above); declared, its left-padded prompts decode as
+    each prompt alone, in generate() and forward(), by the same tests as the skeleton's types."""
+    from hf_hardattn.beam_joint import BeamJointTransformerModel
+
+    monkeypatch.setattr(BeamJointTransformerModel, "decode_reads_left_padding", True, raising=False)
+    model = contract_model("beam_joint_transformer")
+    monkeypatch.delitem(vars(model.model), "_left_padding_refusal", raising=False)  # (found once per model)
+    test_left_padded_decoder_prompts_decode_as_each_prompt_alone("beam_joint_transformer", cache)
+    if cache is None:
+        test_left_padded_decoder_inputs_in_forward_equal_each_row_alone("beam_joint_transformer")
+
+
+def test_left_padded_decoder_prompts_through_compiled_static_steps():
+    """generate() with compiled decoding steps over the static cache (fullgraph: a graph break raises; backend
+    "eager", dynamo alone) decodes left-padded prompts with the eager dynamic cache's tokens and scores, greedy
+    (float64); the mask, one column wider each step, costs at most one more graph than a call without it."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+    from transformers import CompileConfig
+
+    class Counter(CompileCounterWithBackend):
+        def __deepcopy__(self, memo):  # kept itself when generate() deep-copies its compile config
+            return self
+
+    torch._dynamo.reset()
+    model = as_float64(contract_model("soft"))
+    ids, mask = prompt_sources()
+    decoder_ids, decoder_mask = left_padded_prompts()
+    kwargs = dict(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder_ids,
+                  decoder_attention_mask=decoder_mask, max_new_tokens=6, min_new_tokens=6,
+                  return_dict_in_generate=True, output_scores=True)
+    reference = model.generate(**kwargs)
+    counter = Counter("eager")
+    config = CompileConfig(fullgraph=True, dynamic=True, backend=counter, mode=None)
+    config._compile_all_devices = True  # (generate() compiles on a CPU only when asked)
+    compiled = model.generate(**kwargs, cache_implementation="static", compile_config=config)
+    assert torch.equal(compiled.sequences, reference.sequences)
+    for step, (got, expected) in enumerate(zip(compiled.scores, reference.scores, strict=True)):
+        assert_step_scores_close(got, expected, f"step {step}")
+    assert 1 <= counter.frame_count <= 2, counter.frame_count
+    torch._dynamo.reset()
