@@ -160,7 +160,10 @@ class HardAttnCache(EncoderDecoderCache):
     * ``sentence_states``: the same for tensors that are constant over a sentence's decoding (computed from the
       encoder output once); like the cross-attention keys/values, beam reordering leaves them alone;
     * ``seen_tokens`` counts the target positions processed, so that decoders without a self-attention cache
-      (an RNN decoder) still report the right ``get_seq_length()`` to ``generate()``.
+      (an RNN decoder) still report the right ``get_seq_length()`` to ``generate()``;
+    * for :meth:`crop`, the states after every position written (references to the tensors a step writes anyway,
+      not copies; for a call of several positions, those its decoder hands :meth:`set_state` as ``per_position``);
+      beam reorders after a kept state are applied to it only when a crop restores it.
 
     Beam search only ever reorders beams *within* a sentence, and every beam of a sentence has the same
     cross-attention keys/values, so :meth:`reorder_cache` leaves the cross-attention cache alone (it is the same
@@ -177,6 +180,13 @@ class HardAttnCache(EncoderDecoderCache):
         self.states: dict[str, torch.Tensor] = {}
         self.sentence_states: dict[str, torch.Tensor] = {}
         self.seen_tokens = 0
+        self._forget_past()
+
+    def _forget_past(self):
+        # position p -> (the states after p positions, None for one not known there; how many reorders came before)
+        self._past: dict[int, tuple[dict, int]] = {self.seen_tokens: (dict(self.states), 0)}
+        self._reorders: list[torch.Tensor] = []  # beam_idx of every reorder_cache since
+        self._per_position: dict[str, list] = {}  # the current call's set_state(..., per_position)
 
     @classmethod
     def from_cache(cls, cache):
@@ -199,6 +209,7 @@ class HardAttnCache(EncoderDecoderCache):
             new = cls(self_cache, cache.cross_attention_cache)
             new.is_updated = dict(cache.is_updated)
             new.seen_tokens = cache.get_seq_length()
+            new._forget_past()
             return new
         raise TypeError(
             f"`cache` (`past_key_values`) must be None or an EncoderDecoderCache (e.g. HardAttnCache), got "
@@ -212,12 +223,41 @@ class HardAttnCache(EncoderDecoderCache):
         """Write the per-step state ``name`` (first dimension: rows; reordered by beam search) after the call's last
         position. Decoders write states through this, never into ``states`` directly: :class:`StaticHardAttnCache`
         copies them in place. ``per_position``: the state after each of the call's positions (the last is ``value``),
-        for a call of several positions."""
+        for a call of several positions: what :meth:`crop` restores inside that call."""
         self.states[name] = value
+        if per_position is not None:
+            self._per_position[name] = per_position
 
     def advance(self, steps: int):
-        """Count ``steps`` more target positions (the decoder, after each call)."""
+        """Count ``steps`` more target positions (the decoder, after each call) and keep the states after each of them
+        (inside a call of several positions: those given as ``per_position``; one the call wrote only as a whole is
+        not known there, one it did not write is unchanged)."""
+        start = self.seen_tokens
         self.seen_tokens += steps
+        before = self._past.get(start, ({}, 0))[0]
+        for j in range(steps - 1):
+            self._past[start + j + 1] = ({
+                name: self._per_position[name][j] if name in self._per_position
+                else value if before.get(name) is value else None
+                for name, value in self.states.items()}, len(self._reorders))
+        self._past[self.seen_tokens] = (dict(self.states), len(self._reorders))
+        self._per_position.clear()
+
+    def _order_since(self, count: int):
+        """The rows' order after the reorders since the ``count``-th (row i holds what row order[i] held), or None."""
+        order = None
+        for beam_idx in self._reorders[count:]:
+            order = beam_idx if order is None else order[beam_idx.to(order.device)]
+        return order
+
+    def _past_rows_edited(self, edit):
+        """Every kept state in today's row order, then through the batch edit ``edit`` (rare: a copy of each)."""
+        for position, (kept, count) in list(self._past.items()):
+            order = self._order_since(count)
+            self._past[position] = ({name: None if value is None else edit(
+                value if order is None else value.index_select(0, order.to(value.device)))
+                for name, value in kept.items()}, 0)
+        self._reorders = []
 
     @property
     def is_linear(self) -> list[bool]:
@@ -230,12 +270,16 @@ class HardAttnCache(EncoderDecoderCache):
         self.self_attention_cache.reorder_cache(beam_idx)
         for name, state in self.states.items():
             self.states[name] = state.index_select(0, beam_idx.to(state.device))
+        if self.states:  # (the kept states follow when a crop restores one)
+            self._reorders.append(beam_idx)
+            self._past[self.seen_tokens] = (dict(self.states), len(self._reorders))
 
     def batch_repeat_interleave(self, repeats: int):
         super().batch_repeat_interleave(repeats)
         for states in (self.states, self.sentence_states):
             for name, state in states.items():
                 states[name] = state.repeat_interleave(repeats, dim=0)
+        self._past_rows_edited(lambda state: state.repeat_interleave(repeats, dim=0))
 
     def batch_select_indices(self, indices: torch.Tensor):
         # A grouped memory's keys/values (one row per sentence, see SoftAttention) are first repeated to one row per
@@ -250,29 +294,49 @@ class HardAttnCache(EncoderDecoderCache):
         for states in (self.states, self.sentence_states):
             for name, state in states.items():
                 states[name] = state[indices]
+        self._past_rows_edited(lambda state: state[indices])
 
     def reset(self):
         super().reset()
         self.states.clear()
         self.sentence_states.clear()
         self.seen_tokens = 0
+        self._forget_past()
 
     @property
     def is_croppable(self) -> bool:
         """Read by transformers' assisted decoding (5.24: refused when False, after the first forward)."""
-        return not self.states and getattr(self.self_attention_cache, "is_croppable", True)
+        return getattr(self.self_attention_cache, "is_croppable", True)
 
     def crop(self, n: int) -> None:
-        """Remove the last positions (assisted decoding: rejected draft tokens); ``n`` as in :func:`cropped_length`."""
-        if self.states and (n < 0 or (CROP_KEEPS_LENGTH and n < self.seen_tokens)):
-            raise NotImplementedError(
-                f"`crop` (assisted decoding: `assistant_model`, `prompt_lookup_num_tokens`) is not possible for a "
-                f"decoder that carries state from step to step ({', '.join(sorted(self.states))}): it cannot be rolled "
-                f"back. Allowed: models whose decoder keeps only keys/values (e.g. soft, hard_retrieval, "
-                f"beam_joint_transformer)."
-            )
+        """Remove the last positions (assisted decoding: rejected draft tokens); ``n`` as in :func:`cropped_length`.
+        The states go back to those kept after the last position left (see :meth:`advance`)."""
+        length = cropped_length(self.seen_tokens, n)
+        if length < self.seen_tokens:
+            self._restore(length)
         super().crop(n)
-        self.seen_tokens = cropped_length(self.seen_tokens, n)
+        self.seen_tokens = length
+
+    def _restore(self, length: int):
+        """The states after ``length`` positions, in today's row order; later kept states dropped."""
+        kept, count = self._past.get(length, (None, 0))
+        if kept is None and not self.states:
+            kept = {}
+        unknown = sorted(name for name, value in (kept or self.states).items() if kept is None or value is None)
+        if unknown:
+            raise NotImplementedError(
+                f"`crop` to {length} positions (from {self.seen_tokens}; assisted decoding: `assistant_model`, "
+                f"`prompt_lookup_num_tokens`) needs the decoder's state(s) {unknown} after position {length}, which "
+                f"its decoder wrote only for its call of several positions as a whole. Allowed: a crop to the end of "
+                f"a call, or a decoder that hands its states per position (`cache.set_state(name, value, "
+                f"per_position=...)`).")
+        order = self._order_since(count)
+        self.states.clear()
+        self.states.update({name: value if order is None else value.index_select(0, order.to(value.device))
+                            for name, value in kept.items()})
+        for position in [position for position in self._past if position > length]:
+            del self._past[position]
+        self._past[length] = (dict(self.states), len(self._reorders))
 
 
 class StaticKVLayer(StaticLayer):
@@ -338,8 +402,11 @@ class StaticHardAttnCache(HardAttnCache):
     * cross-attention keys/values: computed once per sentence by the first (eager) step and only read after it, so a
       ``DynamicCache`` as in :class:`HardAttnCache`.
 
-    Decoders that carry other state (``states``: recurrent, hybrid, beam-joint) or read the position as a number
-    (Gaussian) are refused by the model (``check_static_decoding``)."""
+    * per-step states (``states``: recurrent cross-attention, the hybrid's RNN): allocated at the first step and
+      copied in place after it (:meth:`set_state`); unlike the dynamic cache's, not kept per position, so a crop of
+      a cache with states is refused.
+
+    Which models decode with it is declared beside their code (``check_static_decoding``)."""
 
     def __init__(self, num_layers: int, max_cache_len: int, max_batch_size: int, device=None):
         for name, value in (("num_layers", num_layers), ("max_cache_len", max_cache_len),
@@ -411,6 +478,11 @@ class StaticHardAttnCache(HardAttnCache):
         if n > 0:
             raise ValueError(f"`crop` of a static cache takes minus the number of positions to remove (<= 0), got {n}.")
         removed = min(-n, int(self.position))
+        if removed and self.states:
+            raise NotImplementedError(
+                f"`crop` of a static cache whose decoder carries state from step to step ({', '.join(sorted(self.states))}"
+                f") is not possible: its buffers hold the last step's states only. Allowed: the dynamic cache "
+                f"(`cache_implementation=None`), which keeps what a crop needs.")
         for layer in self.self_attention_cache.layers:
             if layer.is_initialized:
                 layer.cumulative_length.sub_(removed)
@@ -418,7 +490,8 @@ class StaticHardAttnCache(HardAttnCache):
 
     @property
     def is_croppable(self) -> bool:
-        return True
+        """Keys/values alone: yes; per-step states (kept in place, the last step's only): no."""
+        return not self.states
 
     def batch_repeat_interleave(self, repeats: int):
         self.self_attention_cache.layers[0].batch_repeat_interleave(repeats)  # (refused: fixed rows)

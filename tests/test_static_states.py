@@ -200,3 +200,155 @@ def test_hybrid_compiles_are_bounded_over_batch_sizes_and_source_lengths(fresh_d
     run(1, 8, num_beams=4)
     run(4, 6)
     assert counter.compiled <= 4
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# crop: assisted decoding and prompt lookup for decoders with step state (dynamic cache); the model types with
+# keys/values alone: tests/test_cache.py
+# ----------------------------------------------------------------------------------------------------------------
+CROP_MODELS = ("recurrent_expand_1", "recurrent_coverage", "hybrid_additive", "hybrid_luong_lstm", "beam_joint_rnn",
+               "gaussian_hc_all")  # (Gaussian decoder self-attention: its kept value rows are a per-step state)
+
+
+@pytest.fixture
+def crops(monkeypatch):
+    """The positions each crop removed, recorded."""
+    from hf_hardattn.caches import cropped_length
+
+    removed, crop = [], HardAttnCache.crop
+
+    def recording_crop(cache, n):
+        removed.append(cache.seen_tokens - cropped_length(cache.seen_tokens, n))
+        return crop(cache, n)
+
+    monkeypatch.setattr(HardAttnCache, "crop", recording_crop)
+    return removed
+
+
+ASSISTED_SOURCE = torch.tensor([[7, 22, 35, 12, 19, 2]])  # (assisted decoding: one sentence; varied tokens for each)
+
+
+def check_assisted_equals_greedy(model, assistant, removed, **extra):
+    """With ``prompt_lookup_num_tokens``, a decoder prompt that repeats its first tokens (the start and the first three
+    greedy ones, then the first two again), whose n-grams prompt lookup proposes continuations from."""
+    kwargs = dict(input_ids=ASSISTED_SOURCE, max_new_tokens=10, min_new_tokens=10, do_sample=False,
+                  output_scores=True, return_dict_in_generate=True)
+    plain = model.generate(**kwargs)
+    assert_nontrivial(plain.sequences)
+    if "prompt_lookup_num_tokens" in extra:
+        first = plain.sequences[:, :4]
+        kwargs["decoder_input_ids"] = torch.cat([first, first[:, 1:3]], 1)
+        plain = model.generate(**kwargs)
+    removed.clear()
+    assisted = model.generate(**kwargs, **extra, **({} if assistant is None else {"assistant_model": assistant}))
+    assert sum(removed) > 0  # drafts were rejected and cropped away
+    assert torch.equal(assisted.sequences, plain.sequences), (assisted.sequences.tolist(), plain.sequences.tolist())
+    for t, (step, expected) in enumerate(zip(assisted.scores, plain.scores, strict=True)):
+        assert_step_scores_close(step, expected, f"step {t}")
+
+
+@pytest.mark.parametrize("name", CROP_MODELS)
+def test_prompt_lookup_and_assisted_decoding_equal_greedy_decoding(name, crops):
+    """float64 fitted models: ``prompt_lookup_num_tokens=3`` and an assistant of the same type with other (random)
+    weights, whose drafts the model partly rejects (the crops land inside a call of several positions, and for the
+    assistant across its one-position calls), give the tokens and scores of plain greedy decoding."""
+    model = as_float64(contract_model(name))
+    check_assisted_equals_greedy(model, None, crops, prompt_lookup_num_tokens=3)
+    check_assisted_equals_greedy(model, as_float64(contract_model(name, fit=False)), crops)
+
+
+@pytest.mark.parametrize("name", ["recurrent_coverage", "hybrid_luong_lstm"])
+@pytest.mark.parametrize("calls, k", [((1, 3, 2), 1), ((1, 3, 2), 3), ((2, 4), 2), ((1, 1, 1, 1, 1, 1), 4)])
+def test_crop_then_the_same_tokens_again_equals_no_crop(name, calls, k):
+    """Decoder inputs fed in calls of the given sizes, crop(-k) (inside a call of several positions, to the end of
+    one, or across several one-position calls), then the removed k positions fed again one at a time: the logits of
+    the decode that never cropped, and the cache's length and states as they were (float64)."""
+    model = as_float64(contract_model(name))
+    ids, mask = source_batch()
+    reference, whole = step_logits(model, None, DECODER_IDS, input_ids=ids, attention_mask=mask)
+    cache, start = None, 0
+    for size in calls:
+        _, cache = step_logits(model, cache, DECODER_IDS[:, start: start + size], size, input_ids=ids,
+                               attention_mask=mask)
+        start += size
+    cache.crop(-k)
+    assert cache.get_seq_length() == 6 - k
+    again, cache = step_logits(model, cache, DECODER_IDS[:, 6 - k:], input_ids=ids, attention_mask=mask)
+    torch.testing.assert_close(again, reference[:, 6 - k:], rtol=1e-12, atol=1e-12)
+    assert cache.get_seq_length() == 6 and cache.states.keys() == whole.states.keys()
+    for key, state in cache.states.items():
+        torch.testing.assert_close(state, whole.states[key], rtol=1e-12, atol=1e-12)
+
+
+def test_crop_restores_states_in_the_rows_order_after_beam_reorders():
+    """Three decoder rows of one source; after 3 positions (one call) the rows are reordered as beam search does
+    (``[2, 0, 1]``), one more position, reordered again (``[1, 1, 0]``: a row copied), one more; crop(-3) back to before
+    both (inside the first call): the restored states follow both reorders (row i now holds sequence [0, 0, 2][i]), so
+    feeding each row's tokens again gives the logits of those sequences decoded without cropping (float64)."""
+    model = as_float64(contract_model("recurrent_coverage"))
+    ids, mask = source_batch()
+    ids, mask = ids[:1].expand(3, -1), mask[:1].expand(3, -1)
+    sequences = torch.cat([DECODER_IDS, torch.tensor([[1, 9, 4, 12, 6, 8]])])
+    reference, _ = step_logits(model, None, sequences, input_ids=ids, attention_mask=mask)
+    _, cache = step_logits(model, None, sequences[:, :3], 3, input_ids=ids, attention_mask=mask)
+    rows = torch.arange(3)
+    for position, beam_idx in ((3, torch.tensor([2, 0, 1])), (4, torch.tensor([1, 1, 0]))):
+        cache.reorder_cache(beam_idx)
+        rows = rows[beam_idx]
+        _, cache = step_logits(model, cache, sequences[rows, position: position + 1], input_ids=ids,
+                               attention_mask=mask)
+    assert rows.tolist() == [0, 0, 2]
+    cache.crop(-3)
+    again, _ = step_logits(model, cache, sequences[rows, 2:], input_ids=ids, attention_mask=mask)
+    torch.testing.assert_close(again, reference[rows, 2:], rtol=1e-12, atol=1e-12)
+
+
+def test_crop_after_a_batch_selection():
+    """batch_select_indices keeps the chosen rows of every kept state: crop(-2) after it, then the same tokens again,
+    gives the selected row's logits without cropping (float64)."""
+    model = as_float64(contract_model("hybrid_luong_lstm"))
+    ids, mask = source_batch()
+    reference, _ = step_logits(model, None, DECODER_IDS, input_ids=ids, attention_mask=mask)
+    _, cache = step_logits(model, None, DECODER_IDS[:, :4], 2, input_ids=ids, attention_mask=mask)
+    cache.batch_select_indices(torch.tensor([1]))
+    cache.crop(-3)
+    again, _ = step_logits(model, cache, DECODER_IDS[1:, 1:], input_ids=ids[1:], attention_mask=mask[1:])
+    torch.testing.assert_close(again, reference[1:, 1:], rtol=1e-12, atol=1e-12)
+
+
+def test_a_static_cache_with_states_refuses_a_crop():
+    """The static cache keeps the last step's states only: not croppable (transformers asks before assisted decoding),
+    and a crop that removes a position is refused naming the states and the dynamic cache; crop(0) removes nothing."""
+    model = as_float64(contract_model("hybrid_additive"))
+    ids, mask = source_batch()
+    cache = StaticHardAttnCache(model.config.decoder_layers, 8, 2)
+    _, cache = step_logits(model, cache, DECODER_IDS[:, :3], input_ids=ids, attention_mask=mask)
+    assert not cache.is_croppable
+    cache.crop(0)
+    with pytest.raises(NotImplementedError, match=r"`crop` of a static cache whose decoder carries state .*gru\.0.*"
+                                                  r"Allowed: the dynamic cache"):
+        cache.crop(-1)
+    assert int(cache.get_seq_length()) == 3
+
+
+def test_crop_by_hand_restores_the_kept_states_and_refuses_one_written_only_for_a_whole_call():
+    """HardAttnCache alone: states written one position a call come back as written (the same tensors); a state
+    written once for a call of several positions without ``per_position`` is known at the call's ends only, so a crop
+    inside that call is refused naming it, and one to its start restores the state from before it."""
+    cache = HardAttnCache()
+    written = [torch.full((2, 3), float(t)) for t in range(3)]
+    for value in written:
+        cache.set_state("s", value)
+        cache.advance(1)
+    cache.crop(-2)
+    assert cache.get_seq_length() == 1 and cache.states["s"] is written[0]
+    cache.set_state("s", torch.zeros(2, 3))  # a call of 3 positions, the state of its end only
+    cache.advance(3)
+    with pytest.raises(NotImplementedError, match=r"`crop` to 3 positions \(from 4.*state\(s\) \['s'\] after "
+                                                  r"position 3.*`cache.set_state\(name, value, per_position=...\)`"):
+        cache.crop(-1)
+    assert cache.get_seq_length() == 4
+    cache.crop(-3)
+    assert cache.get_seq_length() == 1 and cache.states["s"] is written[0]
+    cache.crop(-1)
+    assert cache.get_seq_length() == 0 and not cache.states
