@@ -228,6 +228,10 @@ class HardAttnCache(EncoderDecoderCache):
         if per_position is not None:
             self._per_position[name] = per_position
 
+    def check_room(self, rows: int, steps: int):
+        """A decoder that keeps no key/value layers calls this before a call of ``rows`` rows and ``steps`` positions
+        writes anything (see :class:`StaticHardAttnCache`); a dynamic cache grows: nothing to check."""
+
     def advance(self, steps: int):
         """Count ``steps`` more target positions (the decoder, after each call) and keep the states after each of them
         (inside a call of several positions: those given as ``per_position``; one the call wrote only as a whole is
@@ -339,6 +343,23 @@ class HardAttnCache(EncoderDecoderCache):
         self._past[length] = (dict(self.states), len(self._reorders))
 
 
+def check_static_room(rows: int, held_rows, row_limit: int, filled, steps: int, slots: int):
+    """The static cache's errors for a call of ``rows`` rows and ``steps`` positions: more rows than ``max_batch_size``
+    (``row_limit``), other rows than its first step's (``held_rows``; None before it), more positions than the
+    ``slots`` left after the ``filled`` ones (None: not checked, as while traced)."""
+    if rows > row_limit:
+        raise ValueError(f"A batch of {rows} rows (sentences x beams / returned sequences) is larger than the "
+                         f"static cache's `max_batch_size`={row_limit}; allowed: at most {row_limit} rows (build the "
+                         f"cache for the larger batch).")
+    if held_rows is not None and rows != held_rows:
+        raise ValueError(f"The static cache holds {held_rows} rows since its first step, got a step of {rows} rows; "
+                         f"allowed: {held_rows} (call `reset()` for a new batch).")
+    if filled is not None and filled + steps > slots:
+        raise ValueError(f"The static cache holds {slots} positions (`max_cache_len`) and {filled} are filled; a step "
+                         f"of {steps} more does not fit; allowed: at most {slots - filled} (decode with a longer "
+                         f"`max_length` / `max_cache_len`, or a dynamic cache).")
+
+
 class StaticKVLayer(StaticLayer):
     """Self-attention keys/values of one decoder layer in buffers [rows, H, max_cache_len, D] allocated at the first
     step and written in place at the cache's position (transformers' ``StaticLayer``: a step's shapes never change, so
@@ -351,23 +372,14 @@ class StaticKVLayer(StaticLayer):
 
     def lazy_initialization(self, key_states, value_states):
         rows = key_states.shape[0]
-        if rows > self.row_limit:
-            raise ValueError(f"A batch of {rows} rows (sentences x beams / returned sequences) is larger than the "
-                             f"static cache's `max_batch_size`={self.row_limit}; allowed: at most "
-                             f"{self.row_limit} rows (build the cache for the larger batch).")
+        check_static_room(rows, None, self.row_limit, None, 0, self.max_cache_len)
         super().lazy_initialization(key_states, value_states)
         self.rows = rows
 
     def update(self, key_states, value_states, *args, **kwargs):
-        steps = key_states.shape[-2]
-        if self.is_initialized and key_states.shape[0] != self.rows:
-            raise ValueError(f"The static cache holds {self.rows} rows since its first step, got a step of "
-                             f"{key_states.shape[0]} rows; allowed: {self.rows} (call `reset()` for a new batch).")
-        if not is_tracing() and int(self.cumulative_length) + steps > self.max_cache_len:  # (eager: a sync is cheap)
-            raise ValueError(f"The static cache holds {self.max_cache_len} positions (`max_cache_len`) and "
-                             f"{int(self.cumulative_length)} are filled; a step of {steps} more does not fit; allowed: "
-                             f"at most {self.max_cache_len - int(self.cumulative_length)} (decode with a longer "
-                             f"`max_length` / `max_cache_len`, or a dynamic cache).")
+        filled = None if is_tracing() else int(self.cumulative_length)  # (eager: a sync is cheap)
+        check_static_room(key_states.shape[0], self.rows if self.is_initialized else None, self.row_limit, filled,
+                          key_states.shape[-2], self.max_cache_len)
         return super().update(key_states, value_states, *args, **kwargs)
 
     def reorder_cache(self, beam_idx):
@@ -436,6 +448,13 @@ class StaticHardAttnCache(HardAttnCache):
     def get_max_length(self, layer_idx: int | None = None) -> int:
         return self.max_cache_len
 
+    def check_room(self, rows: int, steps: int):
+        """The errors that key/value slots give a call (:func:`check_static_room`), for a decoder that keeps none (the
+        hybrid's RNN): called before the call writes anything; eager only."""
+        if not is_tracing():
+            held = next((state.shape[0] for state in self.states.values()), None)
+            check_static_room(rows, held, self.max_batch_size, int(self.position), steps, self.max_cache_len)
+
     def advance(self, steps: int):
         """Count ``steps`` more target positions (in place: the tensor keeps its address)."""
         self.position.add_(steps)
@@ -500,4 +519,4 @@ class StaticHardAttnCache(HardAttnCache):
 
 
 __all__ = ["CACHE_FIELD", "CROP_KEEPS_LENGTH", "BufferedCache", "BufferedLayer", "HardAttnCache", "StaticHardAttnCache",
-           "StaticKVCache", "StaticKVLayer", "cropped_length"]
+           "StaticKVCache", "StaticKVLayer", "check_static_room", "cropped_length"]

@@ -438,6 +438,8 @@ class HybridDecoder(InputFeedingStep, nn.Module):
         embeddings, word_inputs = self.word_inputs(input_ids, inputs_embeds)
         rows = word_inputs.shape[0]  # grouped memory: rows // sources consecutive rows per encoder row (beams)
         check_memory_rows(rows, encoder_hidden_states, encoder_attention_mask, self.reads_memory_grouped)
+        if cache is not None:  # (a static cache's rows and positions: no key/value slot checks them here)
+            cache.check_room(rows, word_inputs.shape[1])
         mask = None
         if encoder_attention_mask is not None and (is_tracing() or not bool(encoder_attention_mask.all())):
             mask = encoder_attention_mask.bool()

@@ -352,3 +352,23 @@ def test_crop_by_hand_restores_the_kept_states_and_refuses_one_written_only_for_
     assert cache.get_seq_length() == 1 and cache.states["s"] is written[0]
     cache.crop(-1)
     assert cache.get_seq_length() == 0 and not cache.states
+
+
+def test_a_hybrid_call_the_static_cache_cannot_hold_is_refused_before_it_writes():
+    """The hybrid keeps no key/value slots, so its decoder asks the static cache first: more positions than it holds,
+    a batch larger than it, or other rows than its first step's are refused as for the Transformer decoders, and the
+    cache is left as it was (position and states)."""
+    model = as_float64(contract_model("hybrid_additive"))
+    ids, mask = source_batch()
+    with pytest.raises(ValueError, match=r"batch of 2 rows .* larger than the static cache's `max_batch_size`=1"):
+        model(input_ids=ids, attention_mask=mask, decoder_input_ids=DECODER_IDS[:, :1],
+              cache=StaticHardAttnCache(model.config.decoder_layers, 4, 1))
+    cache = StaticHardAttnCache(model.config.decoder_layers, 3, 2)
+    model(input_ids=ids, attention_mask=mask, decoder_input_ids=DECODER_IDS[:, :2], cache=cache)
+    states = {name: state.clone() for name, state in cache.states.items()}
+    with pytest.raises(ValueError, match=r"holds 3 positions \(`max_cache_len`\) and 2 are filled; a step of 2 more"):
+        model(input_ids=ids, attention_mask=mask, decoder_input_ids=DECODER_IDS[:, 2:4], cache=cache)
+    with pytest.raises(ValueError, match=r"holds 2 rows since its first step, got a step of 1 rows"):
+        model(input_ids=ids[:1], attention_mask=mask[:1], decoder_input_ids=DECODER_IDS[:1, 2:3], cache=cache)
+    assert int(cache.get_seq_length()) == 2
+    assert all(torch.equal(state, states[name]) for name, state in cache.states.items())
