@@ -372,3 +372,24 @@ def test_a_hybrid_call_the_static_cache_cannot_hold_is_refused_before_it_writes(
         model(input_ids=ids[:1], attention_mask=mask[:1], decoder_input_ids=DECODER_IDS[:1, 2:3], cache=cache)
     assert int(cache.get_seq_length()) == 2
     assert all(torch.equal(state, states[name]) for name, state in cache.states.items())
+
+
+@pytest.mark.parametrize("name", ["recurrent_coverage", "hybrid_luong_lstm"])
+def test_generate_continues_from_a_returned_static_cache(name):
+    """4 tokens with a static cache of 8 slots, then 4 more from the returned cache (the sequence so far as decoder
+    input, its mask covering it): the tokens and scores of 8 tokens in one dynamic call (float64)."""
+    model = as_float64(contract_model(name))
+    ids, mask = source_batch()
+    kwargs = dict(input_ids=ids, attention_mask=mask, return_dict_in_generate=True, output_scores=True)
+    whole = model.generate(**kwargs, max_new_tokens=8, min_new_tokens=8)
+    first = model.generate(**kwargs, max_new_tokens=4, min_new_tokens=4, cache_implementation="static",
+                           max_cache_len=8)
+    cache = getattr(first, CACHE_FIELD)
+    assert isinstance(cache, StaticHardAttnCache) and int(cache.get_seq_length()) == 4
+    second = model.generate(**kwargs, max_new_tokens=4, min_new_tokens=4, decoder_input_ids=first.sequences,
+                            decoder_attention_mask=torch.ones_like(first.sequences), **{CACHE_FIELD: cache})
+    assert_nontrivial(whole.sequences)
+    assert torch.equal(second.sequences, whole.sequences)
+    for t, (got, expected) in enumerate(zip(second.scores, whole.scores[4:], strict=True)):
+        assert_step_scores_close(got, expected, f"step {4 + t}")
+    assert int(cache.get_seq_length()) == 8
