@@ -433,23 +433,6 @@ class GaussianAttention(nn.Module):
     # The position is a tensor (``cache.get_seq_length()``), so every shape of a step is fixed and nothing reads it as
     # a number: decoder self-attention keeps the last ``lookback`` value rows in one buffer (rows before the sentence
     # hidden), cross-attention reads the whole source with the dynamic path's reach as a mask. Same weights, same keys.
-    @staticmethod
-    def check_static_step(cache, rows: int, steps: int):
-        """The static cache's errors for a step it cannot hold (eager calls only: a compiled step's shapes are those
-        its first, eager, call checked)."""
-        if is_tracing():
-            return
-        if rows > cache.max_batch_size:
-            raise ValueError(f"A batch of {rows} rows (sentences x beams / returned sequences) is larger than the "
-                             f"static cache's `max_batch_size`={cache.max_batch_size}; allowed: at most "
-                             f"{cache.max_batch_size} rows (build the cache for the larger batch).")
-        filled = int(cache.get_seq_length())
-        if filled + steps > cache.max_cache_len:
-            raise ValueError(f"The static cache holds {cache.max_cache_len} positions (`max_cache_len`) and {filled} "
-                             f"are filled; a step of {steps} more does not fit; allowed: at most "
-                             f"{cache.max_cache_len - filled} (decode with a longer `max_length` / `max_cache_len`, or "
-                             f"a dynamic cache).")
-
     def static_self_values(self, hidden, mask, cache):
         """Decoder self-attention over a static cache: (values [B, H, L + Tq, hd] of positions p - L, ..., p + Tq - 1,
         p the cache's position and L = ``lookback``; their key mask [B or 1, 1, Tq, L + Tq]: the rows before position 0
@@ -494,7 +477,7 @@ class GaussianAttention(nn.Module):
     def static_forward(self, hidden, memory, mask, cache, output_attentions):
         """:meth:`forward` over a :class:`~caches.StaticHardAttnCache`."""
         batch, query_length, _ = hidden.shape
-        self.check_static_step(cache, batch, query_length)
+        cache.check_room(batch, query_length)  # (no key/value slots check it here)
         if self.is_cross:
             values = self.source_values(memory, cache)
             weights = self.static_cross_weights(mask, cache.get_seq_length(), query_length, values.shape[2],

@@ -152,8 +152,8 @@ def test_attention_weights_over_the_static_slots():
             torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
 
 
-def test_gaussian_refuses_an_over_long_request_and_a_larger_batch():
-    """Gaussian self-attention keeps no key/value slots, so its own step checks what the static cache holds: the
+def test_gaussian_refuses_an_over_long_request_and_other_rows():
+    """Gaussian self-attention keeps no key/value slots, so its own step asks the static cache what it holds: the
     static cache's errors, before anything is written."""
     model = config_model("hc_all_full")
     ids, mask = source_batch()
@@ -162,6 +162,9 @@ def test_gaussian_refuses_an_over_long_request_and_a_larger_batch():
     with pytest.raises(ValueError, match=r"holds 3 positions \(`max_cache_len`\) and 2 are filled; a step of 2 more"):
         model(input_ids=ids, attention_mask=mask, decoder_input_ids=torch.ones(2, 2, dtype=torch.long), cache=cache)
     assert int(cache.get_seq_length()) == 2
+    with pytest.raises(ValueError, match=r"holds 2 rows since its first step, got a step of 1 rows"):
+        model(input_ids=ids[:1], attention_mask=mask[:1], decoder_input_ids=torch.ones(1, 1, dtype=torch.long),
+              cache=cache)
     with pytest.raises(ValueError, match=r"batch of 2 rows .* larger than the static cache's `max_batch_size`=1"):
         model(input_ids=ids, attention_mask=mask, decoder_input_ids=torch.ones(2, 1, dtype=torch.long),
               cache=StaticHardAttnCache(model.config.decoder_layers, 4, 1))
