@@ -262,14 +262,16 @@ class HardAttnModel(HardAttnPreTrainedModel):
         """Why this model refuses a left-padded ``decoder_attention_mask``, or None when it decodes such a prompt as
         the prompt alone (positions from each row's first real token, padded keys hidden): the class that defines its
         ``decode`` declares ``decode_reads_left_padding``, its decoder module ``reads_left_padding``, and the class of
-        every decoder self- and cross-attention kind ``reads_left_padding`` itself (not inherited). Found once per
-        model (its modules are fixed at construction)."""
+        every decoder self- and cross-attention kind ``reads_left_padding`` itself (not inherited): True, or the roles
+        it reads one in (e.g. ``("decoder",)``). Found once per model (its modules are fixed at construction)."""
         if "_left_padding_refusal" in vars(self):
             return vars(self)["_left_padding_refusal"]
         owner = next(cls for cls in type(self).__mro__ if "decode" in vars(cls))
-        kinds = sorted({kind for role in ("decoder", "cross") for kind in self.config.attention_kinds(role)
+        kinds = sorted({f"{kind} ({role})" for role in ("decoder", "cross")
+                        for kind in self.config.attention_kinds(role)
                         if (cls := attention_class(kind, self.config)) is not None
-                        and not vars(cls).get("reads_left_padding", False)})
+                        and (declared := vars(cls).get("reads_left_padding", False)) is not True
+                        and role not in (declared or ())})
         if not vars(owner).get("decode_reads_left_padding", False):
             refusal = f"{owner.__name__}.decode counts decoder positions from the first column"
         elif not getattr(self.decoder, "reads_left_padding", False):

@@ -276,3 +276,22 @@ def test_left_padded_decoder_prompts_through_compiled_static_steps():
         assert_step_scores_close(got, expected, f"step {step}")
     assert 1 <= counter.frame_count <= 2, counter.frame_count
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("cache", [None, "static"])
+def test_gaussian_decoder_self_attention_reads_left_padded_prompts_once_declared(monkeypatch, cache):
+    """A kind declares the roles it reads a left-padded prompt in: Gaussian decoder self-attention (weights by key -
+    query distance, padded keys masked) would decode sh-x's prompts as each alone once GaussianAttention declares
+    ``reads_left_padding = ("decoder",)``, while hc-all, whose cross-attention heads are centred by the query's
+    position, is still refused naming that role."""
+    from hf_hardattn.gaussian import GaussianAttention
+
+    monkeypatch.setattr(GaussianAttention, "reads_left_padding", ("decoder",), raising=False)
+    model = contract_model("gaussian_sh_x")
+    monkeypatch.delitem(vars(model.model), "_left_padding_refusal", raising=False)  # (found once per model)
+    test_left_padded_decoder_prompts_decode_as_each_prompt_alone("gaussian_sh_x", cache)
+    refused = contract_model("gaussian_hc_all", fit=False)
+    decoder_ids, decoder_mask = left_padded_prompts()
+    with pytest.raises(ValueError, match=r"model_type 'gaussian_transformer' \(its attention kind\(s\) "
+                                         r"\['gaussian \(cross\)'\] read positions from the first column\)"):
+        refused(*prompt_sources(), decoder_input_ids=decoder_ids, decoder_attention_mask=decoder_mask)
