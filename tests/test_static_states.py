@@ -99,7 +99,7 @@ def recurrent_model(variant):
     return as_float64(randomize(TYPE_MODELS["recurrent"](recurrent_variant=variant), std=0.3))
 
 
-@pytest.mark.parametrize("name, backend", [("recurrent_expand_1", "aot_eager"), ("recurrent_coverage", "eager")])
+@pytest.mark.parametrize("name, backend", [("recurrent_expand_1", "eager"), ("recurrent_coverage", "eager")])
 def test_recurrent_static_and_compiled_decoding_equal_eager_dynamic(name, backend, fresh_dynamo):
     """float64 fitted models (expand_1 in every layer; coverage in the second layer after a soft one), a right-padded
     batch: greedy, beam 4 (2 returned), sampling with a seed, static eager and compiled = dynamic. One graph: each beam
