@@ -257,7 +257,7 @@ def test_prompt_lookup_and_assisted_decoding_equal_greedy_decoding(name, crops):
     check_assisted_equals_greedy(model, as_float64(contract_model(name, fit=False)), crops)
 
 
-@pytest.mark.parametrize("name", ["recurrent_coverage", "hybrid_luong_lstm"])
+@pytest.mark.parametrize("name", ["recurrent_coverage", "hybrid_luong_lstm", "gaussian_hc_all"])
 @pytest.mark.parametrize("calls, k", [((1, 3, 2), 1), ((1, 3, 2), 3), ((2, 4), 2), ((1, 1, 1, 1, 1, 1), 4)])
 def test_crop_then_the_same_tokens_again_equals_no_crop(name, calls, k):
     """Decoder inputs fed in calls of the given sizes, crop(-k) (inside a call of several positions, to the end of
