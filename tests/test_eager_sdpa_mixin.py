@@ -50,15 +50,14 @@ RTOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 1e-2, torch.fl
 BATCH, SEQ, TESTER_BATCH = 7, 7, 13
 
 
-# Design difference: the mixin's "pad_left" cases with a mask (7 of 25: fp16 / fp32 / bf16 x kernels, and
-# fp32_pad_left_output_attentions) left-pad the *decoder* (`decoder_attention_mask` [0, 0, 1, ...]). Every model type
-# here refuses that input where it enters (hf_hardattn/inputs.py check_mask): decoder positions count from
-# the first row entry, so a left-padded target would be decoded at shifted positions ([start, pad, ..., y_1, ...]), and
-# the RNN decoders (hybrid, beam_joint_rnn) would step through the padding into their state. transformers' Marian
-# accepts it and computes those shifted positions silently. Those cases check the refusal (the same ValueError from
-# "eager" and "sdpa") instead of comparing outputs; encoder left padding is accepted and tested elsewhere
-# (test_left_padding / test_bad_inputs). The other 18 cases compare eager with sdpa as the mixin does.
-LEFT_PADDED_DECODER = "decoder inputs must be padded on the right"
+# The mixin's "pad_left" cases with a mask (7 of 25: fp16 / fp32 / bf16 x kernels, and fp32_pad_left_output_attentions)
+# left-pad the *decoder* (`decoder_attention_mask` [0, 0, 1, ...]). The types that read a left-padded prompt
+# (`HardAttnModel.left_padding_refusal()` is None: positions from each row's first real token, padded keys hidden)
+# compare eager with sdpa on it as the mixin does; the others refuse that input where it enters (their positions or
+# step state would count the padding: a left-padded target decoded at shifted positions, an RNN stepping through the
+# padding), with the same ValueError from "eager" and "sdpa", which those cases check instead of comparing outputs.
+# transformers' Marian accepts it and computes shifted positions silently.
+LEFT_PADDED_DECODER = "allowed for it: padding after each row's last token only"
 
 
 # Design difference (bf16, beyond the mixin's shapes): hard retrieval's argmax (decoder self- and cross-attention of
@@ -161,10 +160,10 @@ def eager_matches_sdpa(model_type, dtype, padding_side, use_attention_mask, enab
                      output_hidden_states=True)
     backends = ([SDPBackend.FLASH_ATTENTION] if enable_kernels else []) + [SDPBackend.MATH] + (
         [SDPBackend.EFFICIENT_ATTENTION] if enable_kernels else [])
-    if use_attention_mask and padding_side == "left":  # the design difference: see LEFT_PADDED_DECODER
-        for model in (model_eager, model_sdpa):
+    if use_attention_mask and padding_side == "left" and model_eager.model.left_padding_refusal() is not None:
+        for model in (model_eager, model_sdpa):  # refused: see LEFT_PADDED_DECODER
             with pytest.raises(ValueError, match=r"`decoder_attention_mask` row 6 has padding before a token: "
-                                                 r"\[0, 0, 1, 1, 1, 1, 1\]; decoder inputs must be padded on the right"):
+                                                 r"\[0, 0, 1, 1, 1, 1, 1\].*" + LEFT_PADDED_DECODER):
                 model(**processed)
         return None
     with torch.no_grad(), sdpa_kernel(backends):
@@ -203,8 +202,8 @@ def test_eager_matches_sdpa_inference(model_type, name, dtype, padding_side, use
     dtype, encoder, required = selection_case(model_type, dtype)
     result = eager_matches_sdpa(model_type, dtype, padding_side, use_attention_mask, enable_kernels, tiny_rnn=True,
                                 encoder=encoder)
-    if use_attention_mask and padding_side == "left":
-        assert result is None  # refused by both implementations (LEFT_PADDED_DECODER)
+    if result is None:  # refused by both implementations (LEFT_PADDED_DECODER)
+        assert use_attention_mask and padding_side == "left"
         return
     share, atol, diff, fused = result
     assert fused > 0  # the fused kernel did run

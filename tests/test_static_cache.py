@@ -16,9 +16,6 @@ from hf_hardattn.caches import CACHE_FIELD, StaticHardAttnCache
 # the model types whose decoder decodes with a static cache (common.contract_model's fitted models: varied tokens;
 # soft_prenorm: pre-norm with learned positions)
 STATIC_TYPES = ("soft", "soft_prenorm", "hard_retrieval")
-REFUSED_TYPES = {"gaussian": "gaussian_transformer", "recurrent": "recurrent_transformer",
-                 "hybrid": "hybrid_transformer", "beam_joint_transformer": "beam_joint_transformer",
-                 "beam_joint_rnn": "beam_joint_rnn"}
 MODES = {
     "greedy": dict(do_sample=False),
     "beam": dict(num_beams=4, num_return_sequences=2, do_sample=False),
@@ -249,12 +246,21 @@ def test_bad_cache_sizes_are_refused(argument, value):
         StaticHardAttnCache(**sizes)
 
 
-@pytest.mark.parametrize("name", sorted(REFUSED_TYPES))
-def test_other_model_types_refuse_a_static_cache_naming_the_type(name):
-    model = TYPE_MODELS[name]().eval()
+@pytest.mark.parametrize("part", ["decode", "output_logits"])
+def test_a_variant_that_does_not_declare_static_writes_is_refused_naming_its_type(part):
+    """Which models decode static is declared beside the code (``decode_writes_static_cache`` beside a ``decode``,
+    ``output_logits_static`` beside an ``output_logits``): a variant overriding either without declaring it is refused
+    with the model type, the part, and what is allowed for it, before any step."""
+    model = TYPE_MODELS["soft"]().eval()
+    owner = model.model if part == "decode" else model
+    undeclared = type("Undeclared", (type(owner),), {part: lambda self, *a, **k: getattr(super(undeclared, self),
+                                                                                           part)(*a, **k)})
+    owner.__class__ = undeclared
     ids, mask = source_batch()
-    with pytest.raises(ValueError, match=rf"'static' is not yet supported for model_type '{REFUSED_TYPES[name]}'.*"
-                                         r"allowed for it: None or 'dynamic'"):
+    model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3)  # (the dynamic cache still decodes)
+    what = "its decoder" if part == "decode" else r"its output layer \(Undeclared.output_logits\)"
+    with pytest.raises(ValueError, match=rf"'static' is not yet supported for model_type 'soft_transformer' \({what}"
+                                         r".*allowed for it: None or 'dynamic'"):
         model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, cache_implementation="static")
 
 
