@@ -236,6 +236,11 @@ class HardAttnCache(EncoderDecoderCache):
         """Count ``steps`` more target positions (the decoder, after each call) and keep the states after each of them
         (inside a call of several positions: those given as ``per_position``; one the call wrote only as a whole is
         not known there, one it did not write is unchanged)."""
+        wrong = {name: len(values) for name, values in self._per_position.items() if len(values) != steps}
+        if wrong:
+            self._per_position.clear()
+            raise ValueError(f"`per_position` of state(s) {wrong} (name: its length) must hold one state per position "
+                             f"of the call; allowed: {steps}.")
         start = self.seen_tokens
         self.seen_tokens += steps
         before = self._past.get(start, ({}, 0))[0]

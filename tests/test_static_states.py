@@ -393,3 +393,10 @@ def test_generate_continues_from_a_returned_static_cache(name):
     for t, (got, expected) in enumerate(zip(second.scores, whole.scores[4:], strict=True)):
         assert_step_scores_close(got, expected, f"step {4 + t}")
     assert int(cache.get_seq_length()) == 8
+
+
+def test_per_position_states_of_another_length_than_the_call_are_refused():
+    cache = HardAttnCache()
+    cache.set_state("s", torch.zeros(2, 3), [torch.zeros(2, 3)] * 2)
+    with pytest.raises(ValueError, match=r"`per_position` of state\(s\) \{'s': 2\} .* allowed: 3"):
+        cache.advance(3)
