@@ -1,5 +1,5 @@
 """The decoding cache (HardAttnCache) through generate(): continuing from a returned cache, and cropping it for
-assisted decoding (or refusing where a decoder keeps step state that cannot be rolled back).
+assisted decoding (decoders with step state too: the dynamic cache keeps the state after every position).
 
 References: one generate() call of all the tokens; plain greedy decoding; transformers' own DynamicLayer for crop's
 meaning of its argument.
@@ -11,7 +11,7 @@ import torch
 from common import (CONTRACT_MODELS, TYPE_MODELS, as_float64, assert_nontrivial, assert_step_scores_close,
                     contract_model, randomize, source_batch, tiny_kwargs)
 from hf_hardattn import GaussianConfig, GaussianForConditionalGeneration, HardAttnCache
-from hf_hardattn.caches import CACHE_FIELD, cropped_length
+from hf_hardattn.caches import CACHE_FIELD, StaticHardAttnCache, cropped_length
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -82,19 +82,6 @@ def test_assisted_decoding_equals_greedy_decoding(name, monkeypatch):
         assert_step_scores_close(step, expected, f"step {t}")
 
 
-@pytest.mark.parametrize("name", ["gaussian", "hybrid", "recurrent", "beam_joint_rnn"])
-def test_assisted_decoding_is_refused_for_decoders_with_step_state(name):
-    """GRU states, recurrent cross-attention state and Gaussian decoder self-attention's kept value rows cannot be
-    rolled back: refused (transformers 5.24 asks the cache's is_croppable after the first forward; earlier releases
-    reach our crop, which names the states)."""
-    model = randomize(TYPE_MODELS[name]())
-    assistant = randomize(TYPE_MODELS[name](), seed=1)
-    ids, mask = source_batch()
-    with pytest.raises((ValueError, NotImplementedError), match=r"crop"):
-        model.generate(input_ids=ids[:1], attention_mask=mask[:1], max_new_tokens=10, min_new_tokens=10,
-                       assistant_model=assistant)
-
-
 @pytest.mark.parametrize("n", [-2, -6, 0, 3, 6, 9])
 def test_cache_crop_follows_transformers_convention(n):
     """crop(n) of the decoder self-attention cache layer and of HardAttnCache's position count against transformers'
@@ -118,11 +105,25 @@ def test_cache_crop_follows_transformers_convention(n):
     assert cache.get_seq_length() == layer.get_seq_length() == dynamic.get_seq_length()
 
 
-def test_a_cache_with_step_state_is_not_croppable():
-    """transformers 5.24's assisted decoding asks ``is_croppable`` after the first forward and refuses up front."""
+def test_a_dynamic_cache_with_step_state_crops_and_a_static_one_refuses():
+    """transformers 5.24's assisted decoding asks ``is_croppable`` after the first forward. The dynamic cache keeps the
+    state after every position, so it crops back to the state of the position kept (here: written at positions 1, 2,
+    3, cropped by 2 -> the first); the static cache holds the last step's state only: not croppable, and its crop
+    says why and what is allowed."""
     cache = HardAttnCache()
-    keys = torch.zeros(1, 1, 3, 1)
-    cache.self_attention_cache.update(keys, keys, 0)
+    keys = torch.zeros(1, 1, 1, 1)
+    for step in range(3):
+        cache.self_attention_cache.update(keys, keys, 0)
+        cache.set_state("gru.0", torch.full((1, 4), float(step)))
+        cache.advance(1)
     assert cache.is_croppable
-    cache.states["gru.0"] = torch.zeros(1, 4)
-    assert not cache.is_croppable
+    cache.crop(-2)
+    assert cache.get_seq_length() == 1 and cache.states["gru.0"].flatten().tolist() == [0.0] * 4
+    static = StaticHardAttnCache(1, 4, 1)
+    static.self_attention_cache.update(keys, keys, 0)
+    static.set_state("gru.0", torch.zeros(1, 4))
+    static.advance(1)
+    assert not static.is_croppable
+    with pytest.raises(NotImplementedError, match=r"static cache whose decoder carries state.*gru.0.*Allowed: the "
+                                                  r"dynamic cache"):
+        static.crop(-1)

@@ -126,8 +126,6 @@ def test_cache_reorders_state_and_self_attention_only():
     assert cache.cross_attention_cache.layers[0].keys.flatten().tolist() == [0, 1, 2, 3]
     cache.batch_select_indices(torch.tensor([0, 2]))
     assert cache.states["gru.0"].flatten().tolist() == [1, 3]
-    with pytest.raises(NotImplementedError):
-        cache.crop(-1)
 
 
 def test_refuses_transformers_static_cache_naming_the_allowed_caches():
