@@ -9,6 +9,7 @@ import warnings
 import torch
 from torch import nn
 
+from .int8_compiled import traced_int8_linears
 from .packed_linear import Int8Linear, unpack_linears
 
 
@@ -22,10 +23,13 @@ class Int8Mixin:
 
     def quantize_int8(self, engine: str = "fbgemm"):
         """int8 inference on CPU: every linear layer (the vocabulary projection and the hybrid's GRU/LSTM gate
-        projections included) becomes torch's dynamic int8 linear (``torch.ao.quantization.quantize_dynamic``), its
-        weights packed for ``engine``, whatever ``torch.backends.quantized.engine`` says: "fbgemm" (default; the faster
-        of the two on the CPUs measured, see benchmarks/README.md, section "Decoding speed") or "onednn" (the same
-        quantisation, other kernels: VNNI / AMX where the CPU has them). int8 weights with one scale per output
+        projections included) becomes an int8 linear layer for ``engine``. "fbgemm" (default; the faster of the two
+        packed engines on the CPUs measured, see benchmarks/README.md, section "Decoding speed") or "onednn" (the same
+        quantisation, other kernels: VNNI / AMX where the CPU has them): torch's dynamic int8 linear
+        (``torch.ao.quantization.quantize_dynamic``), its weights packed for that engine whatever
+        ``torch.backends.quantized.engine`` says. ``COMPILED_ENGINE`` ("compiled"): int8 layers that ``torch.compile``
+        traces into a compiled decoding step (:mod:`int8_compiled`: one activation scale per row, ``torch._int_mm``;
+        they run eagerly too). The packed engines' arithmetic: int8 weights with one scale per output
         channel (symmetric, w ~ s_j * round(w / s_j), s_j = max|w_j| / 127.5), activations quantised at every call to
         7-bit unsigned integers with one scale and zero point for the whole input tensor (its min and max), int32
         accumulation, fp32 output. Because the activation scale is shared by the rows of a call, an int8 output
@@ -36,9 +40,10 @@ class Int8Mixin:
         Inference only: afterwards ``train()`` and ``save_pretrained`` raise; reload the fp32 checkpoint to undo.
         Returns the model."""
         engines = [name for name in INT8_ENGINES if name in torch.backends.quantized.supported_engines]
-        if engine not in engines:
+        if engine not in engines and engine != COMPILED_ENGINE:
             raise ValueError(f"quantize_int8(): `engine`={engine!r} is not an int8 engine of this torch build; allowed: "
-                             f"{engines}.")
+                             f"{engines} (torch's packed int8 layers) or {COMPILED_ENGINE!r} (int8 layers that "
+                             f"torch.compile traces).")
         if self.training:
             raise ValueError("quantize_int8() is for inference: call model.eval() first (int8 layers have no gradient).")
         if self.is_int8:
@@ -58,7 +63,10 @@ class Int8Mixin:
                 plain = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None)
                 plain.weight, plain.bias = module.weight, module.bias
                 self.set_submodule(name, plain)
-        int8_linears(self, names, engine)
+        if engine == COMPILED_ENGINE:
+            traced_int8_linears(self, names)
+        else:
+            int8_linears(self, names, engine)
         self.is_int8 = True
         return self
 
@@ -81,6 +89,7 @@ class Int8Mixin:
 
 
 INT8_ENGINES = ("fbgemm", "onednn")  # torch's quantized engines that quantize_int8 packs for (x86)
+COMPILED_ENGINE = "compiled"  # quantize_int8's traceable int8 layers (int8_compiled.py), for compiled decoding
 
 
 def int8_linears(model: nn.Module, names: list, engine: str) -> nn.Module:

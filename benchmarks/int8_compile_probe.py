@@ -1,0 +1,89 @@
+"""int8 under torch.compile, a quick comparison: the soft Transformer-base model that ``decode_speed.py`` decodes in int8
+(``soft_int8``: CTranslate2's weights), per generated token, in three forms timed in alternation within one run:
+
+* ``fbgemm``: ``quantize_int8()`` (torch's packed dynamic int8 linears, eager);
+* ``compiled_eager``: ``quantize_int8(engine="compiled")`` run eagerly (``torch._int_mm`` per layer);
+* ``compiled``: the same layers with ``compiled_decoding(model)`` (static cache, steps compiled by inductor).
+
+It prints the seconds per token of each (median over ``--repeats`` rounds), the compile (first call) time, the ratios
+to fbgemm and whether the tokens agree; ``--profile`` adds torch.profiler's top operators of one compiled generate()
+call. For the full table use ``decode_speed.py --models soft_int8 soft_int8_compiled ct2_int8``.
+
+    python benchmarks/int8_compile_probe.py --repeats 3
+    python benchmarks/int8_compile_probe.py --settings greedy:1 beam4:1 --profile
+"""
+
+import argparse
+import copy
+import statistics
+import time
+
+import torch
+
+from decode_speed import SOURCE_LENGTH, build_soft_from_marian
+from hf_hardattn.modeling_hardattn import compiled_decoding
+
+
+def sources(batch, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 8000, (batch, SOURCE_LENGTH), generator=generator)
+    ids[:, -1] = 2
+    return ids
+
+
+def run(model, ids, beams, tokens, extra):
+    with torch.no_grad():
+        return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens,
+                              min_new_tokens=tokens, num_beams=beams, do_sample=False, **extra)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--settings", nargs="+", default=["greedy:1", "beam4:1", "greedy:32"],
+                        help="MODE:BATCH pairs, MODE greedy or beam4 (default: greedy:1 beam4:1 greedy:32)")
+    parser.add_argument("--tokens", type=int, default=30, help="tokens generated per sentence (default 30)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed rounds per setting (default 3)")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    parser.add_argument("--profile", action="store_true", help="profile one compiled call per setting")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    base = build_soft_from_marian().eval()
+    forms = {"fbgemm": (copy.deepcopy(base).quantize_int8(), {}),
+             "compiled_eager": (copy.deepcopy(base).quantize_int8(engine="compiled"), {})}
+    forms["compiled"] = (forms["compiled_eager"][0], compiled_decoding(forms["compiled_eager"][0]))
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU capability "
+          f"{torch.backends.cpu.get_cpu_capability()}")
+    for setting in args.settings:
+        mode, batch = setting.split(":")
+        beams = 4 if mode == "beam4" else 1
+        ids = sources(int(batch))
+        first, tokens = {}, {}
+        for name, (model, extra) in forms.items():  # first calls (compiles) and the tokens
+            start = time.perf_counter()
+            tokens[name] = run(model, ids, beams, args.tokens, extra)
+            first[name] = time.perf_counter() - start
+        times = {name: [] for name in forms}
+        for _ in range(args.repeats):
+            for name, (model, extra) in forms.items():
+                start = time.perf_counter()
+                run(model, ids, beams, args.tokens, extra)
+                times[name].append((time.perf_counter() - start) / args.tokens)
+        median = {name: statistics.median(values) for name, values in times.items()}
+        print(f"\n{setting}: ms per token (median of {args.repeats}), first call s, tokens equal to fbgemm's / "
+              f"compiled_eager's")
+        for name in forms:
+            print(f"  {name:15s} {1e3 * median[name]:8.2f} ms  {median['fbgemm'] / median[name]:5.2f}x fbgemm  "
+                  f"first {first[name]:6.1f} s  same tokens: "
+                  f"{torch.equal(tokens[name], tokens['fbgemm'])} / {torch.equal(tokens[name], tokens['compiled_eager'])}")
+        if args.profile:
+            from torch.profiler import profile
+
+            model, extra = forms["compiled"]
+            with profile() as prof:
+                run(model, ids, beams, args.tokens, extra)
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+
+
+if __name__ == "__main__":
+    main()
