@@ -71,6 +71,11 @@ Embedding sizes: the decoder's word embedding is the shared (encoder/decoder/out
 stay tied and the readout (and ``lm_head``) stay at d_model. (Note that ``embed_in`` is followed by the linear RNN input
 projection, so a size above d_model adds parameters but no expressiveness.)
 
+Left-padded decoder prompts (``decoder_attention_mask`` with padding before a row's first token, as decoder-only models
+take a batch of prompts): a padded position leaves every state as it was, s_t = s_{t-1} (and luong's h~_{t-1} and
+carried gates), so a row's first real token reads s_0 (and h~_0 = 0) and the row decodes as its prompt alone; the RNN
+has no positions to count. The mask's last T columns are the call's positions, so a later call reads only its own.
+
 Runtime code shipped with saved models: flat, same-folder relative imports only.
 """
 
@@ -306,6 +311,7 @@ class HybridDecoderOutput(ModelOutput):
 class HybridDecoder(InputFeedingStep, nn.Module):
     reads_memory_grouped = True  # every attention function reads a grouped memory (see AdditiveAttention.attend)
     writes_static_cache = True  # its states go through the cache's own writes (see HardAttnModel.static_decoding_refusal)
+    reads_left_padding = True  # padding before a row's first token holds the states (see real_positions)
     gradient_checkpointing = False  # set by model.gradient_checkpointing_enable(): see checkpointed_step
 
     def __init__(self, config: HybridConfig, embed_tokens: nn.Embedding):
@@ -430,12 +436,24 @@ class HybridDecoder(InputFeedingStep, nn.Module):
                                                                         *states)
         return new_states, context, probs
 
+    @staticmethod
+    def real_positions(attention_mask, length):
+        """bool [B, T]: which of the call's T positions are tokens (not padding before a row's first token), from the
+        decoder mask's last T columns ([B, T] or [B, cached + T]); None when all are (no mask; eager: no padding)."""
+        if attention_mask is None:
+            return None
+        real = attention_mask[:, -length:].bool()
+        return None if not is_tracing() and bool(real.all()) else real
+
     # -- whole call -------------------------------------------------------------------------------------------
     def forward(self, input_ids=None, encoder_hidden_states=None, encoder_attention_mask=None, inputs_embeds=None,
-                cache: HardAttnCache | None = None, output_hidden_states=False) -> HybridDecoderOutput:
+                cache: HardAttnCache | None = None, output_hidden_states=False, attention_mask=None
+                ) -> HybridDecoderOutput:
         """Run the T given target positions (teacher forcing; or the new token(s) of cached decoding, continuing from
-        ``cache.states``)."""
+        ``cache.states``). ``attention_mask``: the decoder mask; a padded position keeps the states (module
+        docstring)."""
         embeddings, word_inputs = self.word_inputs(input_ids, inputs_embeds)
+        real = self.real_positions(attention_mask, word_inputs.shape[1])
         rows = word_inputs.shape[0]  # grouped memory: rows // sources consecutive rows per encoder row (beams)
         check_memory_rows(rows, encoder_hidden_states, encoder_attention_mask, self.reads_memory_grouped)
         if cache is not None:  # (a static cache's rows and positions: no key/value slot checks them here)
@@ -455,7 +473,10 @@ class HybridDecoder(InputFeedingStep, nn.Module):
         checkpointed = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         step = self.checkpointed_step if checkpointed else self.step
         for t in range(word_inputs.shape[1]):
-            states, context, probs = step(word_inputs[:, t], states, keys, values, mask)
+            new_states, context, probs = step(word_inputs[:, t], states, keys, values, mask)
+            if real is not None:  # padding before a row's first token: s_t = s_{t-1} (its first token reads s_0)
+                new_states = [torch.where(real[:, t, None], new, old) for new, old in zip(new_states, states)]
+            states = new_states
             if per_position is not None:
                 per_position.append(states)
             tops.append(self.output(states[self.num_layers - 1]))
@@ -578,23 +599,26 @@ class HybridModel(HybridPreTrainedModel, HardAttnModel):
     decoder_class = HybridDecoder
 
     def decoder_outputs(self, decoder_input_ids, encoder_hidden_states, attention_mask, decoder_inputs_embeds=None,
-                        cache=None, output_hidden_states=False) -> HybridDecoderOutput:
-        """The full :class:`HybridDecoderOutput` (readout, states, contexts, attentions, hidden states when asked)."""
+                        cache=None, output_hidden_states=False, decoder_attention_mask=None) -> HybridDecoderOutput:
+        """The full :class:`HybridDecoderOutput` (readout, states, contexts, attentions, hidden states when asked);
+        ``decoder_attention_mask``: a left-padded prompt's padding keeps the states (see the module docstring)."""
         return self.decoder(decoder_input_ids, encoder_hidden_states, attention_mask, decoder_inputs_embeds, cache,
-                            output_hidden_states=output_hidden_states)
+                            output_hidden_states=output_hidden_states, attention_mask=decoder_attention_mask)
 
     decode_reads_memory_grouped = True  # see HardAttnForConditionalGeneration._memory_grouped_decoding
     decode_writes_static_cache = True  # see HardAttnModel.static_decoding_refusal
+    decode_reads_left_padding = True  # see HardAttnModel.left_padding_refusal
 
     def decode(self, decoder_input_ids, encoder_hidden_states, attention_mask, decoder_attention_mask,
                decoder_inputs_embeds, cache, output_attentions=False, output_hidden_states=False) -> DecoderResult:
-        """Readout vectors [B, T, d_model]. Decoder inputs are right-padded (padding comes after the tokens that
-        matter), so ``decoder_attention_mask`` is not needed by a left-to-right RNN. With ``output_attentions`` the
+        """Readout vectors [B, T, d_model]. ``decoder_attention_mask``: right padding comes after the tokens that
+        matter (a left-to-right RNN never reads it); padding before a row's first token (a left-padded prompt) keeps
+        the states, so the row decodes as its prompt alone. With ``output_attentions`` the
         RNN decoder's attention over the source is its one ``cross_attentions`` layer [B, heads, T, S] (one head for
         additive and dot attention) and ``decoder_attentions`` holds None for each RNN layer (no self-attention);
         ``output_hidden_states`` gives (embeddings, every RNN layer's output [B, T, rnn_hidden_size], the readout)."""
         out = self.decoder_outputs(decoder_input_ids, encoder_hidden_states, attention_mask, decoder_inputs_embeds,
-                                   cache, output_hidden_states)
+                                   cache, output_hidden_states, decoder_attention_mask)
         attentions = (None,) * self.config.decoder_layers if output_attentions else None
         return DecoderResult(out.readout, out.hidden_states, attentions,
                              (out.attentions,) if output_attentions else None)
