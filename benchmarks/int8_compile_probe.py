@@ -45,6 +45,8 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds per setting (default 3)")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     parser.add_argument("--profile", action="store_true", help="profile one compiled call per setting")
+    parser.add_argument("--unguarded", action="store_true",
+                        help="add a compiled form without dynamo's guards on module tensors (guard_filter_fn)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -52,6 +54,10 @@ def main(argv=None):
     forms = {"fbgemm": (copy.deepcopy(base).quantize_int8(), {}),
              "compiled_eager": (copy.deepcopy(base).quantize_int8(engine="compiled"), {})}
     forms["compiled"] = (forms["compiled_eager"][0], compiled_decoding(forms["compiled_eager"][0]))
+    if args.unguarded:  # dynamo's guards on the modules' tensors skipped (their checks run at every step)
+        unguarded = copy.deepcopy(base).quantize_int8(engine="compiled")
+        forms["compiled_unguarded"] = (unguarded, compiled_decoding(
+            unguarded, options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}))
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU capability "
           f"{torch.backends.cpu.get_cpu_capability()}")
     for setting in args.settings:

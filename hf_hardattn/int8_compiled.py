@@ -49,13 +49,17 @@ class TracedInt8Linear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         scale = symmetric_scale(weight)  # [out, 1]
         self.register_buffer("weight_int8", quantize_symmetric(weight, scale).contiguous())
+        # the same codes [in, out]: torch._int_mm's CPU kernel takes a single row fastest against [out, in] (transposed
+        # view) and several rows against [in, out] (see benchmarks/README.md, section "Decoding speed")
+        self.register_buffer("weight_int8_by_column", self.weight_int8.t().contiguous())
         self.register_buffer("weight_scale", scale[:, 0].contiguous())
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         scale = symmetric_scale(rows)  # [rows, 1]
-        products = torch._int_mm(quantize_symmetric(rows, scale), self.weight_int8.t())  # int32, exact
+        weight = self.weight_int8.t() if rows.shape[0] == 1 else self.weight_int8_by_column  # [in, out] either way
+        products = torch._int_mm(quantize_symmetric(rows, scale), weight)  # int32, exact
         out = products.to(torch.float32) * scale * self.weight_scale
         if self.bias is not None:
             out = out + self.bias

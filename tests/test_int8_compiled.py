@@ -56,17 +56,18 @@ def hand_int8_linear(x, weight, bias):
 
 @pytest.mark.parametrize("bias", [True, False])
 def test_a_layer_computes_the_hand_quantisation(bias):
-    """One layer on [N, K] and [B, T, K] inputs with an all-zero row and a zero weight row: the hand quantisation
-    within its slack; the stored codes are round(w / s_w) within [-127, 127] with s_w = max|w_j| / 127."""
+    """One layer on [N, K], [1, K] and [B, T, K] inputs with an all-zero row and a zero weight row: the hand
+    quantisation within its slack; the codes are stored in both layouts, the same, within [-127, 127]."""
     linear = nn.Linear(48, 20, bias=bias)
     with torch.no_grad():
         linear.weight[3] = 0
     layer = TracedInt8Linear(linear)
     assert layer.weight_int8.dtype == torch.int8 and layer.weight_int8.abs().max() == Q_MAX
+    assert torch.equal(layer.weight_int8_by_column, layer.weight_int8.t())
     assert not list(layer.parameters())
     x = 3 * torch.randn(2, 7, 48)
     x[1, 2] = 0
-    for inputs in (x, x[0]):
+    for inputs in (x, x[0], x[0, :1]):  # (a single row takes the weight's other layout)
         got = layer(inputs)
         assert got.shape == (*inputs.shape[:-1], 20) and got.dtype == torch.float32
         expected, _, _, slack = hand_int8_linear(inputs.reshape(-1, 48), linear.weight, linear.bias)
