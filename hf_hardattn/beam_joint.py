@@ -302,6 +302,9 @@ class BeamJointTransformerModel(JointModelMixin, HardAttnModel):
     config_class = BeamJointTransformerConfig
 
     decode_writes_static_cache = True  # (see HardAttnModel.static_decoding_refusal)
+    # a left-padded decoder prompt: the skeleton's start() counts positions from each row's first real token and hides
+    # its padding; the candidates read the soft history through the same mask (see HardAttnModel.left_padding_refusal)
+    decode_reads_left_padding = True
 
     def decode(self, decoder_input_ids, encoder_hidden_states, attention_mask, decoder_attention_mask,
                decoder_inputs_embeds, cache, output_attentions=False, output_hidden_states=False):

@@ -43,6 +43,12 @@ cross-attention computes the encoder's values once (``cross_attention_cache``). 
 of ``lookback`` rows (those before the sentence masked) and cross-attention reads the whole source, the keys beyond the
 heads' reach masked, both from the cache's position tensor (``static_forward``).
 
+Left padding: a left-padded source moves each row's cross-attention centres right by its padding; a left-padded decoder
+prompt (``decoder_attention_mask``) counts each row's query positions i from its first real token (the decoder passes
+its padding, ``decoder_padding``), so each row decodes as it does alone. Self-attention weights depend on key - query
+only (padded keys 0). With a cache, a row whose positions differ from the others' (either padding) reads the keys
+within its own reach: the same keys as alone (``row_cross_weights``).
+
 Presets (Sec. 3, Table 2): ``GaussianConfig.preset("hc-sa" | "hc-all" | "sh-x", **overrides)``.
 
 Runtime code shipped with saved models: flat, same-folder relative imports only.
@@ -210,6 +216,10 @@ class GaussianAttention(nn.Module):
     # as decoder self-attention its weights (and taps) are 0 after the query by construction: the decoder hands it the
     # key padding mask [B, 1, 1, Tk] alone, never a causal [B, 1, Tq, Tk] one (HardAttnDecoder.self_attention_mask)
     causal_built_in = True
+    # a left-padded decoder prompt: self-attention weights depend on key - query only (padded keys masked); hard-coded
+    # cross-attention centres each row's queries by its own positions, from the decoder's ``decoder_padding``
+    reads_left_padding = True
+    reads_decoder_padding = True
 
     def __init__(self, config: HardAttnConfig, role: str, layer_idx: int):
         super().__init__()
@@ -243,9 +253,10 @@ class GaussianAttention(nn.Module):
 
     # -- weights ---------------------------------------------------------------------------------------------
     def centres(self, query_positions: torch.Tensor) -> torch.Tensor:
-        """[H, Tq] integer centre f(i) of every head for every query position i."""
+        """[..., H, Tq] integer centre f(i) of every head for every query position i of ``query_positions`` [..., Tq]
+        (one row of positions, or one per sentence)."""
         offsets = torch.tensor(self.offsets, dtype=torch.float64, device=query_positions.device)[:, None]
-        positions = query_positions.to(torch.float64)[None, :]
+        positions = query_positions.to(torch.float64)[..., None, :]
         if self.is_cross:  # Sec. 3.2: floor(gamma * i + o)
             return torch.floor(self.gamma * positions + offsets)
         return positions + offsets  # Sec. 3.1: i + o
@@ -417,11 +428,11 @@ class GaussianAttention(nn.Module):
             cache.is_updated[self.layer_idx] = True
         return values
 
-    def cross_values(self, memory, cache, query_length, whole=False):
-        """Encoder values [B, H, S', hd] for the queries' reach (``whole``: all of them), and the position of the first
-        one. The values of the whole source are computed once per sentence (``cross_attention_cache``)."""
+    def cross_values(self, memory, cache, query_length):
+        """Encoder values [B, H, S', hd] for the queries' reach (without a cache: all of them), and the position of the
+        first one. The values of the whole source are computed once per sentence (``cross_attention_cache``)."""
         values = self.source_values(memory, cache)
-        if cache is None or whole:
+        if cache is None:
             return values, 0 if cache is None else cache.seen_tokens, 0
         query_start, source_length = cache.seen_tokens, values.shape[2]
         first = math.floor(self.gamma * query_start + min(self.offsets)) - self.radius
@@ -453,37 +464,51 @@ class GaussianAttention(nn.Module):
             visible = visible & mask.index_select(-1, keys.clamp(0, mask.shape[-1] - 1))
         return values, visible, keys
 
-    def static_cross_weights(self, mask, position, query_length, source_length, device, dtype):
-        """Cross-attention weights [B or 1, H, Tq, S] of queries at ``position`` + [0, Tq) (a tensor) over the whole
-        source: the kernel of every key's distance from its head's centre floor(gamma * i + o) (Sec. 3.2), moved right
-        by each row's leading padding, cut, as cached dynamic decoding cuts them, to the keys from
-        floor(gamma * first + min o) - r to floor(gamma * last + max o) + r (:meth:`cross_values`; no cut when some
-        row has leading padding, as there), padded keys 0 (not renormalised)."""
-        q_pos = position + torch.arange(query_length, device=device)
-        k_pos = torch.arange(source_length, device=device, dtype=torch.float64)
-        centres = self.centres(q_pos)[None, :, :, None]  # [1, H, Tq, 1]
-        shifted = None
+    def row_cross_weights(self, mask, query_start, query_length, source_length, device, dtype, decoder_padding=None,
+                          cut=True):
+        """Cross-attention weights [B or 1, H, Tq, S] of queries at ``query_start`` + [0, Tq) (a number, or a static
+        cache's position tensor) over the whole source, each row's own: the kernel of every key's distance from its
+        head's centre floor(gamma * i + o) (Sec. 3.2), where i counts from the row's first real decoder token
+        (``decoder_padding`` [B]: its left-padded prompt's padding, subtracted, the padding's own clamped at 0, as
+        the decoder's position embeddings) and the centre moves right by the row's source padding before its first
+        real token; ``cut``: as cached decoding reads them, only the keys from floor(gamma * first + min o) - r to
+        floor(gamma * last + max o) + r of the call's first and last query (:meth:`cross_values`), in the row's own
+        source positions, so that a padded row reads the keys it reads alone; padded keys 0 (not renormalised)."""
+        q_pos = (query_start + torch.arange(query_length, device=device))[None, :]  # [1 or B, Tq]
+        if decoder_padding is not None:
+            q_pos = (q_pos - decoder_padding.to(device)[:, None]).clamp(min=0)
+        k_pos = torch.arange(source_length, device=device, dtype=torch.float64)[None, :]  # [1 or B, S]
         if mask is not None:  # the padded keys before each row's first real one (0 for a right-padded row)
-            shift = (mask[:, 0, 0, :].long().cumsum(-1) == 0).sum(-1)
-            centres, shifted = centres + shift.to(torch.float64)[:, None, None, None], (shift > 0).any()
-        weights = self.kernel(k_pos - centres)
-        first = torch.floor(self.gamma * q_pos[0].to(torch.float64) + min(self.offsets)) - self.radius
-        last = torch.floor(self.gamma * q_pos[-1].to(torch.float64) + max(self.offsets)) + self.radius
-        reach = (k_pos >= first) & (k_pos <= last)
-        weights = weights * (reach if shifted is None else reach | shifted)
+            k_pos = k_pos - (mask[:, 0, 0, :].long().cumsum(-1) == 0).sum(-1, keepdim=True).to(torch.float64)
+        weights = self.kernel(k_pos[:, None, None, :] - self.centres(q_pos)[..., None])
+        if cut:
+            q = q_pos.to(torch.float64)
+            first = torch.floor(self.gamma * q[:, :1] + min(self.offsets)) - self.radius  # [1 or B, 1]
+            last = torch.floor(self.gamma * q[:, -1:] + max(self.offsets)) + self.radius
+            weights = weights * ((k_pos >= first) & (k_pos <= last))[:, None, None, :]
         weights = weights.to(dtype)
         return weights if mask is None else torch.where(mask, weights, weights.new_zeros(()))
 
-    def static_forward(self, hidden, memory, mask, cache, output_attentions):
+    def row_cross_forward(self, memory, mask, cache, query_start, query_length, decoder_padding):
+        """Cross-attention (before ``out_proj``, [B, Tq, H, hd]) with the weights of :meth:`row_cross_weights`, cut
+        when a cache is used, and those weights [B, H, Tq, S]: a left-padded decoder prompt, a static cache, or a
+        left-padded source while decoding with a cache."""
+        values = self.source_values(memory, cache)
+        batch = values.shape[0]
+        weights = self.row_cross_weights(mask, query_start, query_length, values.shape[2], values.device,
+                                         values.dtype, decoder_padding, cut=cache is not None)
+        weights = weights.expand(batch, *weights.shape[1:])
+        if self.training and self.dropout > 0:
+            weights = F.dropout(weights, self.dropout, True)
+        return (weights @ values).transpose(1, 2), weights
+
+    def static_forward(self, hidden, memory, mask, cache, output_attentions, decoder_padding=None):
         """:meth:`forward` over a :class:`~caches.StaticHardAttnCache`."""
         batch, query_length, _ = hidden.shape
         cache.check_room(batch, query_length)  # (no key/value slots check it here)
         if self.is_cross:
-            values = self.source_values(memory, cache)
-            weights = self.static_cross_weights(mask, cache.get_seq_length(), query_length, values.shape[2],
-                                                values.device, values.dtype)
-            out = (weights @ values).transpose(1, 2)
-            dense = weights.expand(batch, *weights.shape[1:])
+            out, dense = self.row_cross_forward(memory, mask, cache, cache.get_seq_length(), query_length,
+                                                decoder_padding)
         else:
             values, visible, keys = self.static_self_values(hidden, mask, cache)
             compute = self.dense if self.implementation == "full" else self.banded
@@ -541,12 +566,14 @@ class GaussianAttention(nn.Module):
         return out, dense_weights
 
     # -- forward ---------------------------------------------------------------------------------------------
-    def forward(self, hidden, memory=None, mask=None, causal=False, cache=None, output_attentions=False):
+    def forward(self, hidden, memory=None, mask=None, causal=False, cache=None, output_attentions=False,
+                decoder_padding=None):
         """[B, Tq, d]; with ``output_attentions``, ``(output, weights [B, H, Tq, Tk])``: the fixed weights over all Tk
         keys (every earlier position for decoder self-attention, the whole source for cross-attention), as the kind
         used them: not renormalised, 0 on padding, after attention dropout in training, and 0 on the keys that cached
         decoding skips (beyond the heads' reach, see the module docstring). ``conv`` / ``index`` build this matrix
-        only when asked."""
+        only when asked. ``decoder_padding`` [B] (cross-attention, from the decoder): each row's padding before its
+        first real decoder token, or None."""
         if self.is_cross and self.gamma is None:
             raise ValueError(
                 "`length_ratio` (gamma of the hard-coded cross-attention, Sec. 3.2: mean source length / mean target "
@@ -554,11 +581,17 @@ class GaussianAttention(nn.Module):
                 "before training or generating, or give it in the config (length_ratio=...)."
             )
         if isinstance(cache, StaticHardAttnCache):
-            return self.static_forward(hidden, memory, mask, cache, output_attentions)
+            return self.static_forward(hidden, memory, mask, cache, output_attentions, decoder_padding)
         batch, query_length, _ = hidden.shape
         shift = leading_padding(mask) if self.is_cross else None  # self-attention weights are relative: no shift
+        if self.is_cross and (decoder_padding is not None or (shift is not None and cache is not None)):
+            # each row's own query positions, or (a left-padded source, cached) each row's own reach: per row
+            out, weights = self.row_cross_forward(memory, mask, cache, 0 if cache is None else cache.seen_tokens,
+                                                  query_length, decoder_padding)
+            out = self.out_proj(out.reshape(batch, query_length, self.num_heads * self.head_dim))
+            return (out, weights) if output_attentions else out
         if self.is_cross:
-            values, query_start, key_start = self.cross_values(memory, cache, query_length, whole=shift is not None)
+            values, query_start, key_start = self.cross_values(memory, cache, query_length)
         else:
             values, query_start, key_start = self.self_values(hidden, cache)
         key_length = values.shape[2]

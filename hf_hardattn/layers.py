@@ -199,6 +199,11 @@ class SoftAttention(nn.Module):
     of ``hidden`` attending to row r // g of ``memory`` (g beams or returned sequences per sentence; see
     :meth:`HardAttnForConditionalGeneration._expand_inputs_for_generation`). Kinds whose ``forward`` or ``attend``
     treats a query by its position rather than on its own set ``reads_memory_grouped = False``.
+
+    As cross-attention, a kind that reads the decoder's query positions (a left-padded decoder prompt counts them from
+    each row's first real token) sets ``reads_decoder_padding = True``: the decoder then passes it the keyword
+    ``decoder_padding``, [B] padding positions before each row's first real token (None when no row starts with
+    padding); the other kinds never receive it.
     """
 
     reads_memory_grouped = True
@@ -389,18 +394,23 @@ class DecoderLayer(GradientCheckpointingLayer):
         self.self_attn = SubLayer(config, attention) if attention is not None else None
         attention = build_attention(cross_kind, config, "cross", layer_idx)
         self.cross_attn = SubLayer(config, attention) if attention is not None else None
+        # whether the cross-attention takes the ``decoder_padding`` keyword (SoftAttention's docstring)
+        self.cross_reads_decoder_padding = bool(getattr(attention, "reads_decoder_padding", False))
         ffn = FeedForward(config.d_model, config.decoder_ffn_dim, config.activation_function, config.activation_dropout)
         self.ffn = SubLayer(config, ffn)
 
-    def forward(self, x, memory, self_mask, causal, cross_mask, cache, output_attentions=False):
+    def forward(self, x, memory, self_mask, causal, cross_mask, cache, output_attentions=False, decoder_padding=None):
         """The layer output; with ``output_attentions``, ``(output, self-attention weights, cross-attention weights)``,
-        None for a sub-layer of kind "none"."""
+        None for a sub-layer of kind "none". ``decoder_padding`` [B] (or None): each row's padding before its first
+        real token, passed to a cross-attention that reads it (``reads_decoder_padding``)."""
         self_weights = cross_weights = None
         if self.self_attn is not None:
             x = self.self_attn(x, mask=self_mask, causal=causal, cache=cache, output_attentions=output_attentions)
             x, self_weights = x if output_attentions else (x, None)
         if self.cross_attn is not None:
-            x = self.cross_attn(x, memory=memory, mask=cross_mask, cache=cache, output_attentions=output_attentions)
+            padding = {"decoder_padding": decoder_padding} if self.cross_reads_decoder_padding else {}
+            x = self.cross_attn(x, memory=memory, mask=cross_mask, cache=cache, output_attentions=output_attentions,
+                                **padding)
             x, cross_weights = x if output_attentions else (x, None)
         x = self.ffn(x)
         return (x, self_weights, cross_weights) if output_attentions else x
@@ -734,17 +744,19 @@ class HardAttnDecoder(nn.Module):
             self_masks = self.self_attention_masks(attention_mask, length, past_length, x.device, leading is not None)
         check_memory_rows(x.shape[0], encoder_hidden_states, encoder_attention_mask, self.reads_memory_grouped)
         return DecoderPass(x, encoder_hidden_states, self_masks, padding_mask(encoder_attention_mask), attention_mask,
-                           cache, output_attentions, output_hidden_states)
+                           cache, output_attentions, output_hidden_states, leading)
 
     def run_layers(self, state: "DecoderPass", first: int, stop: int) -> "DecoderPass":
         """Layers ``first`` ... ``stop - 1`` on ``state.x``, each recorded; returns ``state``."""
         for layer, (self_mask, causal) in itertools.islice(zip(self.layers, state.self_masks), first, stop):
             if state.output_attentions:
                 x, self_weights, cross_weights = layer(state.x, state.memory, self_mask, causal, state.cross_mask,
-                                                       state.cache, output_attentions=True)
+                                                       state.cache, output_attentions=True,
+                                                       decoder_padding=state.leading)
                 state.record(x, self_weights, cross_weights)
             else:
-                state.record(layer(state.x, state.memory, self_mask, causal, state.cross_mask, state.cache))
+                state.record(layer(state.x, state.memory, self_mask, causal, state.cross_mask, state.cache,
+                                   decoder_padding=state.leading))
         return state
 
     def finish(self, state: "DecoderPass") -> "DecoderResult":
@@ -765,12 +777,13 @@ class HardAttnDecoder(nn.Module):
 class DecoderPass:
     """One call of the decoder between :meth:`HardAttnDecoder.start` and :meth:`HardAttnDecoder.finish`: the stream
     ``x`` (the last recorded state), what every layer reads (memory, masks per layer, cache), the raw decoder
-    ``attention_mask``, and the outputs recorded so far (lists, or None when not asked)."""
+    ``attention_mask`` and ``leading`` (each row's padding before its first real token, [B], or None), and the
+    outputs recorded so far (lists, or None when not asked)."""
 
     def __init__(self, x, memory, self_masks, cross_mask, attention_mask, cache, output_attentions,
-                 output_hidden_states):
+                 output_hidden_states, leading=None):
         self.x, self.memory, self.self_masks, self.cross_mask = x, memory, self_masks, cross_mask
-        self.attention_mask, self.cache = attention_mask, cache
+        self.attention_mask, self.cache, self.leading = attention_mask, cache, leading
         self.output_attentions, self.output_hidden_states = output_attentions, output_hidden_states
         self.hidden_states = [x] if output_hidden_states else None
         self.attentions, self.cross_attentions = ([], []) if output_attentions else (None, None)

@@ -12,6 +12,9 @@ import torch
 from common import (BOS, CONTRACT_MODELS, ONE_PER_TYPE, PAD, as_float64, assert_nontrivial, assert_step_scores_close,
                     contract_model, source_batch)
 from hf_hardattn.caches import CACHE_FIELD, StaticHardAttnCache
+from hf_hardattn.gaussian import FULL_CUTOFF, GaussianConfig, GaussianForConditionalGeneration, cutoff_radius, \
+    gaussian_density
+from test_static_gaussian_beam_joint import GAUSSIAN, config_model
 
 
 def left_padded():
@@ -57,12 +60,45 @@ def test_left_padded_source_encodes_its_tokens_as_alone():
 # Left-padded decoder prompts: positions counted from each row's first real token, as decoder-only models do
 # ----------------------------------------------------------------------------------------------------------------
 # the model types whose decoder reads a left-padded prompt (HardAttnModel.left_padding_refusal is None): contract
-# models (fitted: varied tokens; soft_prenorm: pre-norm with learned positions)
-LEFT_PADDED_PROMPT_TYPES = ("soft", "soft_prenorm", "hard_retrieval")
+# models (fitted: varied tokens; soft_prenorm: pre-norm with learned positions), every Gaussian configuration and
+# implementation (test_static_gaussian_beam_joint.config_model: hc-all full / conv / index, whose cross-attention
+# centres count from each row's first real token, with a gamma of 1.3 here, sh-x, hc-sa) and beam_joint_transformer
+# with its joint layer first (a later layer runs per candidate) and last
+LEFT_PADDED_PROMPT_TYPES = ("soft", "soft_prenorm", "hard_retrieval") + GAUSSIAN + ("joint_first", "joint_last")
 # the others refuse it where the input enters, naming their model type (see the docstring of the test)
-PROMPT_REFUSED = {"gaussian_hc_all": "gaussian_transformer", "recurrent_expand_1": "recurrent_transformer",
-                  "hybrid_additive": "hybrid_transformer", "beam_joint_transformer": "beam_joint_transformer",
+PROMPT_REFUSED = {"recurrent_expand_1": "recurrent_transformer", "hybrid_additive": "hybrid_transformer",
                   "beam_joint_rnn": "beam_joint_rnn"}
+GAMMA = 1.3  # hc-all's length ratio here: floor(gamma * (i - padding)) is no shift of floor(gamma * i)
+_MODELS = {}
+
+
+def prompt_model(name):
+    """The float64 model of a name of LEFT_PADDED_PROMPT_TYPES (built once; do not modify it)."""
+    if name not in _MODELS:
+        if name.startswith("hc_all"):  # hc-all's weights with gamma = GAMMA
+            model = config_model(name)
+            config = GaussianConfig.from_dict({**model.config.to_dict(), "length_ratio": GAMMA})
+            _MODELS[name] = GaussianForConditionalGeneration(config).double().eval()
+            _MODELS[name].load_state_dict(model.state_dict())
+        elif name in GAUSSIAN or name.startswith("joint"):
+            _MODELS[name] = config_model(name)
+        else:
+            _MODELS[name] = as_float64(contract_model(name))
+    return _MODELS[name]
+
+
+def cached_tolerance(model):
+    """How far a cached forward's logits may lie from an uncached one's: rounding (1e-10) and, for Gaussian ``full``
+    heads, the keys a cached step skips (beyond cutoff_radius: those under FULL_CUTOFF of the peak, see gaussian.py),
+    at most the tail mass 2 sum_{d > r} N(d) of a head's weights per decoder sub-layer (self- and cross-attention),
+    moving the logits by at most about that mass times their scale (< 10 here) each."""
+    config = model.config
+    if getattr(config, "gaussian_implementation", None) != "full":
+        return 1e-10
+    sigma = float(config.gaussian_sigma)
+    radius = cutoff_radius(sigma, FULL_CUTOFF)
+    tail = 2 * float(gaussian_density(torch.arange(radius + 1, radius + 60, dtype=torch.float64), sigma).sum())
+    return 1e-10 + 10 * 2 * config.decoder_layers * tail
 PROMPTS = ([BOS, 9, 13, 6], [BOS], [BOS, 17])  # decoder prompts of 4, 1 and 2 tokens, each from the start token
 
 
@@ -87,7 +123,7 @@ def test_left_padded_decoder_prompts_decode_as_each_prompt_alone(name, cache):
     """generate() with a batch of decoder prompts padded on the left (``decoder_input_ids`` and
     ``decoder_attention_mask``, as decoder-only models take them), greedy and beam 4, with the dynamic and the static cache: each row's tokens and
     step scores (common.assert_step_scores_close) are those of its prompt decoded alone, unpadded (float64)."""
-    model = as_float64(contract_model(name))
+    model = prompt_model(name)
     ids, mask = prompt_sources()
     decoder_ids, decoder_mask = left_padded_prompts()
     width = decoder_ids.shape[1]
@@ -113,9 +149,27 @@ def teacher_forced_alone(model, ids, mask, decoder_ids, decoder_mask):
             for row, real in enumerate(decoder_mask.bool())]
 
 
-def assert_real_positions(logits, alone, decoder_mask, what):
+def stepped_alone(model, ids, mask, decoder_ids, decoder_mask, prompt):
+    """Per row: the logits [T_real, V] of its real decoder tokens decoded alone, unpadded, through the dynamic cache:
+    its real tokens among the first ``prompt`` columns in one call, then one position a call (the calls of the padded
+    batch in the test below: the same queries per call, so a cached Gaussian ``full`` step reads the same keys)."""
+    logits = []
     for row, real in enumerate(decoder_mask.bool()):
-        torch.testing.assert_close(logits[row, real], alone[row][: int(real.sum())], rtol=0, atol=1e-10,
+        tokens = decoder_ids[row : row + 1, real]
+        first = int(real[:prompt].sum())
+        cache, steps = None, []
+        for start, stop in [(0, first)] + [(t, t + 1) for t in range(first, tokens.shape[1])]:
+            out = model(input_ids=ids[row : row + 1, mask[row].bool()], decoder_input_ids=tokens[:, start:stop],
+                        cache=cache, use_cache=True)
+            cache = getattr(out, CACHE_FIELD)
+            steps.append(out.logits[0])
+        logits.append(torch.cat(steps))
+    return logits
+
+
+def assert_real_positions(logits, alone, decoder_mask, what, atol=1e-10):
+    for row, real in enumerate(decoder_mask.bool()):
+        torch.testing.assert_close(logits[row, real], alone[row][: int(real.sum())], rtol=0, atol=atol,
                                    msg=f"{what}, row {row}")
 
 
@@ -125,8 +179,11 @@ def test_left_padded_decoder_inputs_in_forward_equal_each_row_alone(name):
     into a cache, and through the dynamic and the static cache: the prompts in one call, then position by position
     (the mask growing with the positions, as generate() passes it); then 2 more positions with no mask at all, and
     (dynamic cache) 1 with the mask of its own position only: the cache keeps each row's padding. The logits of every
-    real position equal those of the row alone, unpadded, without a cache (float64); the padding's own are finite."""
-    model = as_float64(contract_model(name))
+    real position equal those of the row alone, unpadded: without a cache (float64; a cached Gaussian ``full`` step
+    skips the keys beyond its cutoff: :func:`cached_tolerance`), and step by step, those of the row alone through the
+    dynamic cache in the same calls (the same keys read: 1e-10); the padding's own are finite."""
+    model = prompt_model(name)
+    atol = cached_tolerance(model)
     ids, mask = prompt_sources()
     decoder_ids, decoder_mask = left_padded_prompts([p + [5, 7, 11] for p in PROMPTS])
     more = torch.tensor([[8, 3], [12, 4], [6, 10]])
@@ -134,6 +191,7 @@ def test_left_padded_decoder_inputs_in_forward_equal_each_row_alone(name):
     full_mask = torch.cat([decoder_mask, torch.ones(3, 3, dtype=torch.long)], 1)
     alone = teacher_forced_alone(model, ids, mask, full_ids, full_mask)
     width, prompt = decoder_ids.shape[1], max(map(len, PROMPTS))
+    alone_steps = stepped_alone(model, ids, mask, full_ids, full_mask, prompt)
     inputs = dict(input_ids=ids, attention_mask=mask)
     whole = model(**inputs, decoder_input_ids=decoder_ids, decoder_attention_mask=decoder_mask, use_cache=False).logits
     assert whole.isfinite().all()
@@ -154,9 +212,11 @@ def test_left_padded_decoder_inputs_in_forward_equal_each_row_alone(name):
             logits.append(out.logits)
         steps = torch.cat(logits, 1)
         assert steps.isfinite().all()
-        assert_real_positions(steps, alone, full_mask[:, : steps.shape[1]], f"step by step, {type(cache).__name__}")
+        what = f"step by step, {type(cache).__name__}"
+        assert_real_positions(steps, alone, full_mask[:, : steps.shape[1]], what, atol)
+        assert_real_positions(steps, alone_steps, full_mask[:, : steps.shape[1]], f"{what}, against alone step by step")
     cached = model(**inputs, decoder_input_ids=decoder_ids, decoder_attention_mask=decoder_mask, use_cache=True).logits
-    assert_real_positions(cached, alone, decoder_mask, "one call into a cache")
+    assert_real_positions(cached, alone, decoder_mask, "one call into a cache", atol)
 
 
 def test_right_padded_decoder_inputs_are_unchanged():
@@ -177,11 +237,12 @@ def test_right_padded_decoder_inputs_are_unchanged():
     torch.testing.assert_close(out.loss.double(), expected, rtol=1e-6, atol=0)  # (the loss is summed in fp32)
 
 
-@pytest.mark.parametrize("name", LEFT_PADDED_PROMPT_TYPES)
+@pytest.mark.parametrize("name", [name for name in LEFT_PADDED_PROMPT_TYPES if not name.startswith("joint")])
 def test_no_real_query_sees_a_padded_key(name):
     """output_attentions: every real query's decoder self-attention weights are 0 on the padding before its prompt (for
-    hard retrieval: its one-hot never picks a padded key), and the padding's queries see padding only."""
-    model = as_float64(contract_model(name))
+    hard retrieval: its one-hot never picks a padded key; Gaussian: its padded keys are 0), and the padding's queries
+    see padding only (Gaussian's: nothing)."""
+    model = prompt_model(name)
     ids, mask = prompt_sources()
     decoder_ids, decoder_mask = left_padded_prompts()
     out = model(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder_ids, decoder_attention_mask=decoder_mask,
@@ -198,9 +259,8 @@ def test_no_real_query_sees_a_padded_key(name):
 @pytest.mark.parametrize("name", PROMPT_REFUSED)
 def test_left_padded_decoder_prompt_refused_by_the_other_types(name):
     """The types whose decoder counts positions from the first column refuse a left-padded decoder mask where it enters,
-    naming their model type and what is allowed: gaussian (its heads are centred by the query's position), recurrent
-    (a per-step state), hybrid and beam_joint_rnn (GRU / LSTM states that would step through the padding),
-    beam_joint_transformer (its own ``decode``, not declared to read one)."""
+    naming their model type and what is allowed: recurrent (a per-step state), hybrid and beam_joint_rnn (GRU / LSTM
+    states that would step through the padding)."""
     model = contract_model(name, fit=False)
     ids, mask = prompt_sources()
     decoder_ids, decoder_mask = left_padded_prompts()
@@ -233,25 +293,13 @@ def test_decoder_padding_between_tokens_is_refused(name):
               decoder_attention_mask=torch.tensor([[1, 1], [1, 1], [0, 1]]))
 
 
-@pytest.mark.parametrize("cache", [None, "static"])
-def test_beam_joint_transformer_decodes_left_padded_prompts_through_the_skeleton(monkeypatch, cache):
-    """beam_joint_transformer runs the skeleton decoder (start / run_layers / finish) with its own ``decode``, which does
-    not declare ``decode_reads_left_padding`` yet (so it refuses, above); declared, its left-padded prompts decode as
-    each prompt alone, in generate() and forward(), by the same tests as the skeleton's types."""
-    from hf_hardattn.beam_joint import BeamJointTransformerModel
-
-    monkeypatch.setattr(BeamJointTransformerModel, "decode_reads_left_padding", True, raising=False)
-    model = contract_model("beam_joint_transformer")
-    monkeypatch.delitem(vars(model.model), "_left_padding_refusal", raising=False)  # (found once per model)
-    test_left_padded_decoder_prompts_decode_as_each_prompt_alone("beam_joint_transformer", cache)
-    if cache is None:
-        test_left_padded_decoder_inputs_in_forward_equal_each_row_alone("beam_joint_transformer")
-
-
-def test_left_padded_decoder_prompts_through_compiled_static_steps():
+@pytest.mark.parametrize("name", ["soft", "hc_all_full", "joint_first"])
+def test_left_padded_decoder_prompts_through_compiled_static_steps(name):
     """generate() with compiled decoding steps over the static cache (fullgraph: a graph break raises; backend
     "eager", dynamo alone) decodes left-padded prompts with the eager dynamic cache's tokens and scores, greedy
-    (float64); the mask, one column wider each step, costs at most one more graph than a call without it."""
+    (float64); the mask, one column wider each step, costs at most one more graph than a call without it. Soft,
+    Gaussian hc-all (self- and cross-attention from the position tensor and each row's padding) and beam-joint (the
+    candidates of a later layer read the soft history through the same mask)."""
     from torch._dynamo.testing import CompileCounterWithBackend
     from transformers import CompileConfig
 
@@ -260,7 +308,7 @@ def test_left_padded_decoder_prompts_through_compiled_static_steps():
             return self
 
     torch._dynamo.reset()
-    model = as_float64(contract_model("soft"))
+    model = prompt_model(name)
     ids, mask = prompt_sources()
     decoder_ids, decoder_mask = left_padded_prompts()
     kwargs = dict(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder_ids,
@@ -276,22 +324,3 @@ def test_left_padded_decoder_prompts_through_compiled_static_steps():
         assert_step_scores_close(got, expected, f"step {step}")
     assert 1 <= counter.frame_count <= 2, counter.frame_count
     torch._dynamo.reset()
-
-
-@pytest.mark.parametrize("cache", [None, "static"])
-def test_gaussian_decoder_self_attention_reads_left_padded_prompts_once_declared(monkeypatch, cache):
-    """A kind declares the roles it reads a left-padded prompt in: Gaussian decoder self-attention (weights by key -
-    query distance, padded keys masked) would decode sh-x's prompts as each alone once GaussianAttention declares
-    ``reads_left_padding = ("decoder",)``, while hc-all, whose cross-attention heads are centred by the query's
-    position, is still refused naming that role."""
-    from hf_hardattn.gaussian import GaussianAttention
-
-    monkeypatch.setattr(GaussianAttention, "reads_left_padding", ("decoder",), raising=False)
-    model = contract_model("gaussian_sh_x")
-    monkeypatch.delitem(vars(model.model), "_left_padding_refusal", raising=False)  # (found once per model)
-    test_left_padded_decoder_prompts_decode_as_each_prompt_alone("gaussian_sh_x", cache)
-    refused = contract_model("gaussian_hc_all", fit=False)
-    decoder_ids, decoder_mask = left_padded_prompts()
-    with pytest.raises(ValueError, match=r"model_type 'gaussian_transformer' \(its attention kind\(s\) "
-                                         r"\['gaussian \(cross\)'\] read positions from the first column\)"):
-        refused(*prompt_sources(), decoder_input_ids=decoder_ids, decoder_attention_mask=decoder_mask)
