@@ -19,7 +19,10 @@ Conventions: the "previous" quantities at the first target position are zeros (s
 projections' biases); padded source positions get weight 0, are excluded from Eq. 9's window sums (like positions
 beyond the sentence ends, with the divisor kept at 2k+1) and add 0 to the accumulated weights; the per-layer,
 per-head state lives in ``HardAttnCache.states`` (keys ``recurrent.{layer}.{name}``) so beam search reorders it.
-Target padding is on the right (collators, generate()), after every real position, so it never feeds a real one.
+Target padding on the right (collators, generate()) comes after every real position, so it never feeds a real one. A
+left-padded decoder prompt (padding before a row's first token, ``decoder_attention_mask``; the decoder passes each
+row's count as ``decoder_padding``): a padded step leaves the state as it was, so the row's first real token reads the
+zeros above and no padded step adds to a context or an accumulated weight; the row decodes as its prompt alone.
 With attention dropout, the dropped weights form the context (and hence a context state); the weight states
 (Eq. 3, 4, 10) use the weights before dropout.
 
@@ -87,6 +90,10 @@ class RecurrentCrossAttention(SoftAttention):
     """
 
     reads_memory_grouped = False  # each beam carries its own previous step (cache.states), one memory row per beam
+    # a left-padded decoder prompt: the decoder passes ``decoder_padding``, and a padded step keeps the state (see
+    # HardAttnModel.left_padding_refusal and SoftAttention's docstring)
+    reads_left_padding = True
+    reads_decoder_padding = True
 
     def __init__(self, config: HardAttnConfig, role: str, layer_idx: int):
         if role != "cross":
@@ -251,11 +258,23 @@ class RecurrentCrossAttention(SoftAttention):
             f"training run, a learning rate too high, fp16), so the outputs are meaningless or about to overflow. "
             f"Fixes: lower the learning rate or keep gradient clipping, train in fp32 or bf16 rather than fp16, or {fix}.")
 
-    def forward(self, hidden, memory=None, mask=None, causal=False, cache=None, output_attentions=False):
+    def real_steps(self, decoder_padding, cache, length, device):
+        """bool [B, T]: which of the call's T positions come at or after the row's first real token (``decoder_padding``
+        [B]: the padding before it; positions from the cache's count), or None (no row starts with padding)."""
+        if decoder_padding is None:
+            return None
+        start = cache.get_seq_length() if cache is not None else 0  # (a static cache's: its position tensor)
+        positions = start + torch.arange(length, device=device)
+        return positions[None, :] >= decoder_padding.to(device)[:, None]
+
+    def forward(self, hidden, memory=None, mask=None, causal=False, cache=None, output_attentions=False,
+                decoder_padding=None):
         """[B, T, d]; with ``output_attentions``, ``(output, weights)``: the weights each position attended with,
         after the variant's re-scaling (continuity, coverage) or query change (Eq. 2-4) and attention dropout,
         [B, H, T, J] over the source; for the expand variants (Eq. 5-8) [B, H, T, J + 1] over the expanded key-value
-        list, whose last column is the weight of the extra pair (g_k, g_v) built from the previous step's context."""
+        list, whose last column is the weight of the extra pair (g_k, g_v) built from the previous step's context.
+        ``decoder_padding`` [B] (or None): each row's padding before its first real decoder token, whose steps keep
+        the state (module docstring)."""
         q, k, v = self.project(hidden, memory, cache)  # [B, H, T, d_k], [B, H, J, d_k]
         batch, _, length, _ = q.shape
         source_length = k.shape[-2]
@@ -279,10 +298,15 @@ class RecurrentCrossAttention(SoftAttention):
             keys_extra = torch.einsum("bhjd,hd->bhj", k, self.weight_query) * scale
 
         state = self.load_state(cache, batch, source_length, q)
+        real = self.real_steps(decoder_padding, cache, length, q.device)
         outputs, step_weights = [], []
         per_position = [] if cache is not None and length > 1 else None  # (what a crop inside this call restores)
-        for energy, query in zip(energies.unbind(2), queries.unbind(2)):  # only this loop is sequential
-            out, state, weights = self.step(energy, query, keys_extra, v, valid, state)
+        for t, (energy, query) in enumerate(zip(energies.unbind(2), queries.unbind(2))):  # only this loop is sequential
+            out, new_state, weights = self.step(energy, query, keys_extra, v, valid, state)
+            if real is not None:  # padding before the row's first token: the state stays (its first reads zeros)
+                new_state = {name: torch.where(real[:, t].view(-1, *[1] * (value.dim() - 1)), value, state[name])
+                             for name, value in new_state.items()}
+            state = new_state
             outputs.append(out)
             step_weights.append(weights)
             if per_position is not None:
