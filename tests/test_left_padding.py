@@ -12,8 +12,8 @@ import torch
 from common import (BOS, CONTRACT_MODELS, ONE_PER_TYPE, PAD, as_float64, assert_nontrivial, assert_step_scores_close,
                     contract_model, source_batch)
 from hf_hardattn.caches import CACHE_FIELD, StaticHardAttnCache
-from hf_hardattn.gaussian import FULL_CUTOFF, GaussianConfig, GaussianForConditionalGeneration, cutoff_radius, \
-    gaussian_density
+from hf_hardattn.gaussian import (FULL_CUTOFF, GaussianAttention, GaussianConfig, GaussianForConditionalGeneration,
+                                  cutoff_radius, gaussian_density)
 from test_static_gaussian_beam_joint import GAUSSIAN, config_model
 
 
@@ -66,8 +66,8 @@ def test_left_padded_source_encodes_its_tokens_as_alone():
 # with its joint layer first (a later layer runs per candidate) and last
 LEFT_PADDED_PROMPT_TYPES = ("soft", "soft_prenorm", "hard_retrieval") + GAUSSIAN + ("joint_first", "joint_last")
 # the others refuse it where the input enters, naming their model type (see the docstring of the test)
-PROMPT_REFUSED = {"recurrent_expand_1": "recurrent_transformer", "hybrid_additive": "hybrid_transformer",
-                  "beam_joint_rnn": "beam_joint_rnn"}
+# (recurrent_transformer and hybrid_transformer read it: tests/test_left_padding_states.py)
+PROMPT_REFUSED = {"beam_joint_rnn": "beam_joint_rnn"}
 GAMMA = 1.3  # hc-all's length ratio here: floor(gamma * (i - padding)) is no shift of floor(gamma * i)
 _MODELS = {}
 
@@ -92,13 +92,13 @@ def cached_tolerance(model):
     heads, the keys a cached step skips (beyond cutoff_radius: those under FULL_CUTOFF of the peak, see gaussian.py),
     at most the tail mass 2 sum_{d > r} N(d) of a head's weights per decoder sub-layer (self- and cross-attention),
     moving the logits by at most about that mass times their scale (< 10 here) each."""
-    config = model.config
-    if getattr(config, "gaussian_implementation", None) != "full":
-        return 1e-10
-    sigma = float(config.gaussian_sigma)
-    radius = cutoff_radius(sigma, FULL_CUTOFF)
-    tail = 2 * float(gaussian_density(torch.arange(radius + 1, radius + 60, dtype=torch.float64), sigma).sum())
-    return 1e-10 + 10 * 2 * config.decoder_layers * tail
+    def tail(sigma):
+        radius = cutoff_radius(sigma, FULL_CUTOFF)
+        return 2 * float(gaussian_density(torch.arange(radius + 1, radius + 60, dtype=torch.float64), sigma).sum())
+
+    return 1e-10 + 10 * sum(tail(module.sigma) for module in model.modules()
+                            if isinstance(module, GaussianAttention) and module.implementation == "full"
+                            and module.role != "encoder")
 PROMPTS = ([BOS, 9, 13, 6], [BOS], [BOS, 17])  # decoder prompts of 4, 1 and 2 tokens, each from the start token
 
 
@@ -259,8 +259,7 @@ def test_no_real_query_sees_a_padded_key(name):
 @pytest.mark.parametrize("name", PROMPT_REFUSED)
 def test_left_padded_decoder_prompt_refused_by_the_other_types(name):
     """The types whose decoder counts positions from the first column refuse a left-padded decoder mask where it enters,
-    naming their model type and what is allowed: recurrent (a per-step state), hybrid and beam_joint_rnn (GRU / LSTM
-    states that would step through the padding)."""
+    naming their model type and what is allowed: beam_joint_rnn (its own ``decode``, not declared to read one)."""
     model = contract_model(name, fit=False)
     ids, mask = prompt_sources()
     decoder_ids, decoder_mask = left_padded_prompts()
