@@ -190,10 +190,12 @@ BUILDERS["soft_int8_onednn"] = lambda: build_soft_from_marian().eval().quantize_
 for _name in ("hard_retrieval", "sh_x", "hybrid_dot", "recurrent_expand_1", "beam_joint_k6"):
     BUILDERS[f"{_name}_int8"] = lambda _name=_name: int8(BUILDERS[_name]())
 BUILDERS["soft_int8_expanded"] = lambda: expanded_memory(BUILDERS["soft_int8"]())
-for _name in ("soft", "hard_retrieval", "marian"):  # static cache (eager and compiled steps)
+for _name in ("soft", "hard_retrieval", "marian", "attention_removed", "hc_sa", "sh_x", "hybrid_dot",
+              "recurrent_expand_1", "beam_joint_k6"):  # static cache (eager and compiled steps)
     BUILDERS[f"{_name}_static"] = lambda _name=_name: static(BUILDERS[_name]())
     BUILDERS[f"{_name}_compiled"] = lambda _name=_name: compiled(BUILDERS[_name]())
-BUILDERS["soft_compiled_frozen"] = lambda: compiled(BUILDERS["soft"](), options={"freezing": True})
+for _name in ("soft", "hard_retrieval", "attention_removed", "sh_x", "hybrid_dot"):  # + inductor's freezing
+    BUILDERS[f"{_name}_compiled_frozen"] = lambda _name=_name: compiled(BUILDERS[_name](), options={"freezing": True})
 CT2 = ("ct2_float32", "ct2_int8")
 RATIOS = [  # label, numerator, denominator
     ("soft_static / soft", "soft_static", "soft"),
@@ -202,6 +204,16 @@ RATIOS = [  # label, numerator, denominator
     ("soft_compiled / marian_compiled", "soft_compiled", "marian_compiled"),
     ("marian_compiled / marian", "marian_compiled", "marian"),
     ("hard_retrieval_compiled / soft_compiled", "hard_retrieval_compiled", "soft_compiled"),
+    ("soft_compiled_frozen / soft_packed", "soft_compiled_frozen", "soft_packed"),
+    ("soft_compiled_frozen / marian_compiled", "soft_compiled_frozen", "marian_compiled"),
+    ("hard_retrieval_compiled_frozen / soft_compiled_frozen", "hard_retrieval_compiled_frozen", "soft_compiled_frozen"),
+    ("hard_retrieval_compiled_frozen / attention_removed_compiled_frozen", "hard_retrieval_compiled_frozen",
+     "attention_removed_compiled_frozen"),
+    ("sh_x_compiled_frozen / soft_compiled_frozen", "sh_x_compiled_frozen", "soft_compiled_frozen"),
+    ("hybrid_dot_compiled_frozen / soft_compiled_frozen", "hybrid_dot_compiled_frozen", "soft_compiled_frozen"),
+    ("hc_sa_compiled / soft_compiled", "hc_sa_compiled", "soft_compiled"),
+    ("recurrent_expand_1_compiled / soft_compiled", "recurrent_expand_1_compiled", "soft_compiled"),
+    ("beam_joint_k6_compiled / soft_compiled", "beam_joint_k6_compiled", "soft_compiled"),
     ("soft / marian", "soft", "marian"),
     ("hard_retrieval / attention_removed", "hard_retrieval", "attention_removed"),
     ("hard_retrieval / soft", "hard_retrieval", "soft"),
