@@ -419,9 +419,12 @@ class StaticHardAttnCache(HardAttnCache):
     * cross-attention keys/values: computed once per sentence by the first (eager) step and only read after it, so a
       ``DynamicCache`` as in :class:`HardAttnCache`.
 
-    * per-step states (``states``: recurrent cross-attention, the hybrid's RNN): allocated at the first step and
-      copied in place after it (:meth:`set_state`); unlike the dynamic cache's, not kept per position, so a crop of
-      a cache with states is refused.
+    * per-step states (``states``: recurrent cross-attention, the hybrid's RNN, Gaussian decoder self-attention's kept
+      rows): allocated at the first step and copied in place after it (:meth:`set_state`); for :meth:`crop` (assisted
+      decoding, prompt lookup) each also has a history, the state after every position, [max_cache_len, *state]
+      preallocated beside it and written in place at each step: ``max_cache_len`` times the state's memory (e.g. a GRU
+      state of rows x H per layer, a recurrent weight state of rows x heads x source length per layer). Beam reorders
+      are recorded per position (one row index per row) and applied to a kept state only when a crop restores it.
 
     Which models decode with it is declared beside their code (``check_static_decoding``)."""
 
@@ -435,6 +438,17 @@ class StaticHardAttnCache(HardAttnCache):
         self.position = torch.zeros((), dtype=torch.long, device=device)
         if not is_tracing():
             torch._dynamo.mark_static_address(self.position)
+        self._forget_history()
+
+    def _forget_history(self):
+        # name -> [max_cache_len, *state]: index i holds the state after position i + 1 (written from index start on)
+        self._history: dict[str, torch.Tensor] = {}
+        self._history_start: dict[str, int] = {}
+        self._written: dict[str, int | None] = {}  # eager: name -> the current call's per_position length (or None)
+        self._unknown: dict[str, set[int]] = {}  # name -> positions inside a call of several written as a whole
+        # [max_cache_len + 1, rows] (allocated at the first reorder): the composed beam reorders made at position q,
+        # which the states after positions <= q follow
+        self._reorders: torch.Tensor | None = None
 
     # properties: transformers' ``Cache`` defines both, read-only, in some 5.x releases
     @property
@@ -461,61 +475,122 @@ class StaticHardAttnCache(HardAttnCache):
             check_static_room(rows, held, self.max_batch_size, int(self.position), steps, self.max_cache_len)
 
     def advance(self, steps: int):
-        """Count ``steps`` more target positions (in place: the tensor keeps its address)."""
+        """Count ``steps`` more target positions (in place: the tensor keeps its address). Eager, after a call of several
+        positions: a state written as a whole (no ``per_position``) is kept after the call's last position, and is
+        unknown inside the call (a crop there is refused); ``per_position`` of another length is refused."""
+        if not is_tracing():
+            written, start = dict(self._written), int(self.position)
+            self._written.clear()
+            wrong = {name: count for name, count in written.items() if count is not None and count != steps}
+            if wrong:
+                raise ValueError(f"`per_position` of state(s) {wrong} (name: its length) must hold one state per "
+                                 f"position of the call; allowed: {steps}.")
+            for name, count in written.items():
+                unknown = {p for p in self._unknown.get(name, ()) if p <= start}  # (later ones are rewritten now)
+                if count is None and steps > 1:  # written once, at the index of the call's first position
+                    self._history[name][start + steps - 1].copy_(self.states[name])
+                    unknown.update(range(start + 1, start + steps))
+                self._unknown[name] = unknown
         self.position.add_(steps)
 
     def set_state(self, name: str, value: torch.Tensor, per_position=None):
-        """The first write of ``name`` (the eager first step) allocates its buffer; later writes copy into it in
-        place, so a state must keep its shape and dtype from step to step (a compiled step reads the same buffer)."""
+        """The first write of ``name`` (the eager first step) allocates its buffer and history; later writes copy into
+        them in place, so a state must keep its shape and dtype from step to step (a compiled step reads the same
+        buffers). ``per_position``: the state after each of the call's positions (the last is ``value``), written into
+        the history for :meth:`crop`; without it the call is one position."""
         state = self.states.get(name)
         if state is None:
             if is_tracing():
                 raise ValueError(f"The static cache's state {name!r} was not written by the first (eager) decoding "
                                  f"step; allowed: states allocated at the first step.")
             self.states[name] = state = value.detach().clone()
-            torch._dynamo.mark_static_address(state)
+            self._history[name] = value.new_zeros((self.max_cache_len, *value.shape))
+            self._history_start[name] = int(self.position)
+            for buffer in (state, self._history[name]):
+                torch._dynamo.mark_static_address(buffer)
         elif state.shape != value.shape or state.dtype != value.dtype:
             raise ValueError(f"The static cache's state {name!r} is {state.dtype} {tuple(state.shape)} since its first "
                              f"step, got {value.dtype} {tuple(value.shape)}; allowed: the same shape and dtype at every "
                              f"step (call `reset()` for a new batch).")
         else:
             state.copy_(value)
+        steps = [value] if per_position is None else per_position
+        if not is_tracing():
+            self._written[name] = None if per_position is None else len(per_position)
+        indices = self.position + torch.arange(len(steps), device=self.position.device)  # state after p + 1 -> p
+        self._history[name].index_copy_(0, indices, torch.stack([step.detach() for step in steps]))
 
     def reorder_cache(self, beam_idx: torch.LongTensor):
-        """Keys/values and states reordered in place (the buffers keep their address)."""
+        """Keys/values and states reordered in place (the buffers keep their address); the reorder is recorded at the
+        position (composed with one made there before) for the kept states, which :meth:`crop` reorders."""
         self.self_attention_cache.reorder_cache(beam_idx)
         for state in self.states.values():
             state.copy_(state.index_select(0, beam_idx.to(state.device)))
+        if self.states:
+            beam_idx = beam_idx.to(self.position.device)
+            if self._reorders is None:
+                rows = torch.arange(len(beam_idx), device=beam_idx.device)
+                self._reorders = rows.repeat(self.max_cache_len + 1, 1)
+            at = self.position.view(1)
+            composed = self._reorders.index_select(0, at)[0].index_select(0, beam_idx)
+            self._reorders.index_copy_(0, at, composed[None])
 
     def reset(self):
-        """Empty for a new call of the same shapes: every buffer keeps its address (keys/values and states zeroed in
-        place, the position set to 0), so that graphs compiled for it (inductor's freezing, CUDA graphs) stay valid."""
-        states = self.states
+        """Empty for a new call of the same shapes: the keys/values keep their address (zeroed in place, the position
+        set to 0), so that graphs compiled for it (inductor's freezing, CUDA graphs) stay valid; the states and their
+        histories are dropped (the first step computes the initial states and writes them anew)."""
         super().reset()
-        self.states = states
-        for state in states.values():
-            state.zero_()
+        self._forget_history()
         self.position.zero_()
 
     def crop(self, n: int) -> None:
-        """Remove the last positions (``n`` < 0: that many; 0: none); the slots stay allocated and are overwritten."""
+        """Remove the last positions (``n`` < 0: that many; 0: none); the slots stay allocated and are overwritten.
+        The states go back, in place, to those after the last position left (their history, in today's row order);
+        a crop to position 0 drops them (the next step starts from the initial states)."""
         if n > 0:
             raise ValueError(f"`crop` of a static cache takes minus the number of positions to remove (<= 0), got {n}.")
         removed = min(-n, int(self.position))
         if removed and self.states:
-            raise NotImplementedError(
-                f"`crop` of a static cache whose decoder carries state from step to step ({', '.join(sorted(self.states))}"
-                f") is not possible: its buffers hold the last step's states only. Allowed: the dynamic cache "
-                f"(`cache_implementation=None`), which keeps what a crop needs.")
+            self._restore(int(self.position) - removed)
         for layer in self.self_attention_cache.layers:
             if layer.is_initialized:
                 layer.cumulative_length.sub_(removed)
         self.position.sub_(removed)
 
+    def _restore(self, length: int):
+        """The states after ``length`` positions, in place and in today's row order, from their histories; the reorders
+        recorded after it folded into the one before it (which the earlier kept states still follow)."""
+        if length == 0:
+            self.states.clear()
+            self._forget_history()
+            return
+        unknown = sorted(name for name, start in self._history_start.items()
+                         if length <= start or length in self._unknown.get(name, ()))
+        if unknown:
+            raise NotImplementedError(
+                f"`crop` to {length} positions (from {int(self.position)}; assisted decoding: `assistant_model`, "
+                f"`prompt_lookup_num_tokens`) needs the static cache's state(s) {unknown} after position {length}, "
+                f"which its decoder did not write there (before its first write, or inside a call of several positions "
+                f"written as a whole). Allowed: a crop to the end of a call, or a decoder that hands its states per "
+                f"position (`cache.set_state(name, value, per_position=...)`).")
+        for name, positions in self._unknown.items():
+            self._unknown[name] = {p for p in positions if p <= length}
+        order = None
+        if self._reorders is not None:
+            end = int(self.position)
+            for made in self._reorders[length : end + 1]:  # the reorders the state after `length` follows
+                order = made if order is None else order[made]
+            self._reorders[length - 1] = self._reorders[length - 1][order]
+            self._reorders[length : end + 1] = torch.arange(self._reorders.shape[1], device=order.device)
+        for name, state in self.states.items():
+            kept = self._history[name][length - 1]
+            state.copy_(kept if order is None else kept.index_select(0, order.to(kept.device)))
+            kept.copy_(state)
+
     @property
     def is_croppable(self) -> bool:
-        """Keys/values alone: yes; per-step states (kept in place, the last step's only): no."""
-        return not self.states
+        """Keys/values, and states through their histories: yes."""
+        return True
 
     def batch_repeat_interleave(self, repeats: int):
         self.self_attention_cache.layers[0].batch_repeat_interleave(repeats)  # (refused: fixed rows)

@@ -1,5 +1,6 @@
 """Static caches, compiled decoding steps and crop for the model types whose decoder carries a per-step state
-(``cache.states``): recurrent_transformer (recurrent cross-attention) and hybrid_transformer (RNN decoder).
+(``cache.states``): recurrent_transformer (recurrent cross-attention) and hybrid_transformer (RNN decoder); crop of
+the dynamic cache and of the static one (each state's history).
 
 References: the eager decoding of the same float64 model with its growing (dynamic) cache, through generate() and
 step by step through forward(); for crop, the logits of the same positions decoded without cropping, and plain
@@ -280,29 +281,6 @@ def test_crop_then_the_same_tokens_again_equals_no_crop(name, calls, k):
         torch.testing.assert_close(state, whole.states[key], rtol=1e-12, atol=1e-12)
 
 
-def test_crop_restores_states_in_the_rows_order_after_beam_reorders():
-    """Three decoder rows of one source; after 3 positions (one call) the rows are reordered as beam search does
-    (``[2, 0, 1]``), one more position, reordered again (``[1, 1, 0]``: a row copied), one more; crop(-3) back to before
-    both (inside the first call): the restored states follow both reorders (row i now holds sequence [0, 0, 2][i]), so
-    feeding each row's tokens again gives the logits of those sequences decoded without cropping (float64)."""
-    model = as_float64(contract_model("recurrent_coverage"))
-    ids, mask = source_batch()
-    ids, mask = ids[:1].expand(3, -1), mask[:1].expand(3, -1)
-    sequences = torch.cat([DECODER_IDS, torch.tensor([[1, 9, 4, 12, 6, 8]])])
-    reference, _ = step_logits(model, None, sequences, input_ids=ids, attention_mask=mask)
-    _, cache = step_logits(model, None, sequences[:, :3], 3, input_ids=ids, attention_mask=mask)
-    rows = torch.arange(3)
-    for position, beam_idx in ((3, torch.tensor([2, 0, 1])), (4, torch.tensor([1, 1, 0]))):
-        cache.reorder_cache(beam_idx)
-        rows = rows[beam_idx]
-        _, cache = step_logits(model, cache, sequences[rows, position: position + 1], input_ids=ids,
-                               attention_mask=mask)
-    assert rows.tolist() == [0, 0, 2]
-    cache.crop(-3)
-    again, _ = step_logits(model, cache, sequences[rows, 2:], input_ids=ids, attention_mask=mask)
-    torch.testing.assert_close(again, reference[rows, 2:], rtol=1e-12, atol=1e-12)
-
-
 def test_crop_after_a_batch_selection():
     """batch_select_indices keeps the chosen rows of every kept state: crop(-2) after it, then the same tokens again,
     gives the selected row's logits without cropping (float64)."""
@@ -316,19 +294,144 @@ def test_crop_after_a_batch_selection():
     torch.testing.assert_close(again, reference[1:, 1:], rtol=1e-12, atol=1e-12)
 
 
-def test_a_static_cache_with_states_refuses_a_crop():
-    """The static cache keeps the last step's states only: not croppable (transformers asks before assisted decoding),
-    and a crop that removes a position is refused naming the states and the dynamic cache; crop(0) removes nothing."""
-    model = as_float64(contract_model("hybrid_additive"))
+# ----------------------------------------------------------------------------------------------------------------
+# crop of a static cache with states: each state's history, preallocated and written in place (caches.py)
+# ----------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["recurrent_coverage", "recurrent_expand_1", "hybrid_luong_lstm"])
+@pytest.mark.parametrize("calls, k", [((1, 3, 2), 1), ((1, 3, 2), 3), ((2, 4), 2), ((1, 1, 1, 1, 1, 1), 4),
+                                      ((2, 4), 6)])
+def test_a_static_cache_crops_then_the_same_tokens_again_equal_no_crop(name, calls, k):
+    """A static cache of 6 slots, decoder inputs fed in calls of the given sizes, crop(-k) (inside a call, to the end
+    of one, across one-position calls, to position 0), the removed positions fed again one at a time: the logits of
+    the dynamic decode that never cropped, its states at the end, and every buffer at its address (float64)."""
+    model = as_float64(contract_model(name))
     ids, mask = source_batch()
-    cache = StaticHardAttnCache(model.config.decoder_layers, 8, 2)
-    _, cache = step_logits(model, cache, DECODER_IDS[:, :3], input_ids=ids, attention_mask=mask)
-    assert not cache.is_croppable
-    cache.crop(0)
-    with pytest.raises(NotImplementedError, match=r"`crop` of a static cache whose decoder carries state .*gru\.0.*"
-                                                  r"Allowed: the dynamic cache"):
+    reference, whole = step_logits(model, None, DECODER_IDS, input_ids=ids, attention_mask=mask)
+    cache, start = StaticHardAttnCache(model.config.decoder_layers, 6, 2), 0
+    for size in calls:
+        _, cache = step_logits(model, cache, DECODER_IDS[:, start: start + size], size, input_ids=ids,
+                               attention_mask=mask)
+        start += size
+    addresses = {name: state.data_ptr() for name, state in cache.states.items()}
+    assert cache.is_croppable
+    cache.crop(-k)
+    assert int(cache.get_seq_length()) == 6 - k and bool(cache.states) == (k < 6)
+    again, cache = step_logits(model, cache, DECODER_IDS[:, 6 - k:], input_ids=ids, attention_mask=mask)
+    torch.testing.assert_close(again, reference[:, 6 - k:], rtol=1e-12, atol=1e-12)
+    assert int(cache.get_seq_length()) == 6 and cache.states.keys() == whole.states.keys()
+    for key, state in cache.states.items():
+        torch.testing.assert_close(state, whole.states[key], rtol=1e-12, atol=1e-12)
+    if k < 6:  # (a crop to position 0 drops the states: the next step starts from the initial ones)
+        assert {name: state.data_ptr() for name, state in cache.states.items()} == addresses
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_crops_restore_states_in_the_rows_order_after_beam_reorders(static):
+    """Three decoder rows of one source, each sequence with its own first token (so no two rows share a state): 3
+    positions (one call), a beam reorder ``[2, 0, 1]``, 1 position, a reorder ``[1, 1, 0]`` (a row copied), 1 position;
+    crop(-2) to position 3: the restored states follow both reorders (row i holds sequence [0, 0, 2][i]), so feeding
+    each row's tokens again gives the logits of those sequences decoded without cropping; then crop(-4) to position 1
+    (inside the first call, before both reorders), a reorder ``[2, 1, 1]`` at the end and crop(-3): the same (the
+    dynamic cache and the static one; float64)."""
+    model = as_float64(contract_model("recurrent_coverage"))
+    ids, mask = source_batch()
+    ids, mask = ids[:1].expand(3, -1), mask[:1].expand(3, -1)
+    sequences = torch.tensor([[1, 6, 9, 12, 15, 3], [5, 8, 10, 4, 5, 7], [9, 9, 4, 12, 6, 8]])
+    reference, _ = step_logits(model, None, sequences, input_ids=ids, attention_mask=mask)
+    cache = StaticHardAttnCache(model.config.decoder_layers, 6, 3) if static else None
+    _, cache = step_logits(model, cache, sequences[:, :3], 3, input_ids=ids, attention_mask=mask)
+    rows = torch.arange(3)
+    for position, beam_idx in ((3, torch.tensor([2, 0, 1])), (4, torch.tensor([1, 1, 0]))):
+        cache.reorder_cache(beam_idx)
+        rows = rows[beam_idx]
+        _, cache = step_logits(model, cache, sequences[rows, position: position + 1], input_ids=ids,
+                               attention_mask=mask)
+    assert rows.tolist() == [0, 0, 2]
+    for k, stop in ((2, 5), (4, 6)):
+        cache.crop(-k)
+        start = int(cache.get_seq_length())
+        again, cache = step_logits(model, cache, sequences[rows, start:stop], input_ids=ids, attention_mask=mask)
+        torch.testing.assert_close(again, reference[rows, start:stop], rtol=1e-12, atol=1e-12, msg=f"crop(-{k})")
+    cache.reorder_cache(torch.tensor([2, 1, 1]))
+    rows = rows[torch.tensor([2, 1, 1])]
+    cache.crop(-3)
+    again, _ = step_logits(model, cache, sequences[rows, 3:], input_ids=ids, attention_mask=mask)
+    torch.testing.assert_close(again, reference[rows, 3:], rtol=1e-12, atol=1e-12)
+
+
+@pytest.fixture
+def static_crops(monkeypatch):
+    """The positions each crop of a static cache removed, recorded."""
+    removed, crop = [], StaticHardAttnCache.crop
+
+    def recording_crop(cache, n):
+        removed.append(min(-n, int(cache.position)))
+        return crop(cache, n)
+
+    monkeypatch.setattr(StaticHardAttnCache, "crop", recording_crop)
+    return removed
+
+
+@pytest.mark.parametrize("name", ["recurrent_coverage", "hybrid_additive", "hybrid_luong_lstm"])
+def test_prompt_lookup_and_assisted_decoding_over_a_static_cache_equal_greedy_decoding(name, static_crops):
+    """``cache_implementation="static"`` (``max_cache_len`` beyond the whole length: a draft may run past it):
+    prompt lookup and an assistant with other weights, whose rejected drafts crop the static cache, give the tokens
+    and scores of plain greedy decoding (float64)."""
+    model = as_float64(contract_model(name))
+    static = dict(cache_implementation="static", max_cache_len=20)
+    check_assisted_equals_greedy(model, None, static_crops, prompt_lookup_num_tokens=3, **static)
+    check_assisted_equals_greedy(model, as_float64(contract_model(name, fit=False)), static_crops, **static)
+
+
+def test_a_static_cache_written_by_compiled_steps_crops(fresh_dynamo):
+    """generate() with compiled steps (fullgraph, backend "eager") writes the states' histories inside the graph: its
+    returned static cache, cropped by 2 positions, continues (generate() again from the kept tokens) with the tokens
+    and scores of one dynamic call (float64)."""
+    model = as_float64(contract_model("hybrid_luong_lstm"))
+    ids, mask = source_batch()
+    kwargs = dict(input_ids=ids, attention_mask=mask, return_dict_in_generate=True, output_scores=True)
+    whole = model.generate(**kwargs, max_new_tokens=8, min_new_tokens=8)
+    counter = Counter("eager")
+    first = model.generate(**kwargs, max_new_tokens=6, min_new_tokens=6, cache_implementation="static",
+                           max_cache_len=8, compile_config=compile_config(counter))
+    assert counter.compiled == 1
+    cache = getattr(first, CACHE_FIELD)
+    assert int(cache.get_seq_length()) == 6
+    cache.crop(-2)
+    kept = first.sequences[:, :5]  # the start token and 4 generated: 4 positions cached, the last one fed
+    second = model.generate(**kwargs, max_new_tokens=4, min_new_tokens=4, decoder_input_ids=kept,
+                            decoder_attention_mask=torch.ones_like(kept), **{CACHE_FIELD: cache})
+    assert_nontrivial(whole.sequences)
+    assert torch.equal(second.sequences, whole.sequences)
+    for t, (got, expected) in enumerate(zip(second.scores, whole.scores[4:], strict=True)):
+        assert_step_scores_close(got, expected, f"step {4 + t}")
+
+
+def test_a_static_crop_inside_a_call_written_as_a_whole_is_refused():
+    """A state written once for a call of several positions (no ``per_position``) is known at the call's end only:
+    a crop inside that call is refused naming the state and what is allowed, one to its end or start restores the
+    state (in place); ``per_position`` of another length than the call is refused as by the dynamic cache."""
+    cache = StaticHardAttnCache(1, 6, 2)
+    written = [torch.full((2, 3), float(t)) for t in range(4)]
+    cache.set_state("s", written[0])
+    cache.advance(1)
+    cache.set_state("s", written[1])  # a call of 3 positions, the state of its end only
+    cache.advance(3)
+    buffer = cache.states["s"]
+    with pytest.raises(NotImplementedError, match=r"`crop` to 3 positions \(from 4.*state\(s\) \['s'\] after "
+                                                  r"position 3.*`cache.set_state\(name, value, per_position=...\)`"):
         cache.crop(-1)
-    assert int(cache.get_seq_length()) == 3
+    assert int(cache.get_seq_length()) == 4 and torch.equal(cache.states["s"], written[1])
+    cache.set_state("s", written[2])
+    cache.advance(1)
+    cache.crop(-1)
+    assert int(cache.get_seq_length()) == 4 and torch.equal(cache.states["s"], written[1])
+    cache.crop(-3)
+    assert int(cache.get_seq_length()) == 1 and torch.equal(cache.states["s"], written[0])
+    assert cache.states["s"] is buffer
+    cache.set_state("s", written[3], [written[3]] * 2)
+    with pytest.raises(ValueError, match=r"`per_position` of state\(s\) \{'s': 2\} .* allowed: 3"):
+        cache.advance(3)
 
 
 def test_crop_by_hand_restores_the_kept_states_and_refuses_one_written_only_for_a_whole_call():
