@@ -1,9 +1,12 @@
 """int8 under torch.compile, a quick comparison: the soft Transformer-base model that ``decode_speed.py`` decodes in int8
-(``soft_int8``: CTranslate2's weights), per generated token, in three forms timed in alternation within one run:
+(``soft_int8``: CTranslate2's weights), per generated token, in these forms timed in alternation within one run:
 
 * ``fbgemm``: ``quantize_int8()`` (torch's packed dynamic int8 linears, eager);
 * ``compiled_eager``: ``quantize_int8(engine="compiled")`` run eagerly (``torch._int_mm`` per layer);
-* ``compiled``: the same layers with ``compiled_decoding(model)`` (static cache, steps compiled by inductor).
+* ``compiled``: the same layers with ``compiled_decoding(model)`` (static cache, steps compiled by inductor);
+* ``fbgemm_op_compiled`` (``--fbgemm-op``, a prototype): the fbgemm layers called through a custom operator that
+  dynamo does not look into (``probe::fbgemm_linear``: the packed weights found by a key buffer of the layer), so the
+  step compiles around fbgemm's own int8 kernel.
 
 It prints the seconds per token of each (median over ``--repeats`` rounds), the compile (first call) time, the ratios
 to fbgemm and whether the tokens agree; ``--profile`` adds torch.profiler's top operators of one compiled generate()
@@ -22,6 +25,41 @@ import torch
 
 from decode_speed import SOURCE_LENGTH, build_soft_from_marian
 from hf_hardattn.modeling_hardattn import compiled_decoding
+from hf_hardattn.packed_linear import Int8Linear
+
+PACKED = {}  # the key buffer's address -> the layer's packed fbgemm weights (the prototype's lookup)
+
+
+def fbgemm_op():
+    """``probe::fbgemm_linear(x, key, out_features)``: fbgemm's dynamic int8 linear on the packed weights registered
+    under ``key``'s address, with a shape-only fake for tracing."""
+    library = torch.library.Library("probe", "DEF")
+    library.define("fbgemm_linear(Tensor x, Tensor key, int out_features) -> Tensor")
+    library.impl("fbgemm_linear", lambda x, key, out_features: torch.ops.quantized.linear_dynamic.default._op(
+        x, PACKED[key.data_ptr()], True), "CPU")
+    torch.library.register_fake("probe::fbgemm_linear", lambda x, key, out_features: x.new_empty(
+        *x.shape[:-1], out_features), lib=library)
+    return library
+
+
+class OpLinear(torch.nn.Module):
+    """An :class:`Int8Linear` called through ``probe::fbgemm_linear``."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.register_buffer("key", torch.zeros(1))
+        PACKED[self.key.data_ptr()] = layer._packed_params._packed_params
+        self.out_features = layer.out_features
+
+    def forward(self, x):
+        return torch.ops.probe.fbgemm_linear.default(x, self.key, self.out_features)
+
+
+def through_op(model):
+    for name, module in list(model.named_modules()):
+        if isinstance(module, Int8Linear):
+            model.set_submodule(name, OpLinear(module))
+    return model
 
 
 def sources(batch, seed=0):
@@ -45,19 +83,25 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds per setting (default 3)")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     parser.add_argument("--profile", action="store_true", help="profile one compiled call per setting")
+    parser.add_argument("--fbgemm-op", action="store_true",
+                        help="add the prototype: fbgemm's int8 linear as a custom operator inside compiled steps")
     parser.add_argument("--unguarded", action="store_true",
-                        help="add a compiled form without dynamo's guards on module tensors (guard_filter_fn)")
+                        help="compile without dynamo's guards on the modules (guard_filter_fn; a separate run)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     base = build_soft_from_marian().eval()
     forms = {"fbgemm": (copy.deepcopy(base).quantize_int8(), {}),
              "compiled_eager": (copy.deepcopy(base).quantize_int8(engine="compiled"), {})}
-    forms["compiled"] = (forms["compiled_eager"][0], compiled_decoding(forms["compiled_eager"][0]))
-    if args.unguarded:  # dynamo's guards on the modules' tensors skipped (their checks run at every step)
-        unguarded = copy.deepcopy(base).quantize_int8(engine="compiled")
-        forms["compiled_unguarded"] = (unguarded, compiled_decoding(
-            unguarded, options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}))
+    # --unguarded: without dynamo's guards on the modules (checked before every compiled step); one process holds
+    # one compiled step per code object and guard set, so the guarded and unguarded forms are separate runs
+    options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe} if args.unguarded else {}
+    forms["compiled"] = (forms["compiled_eager"][0], compiled_decoding(forms["compiled_eager"][0],
+                                                                       **({"options": options} if options else {})))
+    if args.fbgemm_op:
+        library = fbgemm_op()  # noqa: F841  (kept alive: the operator lives as long as its library)
+        model = through_op(copy.deepcopy(forms["fbgemm"][0]))
+        forms["fbgemm_op_compiled"] = (model, compiled_decoding(model))
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU capability "
           f"{torch.backends.cpu.get_cpu_capability()}")
     for setting in args.settings:
