@@ -479,6 +479,9 @@ class BeamJointRNNModel(JointModelMixin, HybridModel):
     # the hybrid's decoder writes the RNN states, the hard contexts are sentence states (see
     # HardAttnModel.static_decoding_refusal)
     decode_writes_static_cache = True
+    # a left-padded decoder prompt: the hybrid's decoder keeps its states through the padding (see
+    # HardAttnModel.left_padding_refusal)
+    decode_reads_left_padding = True
 
     def hard_contexts(self, encoder_hidden_states, cache):
         """[B, S, C] hard contexts, computed once per sentence during cached decoding (kept in
@@ -512,7 +515,7 @@ class BeamJointRNNModel(JointModelMixin, HybridModel):
         self.check_memory(decoder_input_ids, decoder_inputs_embeds, encoder_hidden_states, attention_mask)
         k_active = self.active_k()
         out = self.decoder_outputs(decoder_input_ids, encoder_hidden_states, attention_mask, decoder_inputs_embeds,
-                                   cache, output_hidden_states)
+                                   cache, output_hidden_states, decoder_attention_mask)
         heads = out.attentions  # [B, heads, T, S]
         p = heads[:, 0] if heads.shape[1] == 1 else heads.mean(1)  # P_t(a), head-averaged for multi-head
         log_w, index = select_candidates(_log_probs(at_least_fp32(p)), k_active, self.config.full_joint,

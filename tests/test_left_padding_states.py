@@ -1,7 +1,7 @@
 """Left-padded decoder prompts (``decoder_input_ids`` + ``decoder_attention_mask`` with padding before a row's first
 token) for the model types whose decoder carries a state from step to step: hybrid_transformer and beam_joint_rnn (the
-GRU / LSTM states, luong's fed attentional state), recurrent_transformer (the recurrent cross-attention's previous
-context, weights or accumulated weights). A padded position keeps the state, so a row's first real token reads the
+GRU / LSTM states, luong's fed attentional state; beam-joint's candidates read them), recurrent_transformer (the
+recurrent cross-attention's previous context, weights or accumulated weights). A padded position keeps the state, so a row's first real token reads the
 initial state and the row decodes as its prompt alone.
 
 References: each prompt decoded alone, unpadded, in float64 (the helpers and tests of tests/test_left_padding.py, run
@@ -19,7 +19,8 @@ from hf_hardattn.caches import CACHE_FIELD, StaticHardAttnCache
 from hf_hardattn.recurrent import RECURRENT_VARIANTS
 
 # contract models (fitted: varied tokens) of every decoder with a per-step state
-STATE_MODELS = ("hybrid_additive", "hybrid_multihead", "hybrid_luong_lstm", "recurrent_expand_1", "recurrent_coverage")
+STATE_MODELS = ("hybrid_additive", "hybrid_multihead", "hybrid_luong_lstm", "beam_joint_rnn", "beam_joint_rnn_bahdanau",
+                "recurrent_expand_1", "recurrent_coverage")
 
 
 @pytest.mark.parametrize("cache", [None, "static"])
@@ -75,7 +76,7 @@ def test_every_recurrent_variant_decodes_left_padded_prompts_step_by_step_as_alo
     check_one_position_a_call(recurrent_model(variant), variant)
 
 
-@pytest.mark.parametrize("name", ["hybrid_additive", "hybrid_luong_lstm"])
+@pytest.mark.parametrize("name", ["hybrid_additive", "hybrid_luong_lstm", "beam_joint_rnn"])
 def test_the_hybrid_decodes_left_padded_prompts_step_by_step_as_alone(name):
     """The RNN states (GRU; LSTM [h; c] with luong's fed h~ and carried gates) stay at s_0 through the padding: a call
     with padding, then one position a call, gives each row's logits alone (float64)."""
