@@ -105,12 +105,13 @@ def test_cache_crop_follows_transformers_convention(n):
     assert cache.get_seq_length() == layer.get_seq_length() == dynamic.get_seq_length()
 
 
-def test_a_dynamic_cache_with_step_state_crops_and_a_static_one_refuses():
-    """transformers 5.24's assisted decoding asks ``is_croppable`` after the first forward. The dynamic cache keeps the
-    state after every position, so it crops back to the state of the position kept (here: written at positions 1, 2,
-    3, cropped by 2 -> the first); the static cache holds the last step's state only: not croppable, and its crop
-    says why and what is allowed."""
-    cache = HardAttnCache()
+@pytest.mark.parametrize("kind", ["dynamic", "static"])
+def test_a_cache_with_step_state_crops_back_to_the_kept_position(kind):
+    """transformers 5.24's assisted decoding asks ``is_croppable`` after the first forward. Both caches keep the state
+    after every position (the dynamic one as references, the static one in a preallocated history written in place),
+    so a crop restores the state of the position kept: written at positions 1, 2, 3 (values 0, 1, 2), cropped by 2 ->
+    the first's; cropped to 0 -> no state."""
+    cache = HardAttnCache() if kind == "dynamic" else StaticHardAttnCache(1, 4, 1)
     keys = torch.zeros(1, 1, 1, 1)
     for step in range(3):
         cache.self_attention_cache.update(keys, keys, 0)
@@ -118,12 +119,6 @@ def test_a_dynamic_cache_with_step_state_crops_and_a_static_one_refuses():
         cache.advance(1)
     assert cache.is_croppable
     cache.crop(-2)
-    assert cache.get_seq_length() == 1 and cache.states["gru.0"].flatten().tolist() == [0.0] * 4
-    static = StaticHardAttnCache(1, 4, 1)
-    static.self_attention_cache.update(keys, keys, 0)
-    static.set_state("gru.0", torch.zeros(1, 4))
-    static.advance(1)
-    assert not static.is_croppable
-    with pytest.raises(NotImplementedError, match=r"static cache whose decoder carries state.*gru.0.*Allowed: the "
-                                                  r"dynamic cache"):
-        static.crop(-1)
+    assert int(cache.get_seq_length()) == 1 and cache.states["gru.0"].flatten().tolist() == [0.0] * 4
+    cache.crop(-1)
+    assert int(cache.get_seq_length()) == 0 and "gru.0" not in cache.states

@@ -9,9 +9,11 @@ References: each sentence (and prompt) alone, unpadded, in float64.
 import pytest
 import torch
 
-from common import (BOS, CONTRACT_MODELS, ONE_PER_TYPE, PAD, as_float64, assert_nontrivial, assert_step_scores_close,
-                    contract_model, source_batch)
+from common import (BOS, CONTRACT_MODELS, ONE_PER_TYPE, PAD, TYPE_MODELS, as_float64, assert_nontrivial,
+                    assert_step_scores_close, contract_model, source_batch)
 from hf_hardattn.caches import CACHE_FIELD, StaticHardAttnCache
+from hf_hardattn.layers import SoftAttention
+from hf_hardattn.modeling_hardattn import HardAttnModel
 from hf_hardattn.gaussian import (FULL_CUTOFF, GaussianAttention, GaussianConfig, GaussianForConditionalGeneration,
                                   cutoff_radius, gaussian_density)
 from test_static_gaussian_beam_joint import GAUSSIAN, config_model
@@ -65,9 +67,7 @@ def test_left_padded_source_encodes_its_tokens_as_alone():
 # centres count from each row's first real token, with a gamma of 1.3 here, sh-x, hc-sa) and beam_joint_transformer
 # with its joint layer first (a later layer runs per candidate) and last
 LEFT_PADDED_PROMPT_TYPES = ("soft", "soft_prenorm", "hard_retrieval") + GAUSSIAN + ("joint_first", "joint_last")
-# the others refuse it where the input enters, naming their model type (see the docstring of the test)
-# (recurrent_transformer and hybrid_transformer read it: tests/test_left_padding_states.py)
-PROMPT_REFUSED = {"beam_joint_rnn": "beam_joint_rnn"}
+# (recurrent_transformer, hybrid_transformer and beam_joint_rnn read it too: tests/test_left_padding_states.py)
 GAMMA = 1.3  # hc-all's length ratio here: floor(gamma * (i - padding)) is no shift of floor(gamma * i)
 _MODELS = {}
 
@@ -256,15 +256,24 @@ def test_no_real_query_sees_a_padded_key(name):
         assert weights.isfinite().all()
 
 
-@pytest.mark.parametrize("name", PROMPT_REFUSED)
-def test_left_padded_decoder_prompt_refused_by_the_other_types(name):
-    """The types whose decoder counts positions from the first column refuse a left-padded decoder mask where it enters,
-    naming their model type and what is allowed: beam_joint_rnn (its own ``decode``, not declared to read one)."""
-    model = contract_model(name, fit=False)
+@pytest.mark.parametrize("part", ["decode", "kind"])
+def test_left_padded_decoder_prompt_refused_where_reading_it_is_not_declared(part, monkeypatch):
+    """Every model type reads a left-padded decoder prompt, declared beside the code that does it
+    (``decode_reads_left_padding`` beside a ``decode``, ``reads_left_padding`` on a kind's class): where the model's
+    ``decode`` or one of its decoder's attention kinds does not declare it, such a mask is refused where it enters
+    (forward and generate()), naming the model type, what does not read it and what is allowed."""
+    model = TYPE_MODELS["soft"]().eval()  # (a fresh model: the answer is found once per model)
+    if part == "decode":
+        monkeypatch.setattr(HardAttnModel, "decode_reads_left_padding", False)
+        what = r"HardAttnModel.decode counts decoder positions from the first column"
+    else:
+        monkeypatch.setattr(SoftAttention, "reads_left_padding", False)
+        what = r"its attention kind\(s\) \['soft \(cross\)', 'soft \(decoder\)'\] read positions from the first "
+        what += "column"
     ids, mask = prompt_sources()
     decoder_ids, decoder_mask = left_padded_prompts()
     pattern = (rf"`decoder_attention_mask` row 1 has padding before a token: \[0, 0, 0, 1\]; decoder inputs must be "
-               rf"padded on the right for model_type '{PROMPT_REFUSED[name]}' \(.*\); allowed for it: padding after "
+               rf"padded on the right for model_type 'soft_transformer' \({what}\); allowed for it: padding after "
                rf"each row's last token only")
     with pytest.raises(ValueError, match=pattern):
         model(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder_ids, decoder_attention_mask=decoder_mask)
