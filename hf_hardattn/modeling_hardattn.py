@@ -566,7 +566,10 @@ class HardAttnForConditionalGeneration(HardAttnPreTrainedModel, GenerationMixin)
             raise ValueError(f"`cache_implementation`={implementation!r} is not supported by {type(self).__name__}; "
                              f"allowed: None, 'dynamic' or 'static'.")
         self.check_static_decoding()
-        length = max(max_cache_length, getattr(generation_config, "max_cache_len", None) or 0,
+        draft = 0  # assisted decoding / prompt lookup: a draft is fed past the last kept position before a crop
+        if generation_mode == "assisted_generation":
+            draft = max(generation_config.prompt_lookup_num_tokens or 0, int(generation_config.num_assistant_tokens or 0))
+        length = max(max_cache_length + draft, getattr(generation_config, "max_cache_len", None) or 0,
                      getattr(self, "_previous_max_cache_length", 0))
         rows = max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1) * batch_size
         cache = getattr(self, "_static_cache", None)  # reused when the shapes allow (compiled graphs keep its buffers)

@@ -374,11 +374,12 @@ def static_crops(monkeypatch):
 
 @pytest.mark.parametrize("name", ["recurrent_coverage", "hybrid_additive", "hybrid_luong_lstm"])
 def test_prompt_lookup_and_assisted_decoding_over_a_static_cache_equal_greedy_decoding(name, static_crops):
-    """``cache_implementation="static"`` (``max_cache_len`` beyond the whole length: a draft may run past it):
-    prompt lookup and an assistant with other weights, whose rejected drafts crop the static cache, give the tokens
-    and scores of plain greedy decoding (float64)."""
+    """``cache_implementation="static"`` (generate() leaves room for a draft past the last position): prompt lookup
+    and an assistant with other weights, whose rejected drafts crop the static cache, give the tokens and scores of
+    plain greedy decoding (float64)."""
     model = as_float64(contract_model(name))
-    static = dict(cache_implementation="static", max_cache_len=20)
+    model._static_cache, model._previous_max_cache_length = None, 0  # (the room is the call's own)
+    static = dict(cache_implementation="static")
     check_assisted_equals_greedy(model, None, static_crops, prompt_lookup_num_tokens=3, **static)
     check_assisted_equals_greedy(model, as_float64(contract_model(name, fit=False)), static_crops, **static)
 
