@@ -457,7 +457,9 @@ class GaussianAttention(nn.Module):
             if past is None:  # the first step: no row before the sentence is read (hidden below)
                 past = values.new_zeros(batch, heads, self.lookback, head_dim)
             values = torch.cat([past, values], dim=2)
-            cache.set_state(name, values[:, :, -self.lookback:])
+            per_position = [values[:, :, j + 1: j + 1 + self.lookback] for j in range(query_length)] \
+                if query_length > 1 else None  # (the rows kept after each position: what a crop inside it restores)
+            cache.set_state(name, values[:, :, -self.lookback:], per_position)
         keys = cache.get_seq_length() - self.lookback + torch.arange(self.lookback + query_length, device=values.device)
         visible = (keys >= 0)[None, None, None, :]
         if mask is not None:  # the decoder's [B or 1, 1, Tq, slots] mask over the static slots, at these positions

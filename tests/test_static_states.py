@@ -297,7 +297,7 @@ def test_crop_after_a_batch_selection():
 # ----------------------------------------------------------------------------------------------------------------
 # crop of a static cache with states: each state's history, preallocated and written in place (caches.py)
 # ----------------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("name", ["recurrent_coverage", "recurrent_expand_1", "hybrid_luong_lstm"])
+@pytest.mark.parametrize("name", ["recurrent_coverage", "recurrent_expand_1", "hybrid_luong_lstm", "gaussian_hc_all"])
 @pytest.mark.parametrize("calls, k", [((1, 3, 2), 1), ((1, 3, 2), 3), ((2, 4), 2), ((1, 1, 1, 1, 1, 1), 4),
                                       ((2, 4), 6)])
 def test_a_static_cache_crops_then_the_same_tokens_again_equal_no_crop(name, calls, k):
