@@ -292,6 +292,13 @@ class BeamJointTransformerConfig(JointFields, HardAttnConfig):
                     f"`decoder_attention` of layer {index} (after `joint_layer`={layer}) must be 'soft' or 'none' "
                     f"(candidates attend to the soft history), got {kind!r}."
                 )
+        for index, kind in enumerate(self.attention_kinds("cross")[layer + 1 :], start=layer + 1):
+            if kind not in ("soft", "hard_retrieval", "none"):  # the candidates' queries run as K rows per position
+                raise ValueError(
+                    f"`cross_attention` of layer {index} (after `joint_layer`={layer}) must be 'soft', "
+                    f"'hard_retrieval' or 'none' (each candidate is a query of its own, not a target position that "
+                    f"a position-reading or step-carrying kind could place), got {kind!r}."
+                )
         return layer
 
 

@@ -467,7 +467,11 @@ def test_bad_input():
     for kw, field in [(dict(joint_k=0), "joint_k"), (dict(joint_inference_k=0), "joint_inference_k"),
                       (dict(joint_layer=2), "joint_layer"), (dict(joint_layer=-3), "joint_layer"),
                       (dict(joint_chunk_size=0), "joint_chunk_size"), (dict(full_joint="yes"), "full_joint"),
-                      (dict(cross_attention=["soft", "hard_retrieval"]), "cross_attention")]:
+                      (dict(cross_attention=["soft", "hard_retrieval"]), "cross_attention"),
+                      (dict(joint_layer=0, cross_attention=["soft", "gaussian"]),
+                       r"`cross_attention` of layer 1 \(after `joint_layer`=0\) must be 'soft', 'hard_retrieval' or "
+                       r"'none' .*got 'gaussian'"),
+                      (dict(joint_layer=0, cross_attention=["soft", "recurrent"]), r"got 'recurrent'")]:
         with pytest.raises(ValueError, match=field):
             transformer(**kw)
     with pytest.raises(ValueError, match="joint_k"):
