@@ -252,13 +252,17 @@ RATIOS = [  # label, numerator, denominator
     ("beam_joint_k6_int8 / soft_int8", "beam_joint_k6_int8", "soft_int8"),
 ]
 
-# int8 layers that torch.compile traces (quantize_int8(engine="compiled"), hf_hardattn/int8_compiled.py) on ct2_int8's
-# weights: eagerly (soft_int8_traced) and with a static cache and compiled steps (soft_int8_compiled; its tokens are
-# compared with soft_int8's, the fbgemm layers: another activation scale, so not all equal)
-BUILDERS["soft_int8_traced"] = lambda: build_soft_from_marian().eval().quantize_int8(engine="compiled")
-BUILDERS["soft_int8_compiled"] = lambda: compiled(BUILDERS["soft_int8_traced"]())
+# int8 with compiled steps, on ct2_int8's weights: soft_int8_compiled (the fbgemm layers, their kernel called through
+# packed_linear.INT8_LINEAR_OP in the compiled step); soft_int8_traced: quantize_int8(engine="traced") (int8 layers in
+# torch operators, hf_hardattn/int8_traced.py) eagerly, and soft_int8_traced_compiled with compiled steps (its tokens
+# are compared with soft_int8_traced's)
+BUILDERS["soft_int8_compiled"] = lambda: compiled(BUILDERS["soft_int8"]())
+BUILDERS["soft_int8_traced"] = lambda: build_soft_from_marian().eval().quantize_int8(engine="traced")
+BUILDERS["soft_int8_traced_compiled"] = lambda: compiled(BUILDERS["soft_int8_traced"]())
 RATIOS += [("soft_int8_compiled / ct2_int8", "soft_int8_compiled", "ct2_int8"),
            ("soft_int8_compiled / soft_int8", "soft_int8_compiled", "soft_int8"),
+           ("soft_int8_traced_compiled / ct2_int8", "soft_int8_traced_compiled", "ct2_int8"),
+           ("soft_int8_traced_compiled / soft_int8", "soft_int8_traced_compiled", "soft_int8"),
            ("soft_int8_traced / soft_int8", "soft_int8_traced", "soft_int8")]
 
 

@@ -1,16 +1,18 @@
-"""int8 under torch.compile, a quick comparison: the soft Transformer-base model that ``decode_speed.py`` decodes in int8
-(``soft_int8``: CTranslate2's weights), per generated token, in these forms timed in alternation within one run:
+"""int8 under torch.compile, a quick comparison: the soft Transformer-base model that ``decode_speed.py`` decodes in
+int8 (``soft_int8``: CTranslate2's weights), per generated token, in these forms timed in alternation within one run:
 
 * ``fbgemm``: ``quantize_int8()`` (torch's packed dynamic int8 linears, eager);
-* ``compiled_eager``: ``quantize_int8(engine="compiled")`` run eagerly (``torch._int_mm`` per layer);
-* ``compiled``: the same layers with ``compiled_decoding(model)`` (static cache, steps compiled by inductor);
-* ``fbgemm_op_compiled`` (``--fbgemm-op``, a prototype): the fbgemm layers called through a custom operator that
-  dynamo does not look into (``probe::fbgemm_linear``: the packed weights found by a key buffer of the layer), so the
-  step compiles around fbgemm's own int8 kernel.
+* ``fbgemm_compiled``: the same model with ``compiled_decoding(model)`` (static cache, steps compiled by inductor
+  around fbgemm's kernel, called through ``packed_linear.INT8_LINEAR_OP``);
+* ``traced_eager``: ``quantize_int8(engine="traced")`` run eagerly (``torch._int_mm`` per layer);
+* ``traced_compiled``: the same layers with ``compiled_decoding(model)``;
+* ``fbgemm_op_compiled`` (``--fbgemm-op``, the first prototype of ``fbgemm_compiled``): the fbgemm layers called
+  through a custom operator of this script (``probe::fbgemm_linear``).
 
 It prints the seconds per token of each (median over ``--repeats`` rounds), the compile (first call) time, the ratios
-to fbgemm and whether the tokens agree; ``--profile`` adds torch.profiler's top operators of one compiled generate()
-call. For the full table use ``decode_speed.py --models soft_int8 soft_int8_compiled ct2_int8``.
+to fbgemm and whether the tokens agree with fbgemm's and traced_eager's; ``--profile`` adds torch.profiler's top
+operators of one compiled generate() call. For the full table use ``decode_speed.py --models soft_int8
+soft_int8_compiled soft_int8_traced_compiled ct2_int8``.
 
     python benchmarks/int8_compile_probe.py --repeats 3
     python benchmarks/int8_compile_probe.py --settings greedy:1 beam4:1 --profile
@@ -91,13 +93,13 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     base = build_soft_from_marian().eval()
-    forms = {"fbgemm": (copy.deepcopy(base).quantize_int8(), {}),
-             "compiled_eager": (copy.deepcopy(base).quantize_int8(engine="compiled"), {})}
     # --unguarded: without dynamo's guards on the modules (checked before every compiled step); one process holds
     # one compiled step per code object and guard set, so the guarded and unguarded forms are separate runs
-    options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe} if args.unguarded else {}
-    forms["compiled"] = (forms["compiled_eager"][0], compiled_decoding(forms["compiled_eager"][0],
-                                                                       **({"options": options} if options else {})))
+    unguarded = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+    options = {"options": unguarded} if args.unguarded else {}
+    fbgemm, traced = copy.deepcopy(base).quantize_int8(), copy.deepcopy(base).quantize_int8(engine="traced")
+    forms = {"fbgemm": (fbgemm, {}), "fbgemm_compiled": (fbgemm, compiled_decoding(fbgemm, **options)),
+             "traced_eager": (traced, {}), "traced_compiled": (traced, compiled_decoding(traced, **options))}
     if args.fbgemm_op:
         library = fbgemm_op()  # noqa: F841  (kept alive: the operator lives as long as its library)
         model = through_op(copy.deepcopy(forms["fbgemm"][0]))
@@ -121,15 +123,16 @@ def main(argv=None):
                 times[name].append((time.perf_counter() - start) / args.tokens)
         median = {name: statistics.median(values) for name, values in times.items()}
         print(f"\n{setting}: ms per token (median of {args.repeats}), first call s, tokens equal to fbgemm's / "
-              f"compiled_eager's")
+              f"traced_eager's")
         for name in forms:
             print(f"  {name:15s} {1e3 * median[name]:8.2f} ms  {median['fbgemm'] / median[name]:5.2f}x fbgemm  "
                   f"first {first[name]:6.1f} s  same tokens: "
-                  f"{torch.equal(tokens[name], tokens['fbgemm'])} / {torch.equal(tokens[name], tokens['compiled_eager'])}")
+                  f"{torch.equal(tokens[name], tokens['fbgemm'])} / "
+                  f"{torch.equal(tokens[name], tokens['traced_eager'])}")
         if args.profile:
             from torch.profiler import profile
 
-            model, extra = forms["compiled"]
+            model, extra = forms["fbgemm_compiled"]
             with profile() as prof:
                 run(model, ids, beams, args.tokens, extra)
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))

@@ -9,7 +9,7 @@ import warnings
 import torch
 from torch import nn
 
-from .int8_compiled import traced_int8_linears
+from .int8_traced import traced_int8_linears
 from .packed_linear import Int8Linear, unpack_linears
 
 
@@ -27,10 +27,10 @@ class Int8Mixin:
         packed engines on the CPUs measured, see benchmarks/README.md, section "Decoding speed") or "onednn" (the same
         quantisation, other kernels: VNNI / AMX where the CPU has them): torch's dynamic int8 linear
         (``torch.ao.quantization.quantize_dynamic``), its weights packed for that engine whatever
-        ``torch.backends.quantized.engine`` says. ``COMPILED_ENGINE`` ("compiled"): int8 layers that ``torch.compile``
-        traces into a compiled decoding step (:mod:`int8_compiled`: one activation scale per row, ``torch._int_mm``;
-        they run eagerly too). The packed engines' arithmetic: int8 weights with one scale per output
-        channel (symmetric, w ~ s_j * round(w / s_j), s_j = max|w_j| / 127.5), activations quantised at every call to
+        ``torch.backends.quantized.engine`` says (a compiled decoding step calls their kernel through an operator,
+        see ``packed_linear.Int8Linear``). ``TRACED_ENGINE`` ("traced"): int8 layers written in torch operators, which
+        inductor compiles into the step (:mod:`int8_traced`: one activation scale per row, ``torch._int_mm``). The
+        packed engines' arithmetic: int8 weights with one scale per output channel (symmetric, w ~ s_j * round(w / s_j), s_j = max|w_j| / 127.5), activations quantised at every call to
         7-bit unsigned integers with one scale and zero point for the whole input tensor (its min and max), int32
         accumulation, fp32 output. Because the activation scale is shared by the rows of a call, an int8 output
         depends slightly on the other sentences of the batch and on whether earlier positions are cached (the fp32
@@ -40,10 +40,10 @@ class Int8Mixin:
         Inference only: afterwards ``train()`` and ``save_pretrained`` raise; reload the fp32 checkpoint to undo.
         Returns the model."""
         engines = [name for name in INT8_ENGINES if name in torch.backends.quantized.supported_engines]
-        if engine not in engines and engine != COMPILED_ENGINE:
+        if engine not in engines and engine != TRACED_ENGINE:
             raise ValueError(f"quantize_int8(): `engine`={engine!r} is not an int8 engine of this torch build; allowed: "
-                             f"{engines} (torch's packed int8 layers) or {COMPILED_ENGINE!r} (int8 layers that "
-                             f"torch.compile traces).")
+                             f"{engines} (torch's packed int8 layers) or {TRACED_ENGINE!r} (int8 layers in torch "
+                             f"operators).")
         if self.training:
             raise ValueError("quantize_int8() is for inference: call model.eval() first (int8 layers have no gradient).")
         if self.is_int8:
@@ -63,7 +63,7 @@ class Int8Mixin:
                 plain = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None)
                 plain.weight, plain.bias = module.weight, module.bias
                 self.set_submodule(name, plain)
-        if engine == COMPILED_ENGINE:
+        if engine == TRACED_ENGINE:
             traced_int8_linears(self, names)
         else:
             int8_linears(self, names, engine)
@@ -89,7 +89,7 @@ class Int8Mixin:
 
 
 INT8_ENGINES = ("fbgemm", "onednn")  # torch's quantized engines that quantize_int8 packs for (x86)
-COMPILED_ENGINE = "compiled"  # quantize_int8's traceable int8 layers (int8_compiled.py), for compiled decoding
+TRACED_ENGINE = "traced"  # quantize_int8's int8 layers in torch operators (int8_traced.py)
 
 
 def int8_linears(model: nn.Module, names: list, engine: str) -> nn.Module:

@@ -19,6 +19,8 @@ Any other call runs ``F.linear``. The packed copy is rebuilt when the weight cha
 Runtime code shipped with saved models: flat, same-folder relative imports only.
 """
 
+import hashlib
+import weakref
 from types import MethodType
 
 import torch
@@ -115,12 +117,21 @@ class Int8Linear(torch.ao.nn.quantized.dynamic.Linear):
     or an old serialization version. Decoding calls dozens of linear layers per step, so at batch 1 those checks are
     a visible part of the step (see benchmarks/README.md, section "Decoding speed"; the outputs are bit for bit the
     same), and it calls the operator's C++ entry (``OpOverload._op``) directly, without the Python check for traced
-    script objects that an operator taking packed weights runs at every call (torch.compile cannot trace the packed
-    weights either way, as with torch's own layer). Made by class swap in ``quantize_int8``, so state dict and repr
-    are torch's."""
+    script objects that an operator taking packed weights runs at every call. Made by class swap in
+    ``quantize_int8``, so state dict and repr are torch's.
+
+    Under ``torch.compile`` (dynamo cannot trace the packed weights, an opaque script object) the layer calls the same
+    kernel through :data:`INT8_LINEAR_OP`, an operator that dynamo and inductor leave closed: it takes the layer's key
+    buffer ``packed_key`` (not saved) and finds the layer, registered under the buffer's address by every eager call
+    and by ``swap_into`` (a copy of the model registers at its first eager call: generate()'s first step runs eagerly).
+    So a compiled decoding step runs fbgemm's (or oneDNN's) int8 kernel with the same arguments as the eager layer."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = _LINEAR_DYNAMIC(x, self._packed_params._packed_params, True)
+        if torch.compiler.is_compiling():
+            out = INT8_LINEAR_OP(x, self.packed_key, self.out_features)
+        else:
+            _register(self)
+            out = _LINEAR_DYNAMIC(x, self._packed_params._packed_params, True)
         return out if out.dtype == x.dtype else out.to(x.dtype)
 
     @classmethod
@@ -129,7 +140,49 @@ class Int8Linear(torch.ao.nn.quantized.dynamic.Linear):
         if type(module) is not torch.ao.nn.quantized.dynamic.Linear or module._packed_params.dtype != torch.qint8:
             raise TypeError(f"Int8Linear.swap_into takes torch's dynamic int8 Linear, got {module!r}.")
         module.__class__ = cls
+        module.register_buffer("packed_key", torch.zeros(1), persistent=False)
+        _register(module)
         return module
 
 
 _LINEAR_DYNAMIC = torch.ops.quantized.linear_dynamic.default._op  # the C++ entry of the operator
+
+# The int8 layers by the address of their key buffer (weak: a layer that is gone drops out), read by INT8_LINEAR_OP.
+_LAYERS: dict = {}
+
+
+def _register(layer: Int8Linear):
+    address = layer.packed_key.data_ptr()
+    entry = _LAYERS.get(address)
+    if entry is None or entry() is not layer:
+        _LAYERS[address] = weakref.ref(layer, lambda ref, address=address: _LAYERS.get(address) is ref and
+                                       _LAYERS.pop(address))
+
+
+def _int8_linear(x: torch.Tensor, key: torch.Tensor, out_features: int) -> torch.Tensor:
+    entry = _LAYERS.get(key.data_ptr())
+    layer = None if entry is None else entry()
+    if layer is None or layer.packed_key.data_ptr() != key.data_ptr():
+        raise RuntimeError("an int8 layer (quantize_int8) ran compiled before any eager call of it (a copy of a model "
+                           "registers its layers at its first eager call): call the model once without "
+                           "torch.compile first, as generate()'s first step does.")
+    return _LINEAR_DYNAMIC(x, layer._packed_params._packed_params, True)
+
+
+def _define_int8_linear_op():
+    """``INT8_LINEAR_OP(x, key, out_features)``: the int8 layer registered under ``key``'s address, applied to
+    ``x`` (its fake, for tracing: the output's shape). One operator per copy of this module (a saved model's remote
+    code is another copy), each with its own namespace, so a second import defines no name twice."""
+    namespace = "hf_hardattn_int8_" + hashlib.sha1(__name__.encode()).hexdigest()[:12]
+    if not hasattr(torch.ops, namespace) or not hasattr(getattr(torch.ops, namespace), "linear_dynamic"):
+        library = torch.library.Library(namespace, "DEF")
+        library.define("linear_dynamic(Tensor x, Tensor key, int out_features) -> Tensor")
+        library.impl("linear_dynamic", _int8_linear, "CPU")
+        torch.library.register_fake(f"{namespace}::linear_dynamic", lambda x, key, out_features: x.new_empty(
+            (*x.shape[:-1], out_features)), lib=library)
+        _LIBRARIES.append(library)  # the operator lives as long as its library
+    return getattr(torch.ops, namespace).linear_dynamic.default
+
+
+_LIBRARIES: list = []
+INT8_LINEAR_OP = _define_int8_linear_op()

@@ -1,8 +1,9 @@
-"""quantize_int8(engine="compiled"): int8 linear layers written in torch operators (int8_compiled.py). Each layer
-computes the quantisation written out by hand (float64, exact integer sums), its error against fp32 stays inside what
-the rounding allows, the soft model's next-token probabilities stay inside the first-order rounding model and its
-greedy tokens are fp32's wherever fp32's margin clears that model; the decoding step compiles to one graph with a
-static cache (fullgraph=True) and gives the eager int8 tokens; the int8 model refuses training, saving and moves."""
+"""int8 under torch.compile. quantize_int8(engine="traced") (int8 layers in torch operators, int8_traced.py): each
+layer computes the quantisation written out by hand (float64, exact integer sums), its error against fp32 stays inside
+what the rounding allows, the soft and hybrid next-token probabilities stay inside the first-order rounding model and
+the greedy tokens are fp32's wherever fp32's margin clears that model. Both that engine and the packed fbgemm layers
+(through packed_linear.INT8_LINEAR_OP): the decoding step compiles to one graph with a static cache (fullgraph=True)
+and gives the eager int8 tokens. The int8 model refuses training, saving and moves."""
 
 import copy
 
@@ -13,7 +14,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 from common import CONTRACT_MODELS, assert_step_scores_close, contract_model, decoding_batch, source_batch, tiny_kwargs
 from hf_hardattn import SoftTransformerConfig, SoftTransformerForConditionalGeneration
-from hf_hardattn.int8_compiled import Q_MAX, TracedInt8Linear
+from hf_hardattn.int8_traced import Q_MAX, TracedInt8Linear
 from hf_hardattn.modeling_hardattn import compiled_decoding
 
 pytestmark = pytest.mark.numerics  # CPU-dependent rounding: .ci/run runs these under other kernels too
@@ -84,7 +85,7 @@ def test_every_layer_of_every_type_is_the_hand_quantisation_within_the_rounding_
     reference = contract_model(name).eval()
     model = copy.deepcopy(reference)
     before = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
-    assert model.quantize_int8(engine="compiled") is model and model.is_int8
+    assert model.quantize_int8(engine="traced") is model and model.is_int8
     layers = traced_layers(model)
     kept = {n for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     assert kept == {n for n in before if n.endswith(model.INT8_KEEP)} and kept | set(layers) == set(before)
@@ -169,7 +170,7 @@ def test_probabilities_and_greedy_tokens_follow_fp32_within_the_rounding(name):
     probability exceeds the sum of the two bounds, at MIN_CLEAR positions at least; int8 generate()'s greedy tokens
     are fp32's up to the first position that is not that clear."""
     reference = contract_model(name).eval()
-    model = copy.deepcopy(reference).quantize_int8(engine="compiled")
+    model = copy.deepcopy(reference).quantize_int8(engine="traced")
     ids, mask = decoding_batch()
     steps = 10
     with torch.no_grad():
@@ -221,11 +222,13 @@ def generate(model, mode, **kwargs):
                           return_dict_in_generate=True, **MODES[mode], **kwargs)
 
 
-@pytest.mark.parametrize("name, backend, modes", [("soft", "aot_eager", ("greedy", "beam")),
-                                                  ("hard_retrieval", "eager", ("greedy",))])
-def test_compiled_int8_decoding_is_one_graph_with_the_eager_tokens(name, backend, modes):
+@pytest.mark.parametrize("name, backend, modes, engine", [("soft", "aot_eager", ("greedy",), "traced"),
+                                                          ("hard_retrieval", "eager", ("greedy",), "traced"),
+                                                          ("soft", "aot_eager", ("greedy", "beam"), "fbgemm")])
+def test_compiled_int8_decoding_is_one_graph_with_the_eager_tokens(name, backend, modes, engine):
     """The int8 decoding step with a static cache under torch.compile (fullgraph=True: a graph break raises; one graph
-    for greedy and sampling, one more for beam search) gives the eager static-cache steps' tokens, and their scores
+    for greedy and sampling, one more for beam search), with the traced layers or with the packed fbgemm layers (their
+    kernel called through packed_linear.INT8_LINEAR_OP), gives the eager static-cache steps' tokens, and their scores
     within 8 fp32 ulps of the step's largest |score| (`assert_step_scores_close`). Why that bound: the graph runs the
     int8 arithmetic as eager does (the same codes, exact int32 sums, the same rescale), and aot_eager's traced aten
     graph rounds a few fp32 operations around it in another order (seen: 1-2 ulps; dynamo alone, the second type:
@@ -233,7 +236,7 @@ def test_compiled_int8_decoding_is_one_graph_with_the_eager_tokens(name, backend
     step, 1/254 of its row's largest |value|: far outside the bound, so the check would see it. Inductor reorders
     more (fused reductions); its tokens are reported by benchmarks/int8_compile_probe.py."""
     torch._dynamo.reset()
-    model = copy.deepcopy(contract_model(name)).eval().quantize_int8(engine="compiled")
+    model = copy.deepcopy(contract_model(name)).eval().quantize_int8(engine=engine)
     counter = Counter(backend)
     options = compiled_decoding(model, backend=counter)
     for mode in modes:
@@ -247,14 +250,33 @@ def test_compiled_int8_decoding_is_one_graph_with_the_eager_tokens(name, backend
     torch._dynamo.reset()
 
 
+def test_a_copied_packed_layer_runs_compiled_after_its_first_eager_call():
+    """The packed layers' operator finds a layer by its key buffer, registered by its eager calls: a copy of an int8
+    model compiled before any eager call is a clear error; after one eager call the compiled forward (dynamo) gives
+    the eager logits bit for bit (the same kernel on the same inputs, dynamo capturing the graph unchanged)."""
+    torch._dynamo.reset()
+    model = copy.deepcopy(contract_model("soft")).eval().quantize_int8()
+    ids, mask = source_batch()
+    decoder = torch.tensor([[model.config.decoder_start_token_id, 5, 9, 7]] * ids.shape[0])
+    inputs = dict(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder)
+    copied = copy.deepcopy(model)
+    compiled = torch.compile(copied, fullgraph=True, backend="eager")
+    with torch.no_grad(), pytest.raises(RuntimeError, match=r"ran compiled before any eager call of it"):
+        compiled(**inputs)
+    with torch.no_grad():
+        eager = copied(**inputs).logits
+        assert torch.equal(compiled(**inputs).logits, eager) and torch.equal(model(**inputs).logits, eager)
+    torch._dynamo.reset()
+
+
 def test_compiled_int8_is_inference_only_and_not_saved(tmp_path):
     model = SoftTransformerForConditionalGeneration(SoftTransformerConfig(**tiny_kwargs()))
     with pytest.raises(ValueError, match=r"is for inference: call model.eval\(\) first"):
-        model.quantize_int8(engine="compiled")
+        model.quantize_int8(engine="traced")
     model.eval().pack_linears()
-    model.quantize_int8(engine="compiled")  # packed layers are unpacked first, then quantized
+    model.quantize_int8(engine="traced")  # packed layers are unpacked first, then quantized
     assert traced_layers(model) and not any(isinstance(m, nn.Linear) for m in model.modules())
-    for engine in ("compiled", "fbgemm"):
+    for engine in ("traced", "fbgemm"):
         with pytest.raises(ValueError, match=r"already int8"):
             model.quantize_int8(engine=engine)
     with pytest.raises(ValueError, match=r"reload the fp32 checkpoint to train it"):
@@ -268,9 +290,9 @@ def test_compiled_int8_is_inference_only_and_not_saved(tmp_path):
     assert traced_layers(model)["model.decoder.layers.0.ffn.module.fc1"].weight_int8.dtype == torch.int8
 
 
-@pytest.mark.parametrize("engine", ["Compiled", "inductor", ""])
-def test_the_engine_error_names_the_compiled_engine(engine):
+@pytest.mark.parametrize("engine", ["Traced", "compiled", ""])
+def test_the_engine_error_names_the_traced_engine(engine):
     model = contract_model("soft").eval()
-    with pytest.raises(ValueError, match=r"`engine`=.*allowed: \['fbgemm', 'onednn'\] .* or 'compiled'"):
+    with pytest.raises(ValueError, match=r"`engine`=.*allowed: \['fbgemm', 'onednn'\] .* or 'traced'"):
         model.quantize_int8(engine=engine)
     assert not model.is_int8

@@ -1,10 +1,12 @@
-"""int8 linear layers that ``torch.compile`` traces: ``quantize_int8(engine="compiled")``.
+"""int8 linear layers written in torch operators, which ``torch.compile`` traces and inductor compiles:
+``quantize_int8(engine="traced")``.
 
 torch's dynamic int8 linears (``quantize_int8``'s "fbgemm" / "onednn" engines) hold their weights packed in an opaque
-object that dynamo cannot trace, so a compiled decoding step breaks its graph at every one of them. Here the same kind
-of quantisation is written in plain torch operators around ``torch._int_mm`` (int8 x int8 -> int32): the int8 weight
-is an ordinary buffer, the activation is quantised at every call by the operators below, and inductor fuses the
-quantisation into one kernel before the product and the rescale (and the bias) into one after it.
+object that dynamo cannot trace; a compiled step calls their kernel through an operator that it leaves closed
+(``packed_linear.INT8_LINEAR_OP``). Here the quantisation is written in plain torch operators around
+``torch._int_mm`` (int8 x int8 -> int32) instead: the int8 weight is an ordinary buffer, the activation is quantised
+at every call by the operators below, and inductor fuses the quantisation into one kernel before the product and the
+rescale (and the bias) into one after it.
 
 The arithmetic, for an input row x (d_in values) and output channel j (weight row w_j):
 
