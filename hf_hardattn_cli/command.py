@@ -264,9 +264,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     tr.add_argument("--int8", action="store_true",
                     help="int8 linear layers (model.quantize_int8(): torch's dynamic int8, CPU; hf_hardattn models; "
                          "not with --pack-linears or --dtype bfloat16)")
-    tr.add_argument("--int8-engine", choices=("fbgemm", "onednn"), default=None,
+    tr.add_argument("--int8-engine", choices=("fbgemm", "onednn", "traced"), default=None,
                     help="with --int8: the int8 kernels (default fbgemm; onednn: VNNI / AMX kernels where the CPU "
-                         "has them, slower on the AVX2 CPU measured)")
+                         "has them, slower on the AVX2 CPU measured; traced: int8 layers in torch operators, "
+                         "one activation scale per row)")
     tr.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                     help="weights' dtype while decoding (bfloat16: CPUs with native bf16)")
     tr.add_argument("--compile", action="store_true",

@@ -286,6 +286,16 @@ def saved_soft(tmp_path_factory):
     return folder, sources
 
 
+@pytest.fixture(scope="module")
+def saved_soft32(tmp_path_factory, saved_soft):
+    """The same model in float32 (int8 layers quantise float32 weights), and the same sources."""
+    from common import toy_tokenizer
+
+    folder = tmp_path_factory.mktemp("static") / "soft32"
+    contract_model("soft").save_pretrained(folder, tokenizer=toy_tokenizer())
+    return folder, saved_soft[1]
+
+
 def test_translate_compile_gives_the_eager_lines(saved_soft, tmp_path, monkeypatch):
     """``hf-hardattn translate --compile`` (beam 4, batches of 3: padded, the last one smaller) writes the lines of
     the eager translate (float64 model); its decoding steps ran compiled (a graph was compiled: the backend is
@@ -313,15 +323,41 @@ def test_translate_compile_gives_the_eager_lines(saved_soft, tmp_path, monkeypat
     assert counter.compiled >= 1
 
 
-@pytest.mark.parametrize("other", ["--int8", "--pack-linears"])
-def test_translate_compile_refuses_prepacked_layers(saved_soft, tmp_path, other, capsys):
+def test_translate_compile_refuses_prepacked_fp32_layers(saved_soft, tmp_path, capsys):
     from hf_hardattn_cli.command import main
 
     folder, sources = saved_soft
     source = tmp_path / "in.txt"
     source.write_text(sources[0], encoding="utf-8")
-    assert main(["translate", str(folder), "-i", str(source), "--compile", other]) != 0
-    assert f"--compile and {other} exclude each other" in capsys.readouterr().err
+    assert main(["translate", str(folder), "-i", str(source), "--compile", "--pack-linears"]) != 0
+    assert "--compile and --pack-linears exclude each other" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("engine", ["fbgemm", "traced"])
+def test_translate_compile_int8_gives_the_eager_int8_lines(saved_soft32, tmp_path, monkeypatch, engine):
+    """``translate --int8 --compile``: the int8 layers compile into the decoding step (fbgemm's kernel as an opaque
+    operator, the traced engine's torch operators), the same int8 arithmetic as the eager --int8 run: its lines."""
+    import functools
+
+    from hf_hardattn import modeling_hardattn
+    from hf_hardattn.tools import cli
+    from hf_hardattn_cli.command import main
+
+    folder, sources = saved_soft32
+    source = tmp_path / "in.txt"
+    source.write_text("\n".join(sources), encoding="utf-8")
+    counter = Counter("eager")
+    monkeypatch.setattr(cli, "compiled_decoding", functools.partial(modeling_hardattn.compiled_decoding,
+                                                                    backend=counter))
+    outputs = []
+    for extra in ([], ["--compile"]):
+        out = tmp_path / f"out{len(extra)}.txt"
+        assert main(["translate", str(folder), "-i", str(source), "-o", str(out), "--quiet", "--threads", "1",
+                     "--batch-size", "3", "--max-new-tokens", "9", "--int8", "--int8-engine", engine, *extra]) == 0
+        outputs.append(out.read_text().splitlines())
+    assert len(set(outputs[0])) >= 5, outputs[0]
+    assert outputs[1] == outputs[0]
+    assert counter.compiled >= 1
 
 
 def test_translation_pipeline_takes_the_compiled_decoding_keywords(saved_soft):
