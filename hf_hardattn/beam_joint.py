@@ -69,6 +69,7 @@ from .joint_kernel import JointWorkspace, at_least_fp32, joint_log_probs, select
 from .layers import DecoderResult, check_memory_rows
 from .loss import token_mean
 from .modeling_hardattn import HardAttnForConditionalGeneration, HardAttnModel
+from .registry import attention_class, kinds_allowed
 
 
 
@@ -293,11 +294,15 @@ class BeamJointTransformerConfig(JointFields, HardAttnConfig):
                     f"(candidates attend to the soft history), got {kind!r}."
                 )
         for index, kind in enumerate(self.attention_kinds("cross")[layer + 1 :], start=layer + 1):
-            if kind not in ("soft", "hard_retrieval", "none"):  # the candidates' queries run as K rows per position
+            # the candidates' queries run as K rows per position: a kind that places a query by its position or
+            # carries state from step to step would misplace them (it reads no grouped memory, see SoftAttention)
+            module = attention_class(kind, self)
+            if module is not None and not module.reads_memory_grouped:
+                allowed = [name for name in kinds_allowed("cross") if name == "none" or attention_class(name, self)
+                           .reads_memory_grouped]
                 raise ValueError(
-                    f"`cross_attention` of layer {index} (after `joint_layer`={layer}) must be 'soft', "
-                    f"'hard_retrieval' or 'none' (each candidate is a query of its own, not a target position that "
-                    f"a position-reading or step-carrying kind could place), got {kind!r}."
+                    f"`cross_attention` of layer {index} (after `joint_layer`={layer}) must treat each query on its "
+                    f"own (each candidate is a query, not a target position); allowed: {allowed}, got {kind!r}."
                 )
         return layer
 

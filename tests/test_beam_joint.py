@@ -469,8 +469,8 @@ def test_bad_input():
                       (dict(joint_chunk_size=0), "joint_chunk_size"), (dict(full_joint="yes"), "full_joint"),
                       (dict(cross_attention=["soft", "hard_retrieval"]), "cross_attention"),
                       (dict(joint_layer=0, cross_attention=["soft", "gaussian"]),
-                       r"`cross_attention` of layer 1 \(after `joint_layer`=0\) must be 'soft', 'hard_retrieval' or "
-                       r"'none' .*got 'gaussian'"),
+                       r"`cross_attention` of layer 1 \(after `joint_layer`=0\) must treat each query on its own .*"
+                       r"allowed: \['hard_retrieval', 'none', 'soft'\], got 'gaussian'"),
                       (dict(joint_layer=0, cross_attention=["soft", "recurrent"]), r"got 'recurrent'")]:
         with pytest.raises(ValueError, match=field):
             transformer(**kw)
