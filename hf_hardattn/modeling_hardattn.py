@@ -19,6 +19,7 @@ Runtime code shipped with saved models (``trust_remote_code``): keep it flat, sa
 
 import copy
 import difflib
+import types
 
 import torch
 from torch import nn
@@ -596,11 +597,28 @@ class HardAttnForConditionalGeneration(HardAttnPreTrainedModel, GenerationMixin)
 
     def compiled_forward(self, compile_config):
         """``forward`` under ``torch.compile`` with ``compile_config``'s settings (a ``CompileConfig``), compiled once
-        per config and kept on the model (as transformers keeps its compiled ``__call__``)."""
+        per config and kept on the model (as transformers keeps its compiled ``__call__``).
+
+        Each model compiles its own copy of ``forward``'s code: torch keeps compiled graphs per code object, at most
+        ``torch._dynamo.config.recompile_limit`` (8) of them, and every model of a process that compiled the one shared
+        ``forward`` (or transformers' ``Module.__call__``) would add its graphs to the same list, with
+        ``fullgraph=True`` a hard error at the ninth, and guards checked against every other model's graphs at each
+        step. A copy per model keeps each model's graphs (a few: see docs/usage.md) to itself."""
         if getattr(self, "_compiled_forward_config", None) != compile_config:
-            self._compiled_forward = torch.compile(type(self).forward.__get__(self), **compile_config.to_dict())
+            forward = type(self).forward
+            code = forward.__code__.replace(co_name=f"{forward.__name__}_{id(self):x}")  # (a code object of its own)
+            own = types.FunctionType(code, forward.__globals__, code.co_name, forward.__defaults__,
+                                     forward.__closure__)
+            own.__kwdefaults__ = forward.__kwdefaults__
+            self._compiled_forward = torch.compile(own.__get__(self), **compile_config.to_dict())
             self._compiled_forward_config = compile_config
         return self._compiled_forward
+
+    def get_compiled_call(self, compile_config):
+        """What transformers' greedy search and sampling call for the steps after the first with a compileable cache:
+        this model's :meth:`compiled_forward` (transformers compiles ``Module.__call__``, one code object shared by
+        every module of the process)."""
+        return self.compiled_forward(compile_config or self._default_compile_config())
 
     def _beam_search(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
                      **model_kwargs):

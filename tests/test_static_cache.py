@@ -146,6 +146,35 @@ def test_compiles_are_bounded_over_batch_sizes_and_source_lengths():
     torch._dynamo.reset()
 
 
+def test_each_model_keeps_its_compiled_graphs_to_itself():
+    """torch keeps compiled graphs per code object, at most ``recompile_limit`` of them (a hard error with
+    fullgraph=True): models of different types compiled in one process would share ``forward``'s (or transformers'
+    ``Module.__call__``'s) list. Each model compiles its own copy of the code (transformers' greedy path included,
+    ``get_compiled_call``), so with the limit at 1 graph, three models of three types each compile theirs and decode
+    as before; compiling the one shared ``forward`` of two of them fails at the second."""
+    torch._dynamo.reset()
+    names = ("soft", "hard_retrieval", "gaussian")
+    models = [randomize(TYPE_MODELS[name]()).eval() for name in names]
+    counter = Counter("eager")
+    config = compile_config(counter)
+    ids, mask = source_batch()
+    with torch._dynamo.config.patch(recompile_limit=1):
+        for model in models:
+            assert model.get_compiled_call(config) is model.compiled_forward(config)
+            reference = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, min_new_tokens=4)
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, min_new_tokens=4,
+                                 cache_implementation="static", compile_config=config)
+            assert torch.equal(out, reference)
+        assert counter.compiled == len(names)
+        shared = torch.compile(type(models[0]).forward, backend="eager", fullgraph=True)
+        cache_of = {model: StaticHardAttnCache(model.config.decoder_layers, 4, 2) for model in models[1:]}
+        step = dict(input_ids=ids, attention_mask=mask, decoder_input_ids=torch.ones(2, 1, dtype=torch.long))
+        shared(models[1], **step, cache=cache_of[models[1]])
+        with pytest.raises(Exception, match="fullgraph"):  # (torch: "Hard failure due to fullgraph=True")
+            shared(models[2], **step, cache=cache_of[models[2]])
+    torch._dynamo.reset()
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # The cache itself, step by step through forward()
 # ----------------------------------------------------------------------------------------------------------------
