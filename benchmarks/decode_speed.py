@@ -196,6 +196,8 @@ for _name in ("soft", "hard_retrieval", "marian", "attention_removed", "hc_sa", 
     BUILDERS[f"{_name}_compiled"] = lambda _name=_name: compiled(BUILDERS[_name]())
 for _name in ("soft", "hard_retrieval", "attention_removed", "sh_x", "hybrid_dot"):  # + inductor's freezing
     BUILDERS[f"{_name}_compiled_frozen"] = lambda _name=_name: compiled(BUILDERS[_name](), options={"freezing": True})
+    # oneDNN-prepacked linears (their kernel an opaque operator in the graph) + compiled steps
+    BUILDERS[f"{_name}_packed_compiled"] = lambda _name=_name: compiled(pack_linears(BUILDERS[_name]()))
 CT2 = ("ct2_float32", "ct2_int8")
 RATIOS = [  # label, numerator, denominator
     ("soft_static / soft", "soft_static", "soft"),
@@ -205,6 +207,14 @@ RATIOS = [  # label, numerator, denominator
     ("marian_compiled / marian", "marian_compiled", "marian"),
     ("hard_retrieval_compiled / soft_compiled", "hard_retrieval_compiled", "soft_compiled"),
     ("soft_compiled_frozen / soft_packed", "soft_compiled_frozen", "soft_packed"),
+    ("soft_packed_compiled / soft", "soft_packed_compiled", "soft"),
+    ("soft_packed_compiled / soft_packed", "soft_packed_compiled", "soft_packed"),
+    ("soft_packed_compiled / marian_compiled", "soft_packed_compiled", "marian_compiled"),
+    ("hard_retrieval_packed_compiled / soft_packed_compiled", "hard_retrieval_packed_compiled", "soft_packed_compiled"),
+    ("hard_retrieval_packed_compiled / attention_removed_packed_compiled", "hard_retrieval_packed_compiled",
+     "attention_removed_packed_compiled"),
+    ("sh_x_packed_compiled / soft_packed_compiled", "sh_x_packed_compiled", "soft_packed_compiled"),
+    ("hybrid_dot_packed_compiled / soft_packed_compiled", "hybrid_dot_packed_compiled", "soft_packed_compiled"),
     ("soft_compiled_frozen / marian_compiled", "soft_compiled_frozen", "marian_compiled"),
     ("hard_retrieval_compiled_frozen / soft_compiled_frozen", "hard_retrieval_compiled_frozen", "soft_compiled_frozen"),
     ("hard_retrieval_compiled_frozen / attention_removed_compiled_frozen", "hard_retrieval_compiled_frozen",

@@ -59,6 +59,15 @@ def _packed_forward(self, x):
     if torch.is_grad_enabled() and (
             x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):
         return F.linear(x, weight, bias)
+    if torch.compiler.is_compiling():  # the packed weight is opaque to dynamo: the layer's path as a closed operator
+        return PACKED_LINEAR_OP(x, self.packed_key, self.out_features)
+    _register(self)
+    return _packed_call(self, x)
+
+
+def _packed_call(self, x):
+    """The eager packed path of a layer set up by :func:`pack_linears` (``F.linear`` where packing does not apply)."""
+    weight, bias = self.weight, self.bias
     rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
     if not 0 < rows <= self.packed_max_rows or x.dtype != torch.float32 or not x.is_cpu:
         return F.linear(x, weight, bias)
@@ -87,6 +96,8 @@ def pack_linears(module: nn.Module, max_rows: int = DEFAULT_MAX_ROWS) -> nn.Modu
             linear.packed_max_rows = max_rows
             linear.packed_weight = PackedWeight()
             linear.forward = MethodType(_packed_forward, linear)
+            linear.register_buffer("packed_key", torch.zeros(1), persistent=False)  # (see PACKED_LINEAR_OP)
+            _register(linear)
     return module
 
 
@@ -98,7 +109,7 @@ def packed_layers(module: nn.Module) -> list:
 def unpack_linears(module: nn.Module) -> nn.Module:
     """Back to plain ``nn.Linear.forward`` everywhere in ``module`` (frees the packed copies); returns ``module``."""
     for linear in packed_layers(module):
-        for name in ("forward", "packed_max_rows", "packed_weight"):
+        for name in ("forward", "packed_max_rows", "packed_weight", "packed_key"):
             delattr(linear, name)
     return module
 
@@ -159,14 +170,23 @@ def _register(layer: Int8Linear):
                                        _LAYERS.pop(address))
 
 
-def _int8_linear(x: torch.Tensor, key: torch.Tensor, out_features: int) -> torch.Tensor:
+def _registered(key: torch.Tensor, what: str):
     entry = _LAYERS.get(key.data_ptr())
     layer = None if entry is None else entry()
     if layer is None or layer.packed_key.data_ptr() != key.data_ptr():
-        raise RuntimeError("an int8 layer (quantize_int8) ran compiled before any eager call of it (a copy of a model "
-                           "registers its layers at its first eager call): call the model once without "
-                           "torch.compile first, as generate()'s first step does.")
+        raise RuntimeError(f"{what} ran compiled before any eager call of it (a copy of a model registers its layers "
+                           f"at its first eager call): call the model once without torch.compile first, as "
+                           f"generate()'s first step does.")
+    return layer
+
+
+def _int8_linear(x: torch.Tensor, key: torch.Tensor, out_features: int) -> torch.Tensor:
+    layer = _registered(key, "an int8 layer (quantize_int8)")
     return _LINEAR_DYNAMIC(x, layer._packed_params._packed_params, True)
+
+
+def _packed_linear(x: torch.Tensor, key: torch.Tensor, out_features: int) -> torch.Tensor:
+    return _packed_call(_registered(key, "a packed linear layer (pack_linears)"), x)
 
 
 def _define_int8_linear_op():
@@ -184,5 +204,21 @@ def _define_int8_linear_op():
     return getattr(torch.ops, namespace).linear_dynamic.default
 
 
+def _define_packed_linear_op():
+    """``PACKED_LINEAR_OP(x, key, out_features)``: the packed fp32 layer (:func:`pack_linears`) registered under
+    ``key``'s address applied to ``x`` by its eager path (the packed weight rebuilt when the weight changed); defined
+    as :func:`_define_int8_linear_op`'s operator."""
+    namespace = "hf_hardattn_packed_" + hashlib.sha1(__name__.encode()).hexdigest()[:12]
+    if not hasattr(torch.ops, namespace) or not hasattr(getattr(torch.ops, namespace), "linear"):
+        library = torch.library.Library(namespace, "DEF")
+        library.define("linear(Tensor x, Tensor key, int out_features) -> Tensor")
+        library.impl("linear", _packed_linear, "CPU")
+        torch.library.register_fake(f"{namespace}::linear", lambda x, key, out_features: x.new_empty(
+            (*x.shape[:-1], out_features)), lib=library)
+        _LIBRARIES.append(library)
+    return getattr(torch.ops, namespace).linear.default
+
+
 _LIBRARIES: list = []
 INT8_LINEAR_OP = _define_int8_linear_op()
+PACKED_LINEAR_OP = _define_packed_linear_op()

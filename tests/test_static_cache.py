@@ -352,20 +352,11 @@ def test_translate_compile_gives_the_eager_lines(saved_soft, tmp_path, monkeypat
     assert counter.compiled >= 1
 
 
-def test_translate_compile_refuses_prepacked_fp32_layers(saved_soft, tmp_path, capsys):
-    from hf_hardattn_cli.command import main
-
-    folder, sources = saved_soft
-    source = tmp_path / "in.txt"
-    source.write_text(sources[0], encoding="utf-8")
-    assert main(["translate", str(folder), "-i", str(source), "--compile", "--pack-linears"]) != 0
-    assert "--compile and --pack-linears exclude each other" in capsys.readouterr().err
-
-
-@pytest.mark.parametrize("engine", ["fbgemm", "traced"])
-def test_translate_compile_int8_gives_the_eager_int8_lines(saved_soft32, tmp_path, monkeypatch, engine):
-    """``translate --int8 --compile``: the int8 layers compile into the decoding step (fbgemm's kernel as an opaque
-    operator, the traced engine's torch operators), the same int8 arithmetic as the eager --int8 run: its lines."""
+@pytest.mark.parametrize("engine", ["fbgemm", "traced", "packed"])
+def test_translate_compile_int8_or_packed_gives_the_eager_lines(saved_soft32, tmp_path, monkeypatch, engine):
+    """``translate --int8 --compile`` and ``--pack-linears --compile``: the int8 layers compile into the decoding step
+    (fbgemm's kernel as an opaque operator, the traced engine's torch operators), and so do the oneDNN-prepacked fp32
+    layers (their kernel as an opaque operator): the same arithmetic as the eager run, its lines."""
     import functools
 
     from hf_hardattn import modeling_hardattn
@@ -378,11 +369,12 @@ def test_translate_compile_int8_gives_the_eager_int8_lines(saved_soft32, tmp_pat
     counter = Counter("eager")
     monkeypatch.setattr(cli, "compiled_decoding", functools.partial(modeling_hardattn.compiled_decoding,
                                                                     backend=counter))
+    layers = ["--pack-linears"] if engine == "packed" else ["--int8", "--int8-engine", engine]
     outputs = []
     for extra in ([], ["--compile"]):
         out = tmp_path / f"out{len(extra)}.txt"
         assert main(["translate", str(folder), "-i", str(source), "-o", str(out), "--quiet", "--threads", "1",
-                     "--batch-size", "3", "--max-new-tokens", "9", "--int8", "--int8-engine", engine, *extra]) == 0
+                     "--batch-size", "3", "--max-new-tokens", "9", *layers, *extra]) == 0
         outputs.append(out.read_text().splitlines())
     assert len(set(outputs[0])) >= 5, outputs[0]
     assert outputs[1] == outputs[0]

@@ -291,9 +291,6 @@ def run_translate(args):
         other = "--pack-linears" if args.pack_linears else f"--dtype {args.dtype}"
         raise CommandError(f"--int8 and {other} exclude each other: int8 layers replace the packed fp32 ones and run "
                            f"on float32 inputs; choose one.")
-    if args.compile and args.pack_linears:
-        raise CommandError("--compile and --pack-linears exclude each other: torch.compile cannot trace the prepacked "
-                           "weights of --pack-linears' layers; choose one (--compile --int8 compiles).")
     if args.pack_linears and not packed_linear.packing_available():
         raise CommandError("--pack-linears needs oneDNN's prepacked linear layers, which this torch build lacks; "
                            "translate without it (or with --int8).")
