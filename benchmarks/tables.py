@@ -204,6 +204,8 @@ GPU = "gpu_speed_nvidia_h200.json"
 GPU512 = "gpu_speed_nvidia_h200_decoding_b512.json"
 CPU_DECODE = ("decode_speed_intel_amx.json", "decode_speed_epyc_avx2_grouped.json",
               "decode_speed_epyc_avx512_grouped.json")
+CPU_COMPILED = ("decode_speed_packed_compiled_epyc_avx512.json",)  # packed weights + static cache + compiled steps
+COMPILED = "Transformer-base, random weights, packed + compiled (the per-step overhead gone)"
 HYBRIDS = ("additive", "dot", "multihead")  # the hybrid recipe's rows' cross-attention (reproduce.py PAPER_RECIPES)
 CPU_TRAIN = ("train_speed_intel_amx.json", "train_speed_epyc_avx2.json", "train_speed_epyc_avx512.json")
 
@@ -246,6 +248,7 @@ CLAIMS = [
               Rounds("Transformer-base, random weights", GPU, "decoding", "hard_retrieval", "soft"),
               Rounds("Transformer-base, random weights", GPU512, "decoding", "hard_retrieval", "soft", (512,)),
               Figures("Transformer-base, random weights", CPU_DECODE, "hard_retrieval / soft"),
+              Figures(COMPILED, CPU_COMPILED, "hard_retrieval_packed_compiled / soft_packed_compiled"),
           ), device="GPU"),
     Claim("003-hc-sa", "003", "hc-sa about equal to soft (Table 2: almost identical BLEU)", Bound(low=-0.5), "quality", (
         Rows("each type's default init", (SEEDS.format("hc_sa"), EMB.format("soft")), "hc_sa@xavier",
@@ -265,6 +268,7 @@ CLAIMS = [
               Rounds("Transformer-base, random weights", GPU, "decoding", "sh_x", "soft"),
               Rounds("Transformer-base, random weights", GPU512, "decoding", "sh_x", "soft", (512,)),
               Figures("Transformer-base, random weights", CPU_DECODE, "sh_x / soft"),
+              Figures(COMPILED, CPU_COMPILED, "sh_x_packed_compiled / soft_packed_compiled"),
           ), device="GPU"),
     Claim("003-hc-sa-speed", "003", "hc-sa decodes 1.06x as fast as soft (Table 7, GPU, batch 256)", Bound(low=1.06),
           "speed", (
@@ -295,6 +299,7 @@ CLAIMS = [
         Rounds("Transformer-base, random weights", GPU, "decoding", "hybrid_dot", "soft"),
         Rounds("Transformer-base, random weights", GPU512, "decoding", "hybrid_dot", "soft", (512,)),
         Figures("Transformer-base, random weights", CPU_DECODE, "hybrid_dot / soft"),
+        Figures(COMPILED, CPU_COMPILED, "hybrid_dot_packed_compiled / soft_packed_compiled"),
     ), device="GPU"),
     Claim("004-about-equal", "004", "the recurrent variants about equal to soft (Table 2: no significant gain)",
           Bound(low=-0.5, high=0.5), "quality", (
