@@ -274,7 +274,18 @@ class BeamJointTransformerConfig(JointFields, HardAttnConfig):
 
     def check(self):
         super().check()  # JointFields.check: the joint fields
-        self.joint_layer_index()
+        layer = self.joint_layer_index()
+        for index, kind in enumerate(self.attention_kinds("cross")[layer + 1 :], start=layer + 1):
+            # the candidates' queries run as K rows per position: a kind that places a query by its position or
+            # carries state from step to step would misplace them (it reads no grouped memory, see SoftAttention)
+            module = attention_class(kind, self)
+            if module is not None and not module.reads_memory_grouped:
+                allowed = [name for name in kinds_allowed("cross") if name == "none" or attention_class(name, self)
+                           .reads_memory_grouped]
+                raise ValueError(
+                    f"`cross_attention` of layer {index} (after `joint_layer`={layer}) must treat each query on its "
+                    f"own (each candidate is a query, not a target position); allowed: {allowed}, got {kind!r}."
+                )
 
     def joint_layer_index(self) -> int:
         n = self.decoder_layers
@@ -292,17 +303,6 @@ class BeamJointTransformerConfig(JointFields, HardAttnConfig):
                 raise ValueError(
                     f"`decoder_attention` of layer {index} (after `joint_layer`={layer}) must be 'soft' or 'none' "
                     f"(candidates attend to the soft history), got {kind!r}."
-                )
-        for index, kind in enumerate(self.attention_kinds("cross")[layer + 1 :], start=layer + 1):
-            # the candidates' queries run as K rows per position: a kind that places a query by its position or
-            # carries state from step to step would misplace them (it reads no grouped memory, see SoftAttention)
-            module = attention_class(kind, self)
-            if module is not None and not module.reads_memory_grouped:
-                allowed = [name for name in kinds_allowed("cross") if name == "none" or attention_class(name, self)
-                           .reads_memory_grouped]
-                raise ValueError(
-                    f"`cross_attention` of layer {index} (after `joint_layer`={layer}) must treat each query on its "
-                    f"own (each candidate is a query, not a target position); allowed: {allowed}, got {kind!r}."
                 )
         return layer
 
