@@ -189,36 +189,22 @@ def _packed_linear(x: torch.Tensor, key: torch.Tensor, out_features: int) -> tor
     return _packed_call(_registered(key, "a packed linear layer (pack_linears)"), x)
 
 
-def _define_int8_linear_op():
-    """``INT8_LINEAR_OP(x, key, out_features)``: the int8 layer registered under ``key``'s address, applied to
-    ``x`` (its fake, for tracing: the output's shape). One operator per copy of this module (a saved model's remote
-    code is another copy), each with its own namespace, so a second import defines no name twice."""
-    namespace = "hf_hardattn_int8_" + hashlib.sha1(__name__.encode()).hexdigest()[:12]
-    if not hasattr(torch.ops, namespace) or not hasattr(getattr(torch.ops, namespace), "linear_dynamic"):
+def _define_layer_op(kind: str, name: str, impl):
+    """An operator ``OP(x, key, out_features)``: the layer registered under ``key``'s address applied to ``x`` by
+    ``impl`` (its fake, for tracing: the output's shape), which dynamo and inductor leave closed. One operator per copy
+    of this module (a saved model's remote code is another copy), each in its own namespace, so a second import defines
+    no name twice."""
+    namespace = f"hf_hardattn_{kind}_" + hashlib.sha1(__name__.encode()).hexdigest()[:12]
+    if not hasattr(torch.ops, namespace) or not hasattr(getattr(torch.ops, namespace), name):
         library = torch.library.Library(namespace, "DEF")
-        library.define("linear_dynamic(Tensor x, Tensor key, int out_features) -> Tensor")
-        library.impl("linear_dynamic", _int8_linear, "CPU")
-        torch.library.register_fake(f"{namespace}::linear_dynamic", lambda x, key, out_features: x.new_empty(
+        library.define(f"{name}(Tensor x, Tensor key, int out_features) -> Tensor")
+        library.impl(name, impl, "CPU")
+        torch.library.register_fake(f"{namespace}::{name}", lambda x, key, out_features: x.new_empty(
             (*x.shape[:-1], out_features)), lib=library)
         _LIBRARIES.append(library)  # the operator lives as long as its library
-    return getattr(torch.ops, namespace).linear_dynamic.default
-
-
-def _define_packed_linear_op():
-    """``PACKED_LINEAR_OP(x, key, out_features)``: the packed fp32 layer (:func:`pack_linears`) registered under
-    ``key``'s address applied to ``x`` by its eager path (the packed weight rebuilt when the weight changed); defined
-    as :func:`_define_int8_linear_op`'s operator."""
-    namespace = "hf_hardattn_packed_" + hashlib.sha1(__name__.encode()).hexdigest()[:12]
-    if not hasattr(torch.ops, namespace) or not hasattr(getattr(torch.ops, namespace), "linear"):
-        library = torch.library.Library(namespace, "DEF")
-        library.define("linear(Tensor x, Tensor key, int out_features) -> Tensor")
-        library.impl("linear", _packed_linear, "CPU")
-        torch.library.register_fake(f"{namespace}::linear", lambda x, key, out_features: x.new_empty(
-            (*x.shape[:-1], out_features)), lib=library)
-        _LIBRARIES.append(library)
-    return getattr(torch.ops, namespace).linear.default
+    return getattr(getattr(torch.ops, namespace), name).default
 
 
 _LIBRARIES: list = []
-INT8_LINEAR_OP = _define_int8_linear_op()
-PACKED_LINEAR_OP = _define_packed_linear_op()
+INT8_LINEAR_OP = _define_layer_op("int8", "linear_dynamic", _int8_linear)  # an int8 layer's fbgemm / oneDNN kernel
+PACKED_LINEAR_OP = _define_layer_op("packed", "linear", _packed_linear)  # a packed fp32 layer's oneDNN kernel

@@ -117,14 +117,10 @@ def test_a_second_call_of_the_same_shapes_reuses_the_static_cache_and_gives_the_
     assert_same(greedy, generate(model, "greedy"), "greedy after beam search")
 
 
-def test_compiles_are_bounded_over_batch_sizes_and_source_lengths():
-    """``dynamic=True``: greedy calls of 2, 3, 5 and 17 sentences and sources of 7, 9 and 11 tokens, 6 steps each, share
-    ONE graph (batch and source length symbolic; the decoding step takes one attention path for every batch size);
-    beam search (a grouped memory: g rows per sentence) adds one graph for every batch size and source length. A single
-    sentence gets its own graph (torch specialises sizes of 1): at most 4 graphs in all, however many shapes."""
-    torch._dynamo.reset()
-    model = randomize(TYPE_MODELS["soft"]()).eval()
-    counter = Counter("eager")
+def graphs_over_shapes(model, counter, beam_extra=()) -> tuple:
+    """Graphs compiled (``counter.compiled``) after static, compiled (``dynamic=True``) greedy calls of 2, 3, 5 and 17
+    sentences over sources of 7, 9 and 11 tokens (6 steps each); after beam search (4 beams) at two of those shapes and
+    the calls of ``beam_extra`` (generate() keywords); after a single sentence (greedy and beam) and one more batch."""
     config = compile_config(counter)
     generator = torch.Generator().manual_seed(0)
 
@@ -133,16 +129,31 @@ def test_compiles_are_bounded_over_batch_sizes_and_source_lengths():
         model.generate(input_ids=ids, max_new_tokens=6, min_new_tokens=6, cache_implementation="static",
                        compile_config=config, **kwargs)
 
+    counts = []
     for batch, length in ((2, 7), (3, 7), (3, 9), (5, 11), (17, 9)):
         run(batch, length)
-    assert counter.compiled == 1
+    counts.append(counter.compiled)
     for batch, length in ((2, 7), (3, 9)):
         run(batch, length, num_beams=4)
-    assert counter.compiled == 2
+    for kwargs in beam_extra:
+        run(3, 8, **kwargs)
+    counts.append(counter.compiled)
     run(1, 5)
     run(1, 8, num_beams=4)
     run(4, 6)
-    assert counter.compiled <= 4
+    counts.append(counter.compiled)
+    return tuple(counts)
+
+
+@pytest.mark.parametrize("name", ["soft", "hybrid"])
+def test_compiles_are_bounded_over_batch_sizes_and_source_lengths(name):
+    """``dynamic=True``: the greedy calls of every batch size and source length share ONE graph (batch and source
+    length symbolic; the decoding step takes one path for every batch size); beam search (a grouped memory: g rows per
+    sentence) adds one for every batch size and source length. A single sentence gets its own graph (torch specialises
+    sizes of 1): at most 4 graphs in all, however many shapes. The soft skeleton and the hybrid's GRU decoder."""
+    torch._dynamo.reset()
+    greedy, beam, total = graphs_over_shapes(randomize(TYPE_MODELS[name]()).eval(), Counter("eager"))
+    assert (greedy, beam) == (1, 2) and total <= 4
     torch._dynamo.reset()
 
 

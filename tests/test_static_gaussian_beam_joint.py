@@ -13,7 +13,7 @@ from common import (TYPE_MODELS, as_float64, assert_nontrivial, contract_model, 
 from hf_hardattn.beam_joint import BeamJointTransformerConfig, BeamJointTransformerForConditionalGeneration
 from hf_hardattn.caches import CACHE_FIELD, StaticHardAttnCache
 from hf_hardattn.gaussian import GaussianConfig, GaussianForConditionalGeneration
-from test_static_cache import MODES, Counter, assert_same, compile_config, generate, step_logits
+from test_static_cache import MODES, Counter, assert_same, compile_config, generate, graphs_over_shapes, step_logits
 
 
 class CallCounter(Counter):
@@ -176,25 +176,8 @@ def test_gaussian_compiles_are_bounded_over_batch_sizes_and_source_lengths():
     encoder row per decoder row) and sampling take it too. A single sentence gets its own graph (torch specialises
     sizes of 1): at most 2 graphs in all, however many shapes."""
     torch._dynamo.reset()
-    model = randomize(TYPE_MODELS["gaussian"]()).eval()
     counter = CallCounter("eager")
-    config = compile_config(counter)
-    generator = torch.Generator().manual_seed(0)
-
-    def run(batch, length, **kwargs):
-        ids = torch.randint(3, 40, (batch, length), generator=generator)
-        model.generate(input_ids=ids, max_new_tokens=6, min_new_tokens=6, cache_implementation="static",
-                       compile_config=config, **kwargs)
-
-    for batch, length in ((2, 7), (3, 7), (3, 9), (5, 11), (17, 9)):
-        run(batch, length)
-    assert counter.compiled == 1
-    for batch, length in ((2, 7), (3, 9)):
-        run(batch, length, num_beams=4)
-    run(3, 8, do_sample=True)
-    assert counter.compiled == 1
-    run(1, 5)
-    run(1, 8, num_beams=4)
-    run(4, 6)
-    assert counter.compiled <= 2 and counter.calls == 11 * 5
+    greedy, beam, total = graphs_over_shapes(randomize(TYPE_MODELS["gaussian"]()).eval(), counter,
+                                             beam_extra=[dict(do_sample=True)])
+    assert (greedy, beam) == (1, 1) and total <= 2 and counter.calls == 11 * 5
     torch._dynamo.reset()

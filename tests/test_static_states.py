@@ -177,32 +177,6 @@ def test_hybrid_steps_through_a_static_cache_as_through_the_dynamic_one(name):
     assert int(cache.get_seq_length()) == 6
 
 
-def test_hybrid_compiles_are_bounded_over_batch_sizes_and_source_lengths(fresh_dynamo):
-    """``dynamic=True``: greedy calls of 2, 3, 5 and 17 sentences and sources of 7, 9 and 11 tokens share ONE graph of
-    the hybrid's decoding step (batch and source length symbolic); beam search (a grouped memory) adds one; a single
-    sentence gets its own (torch specialises sizes of 1): at most 4 graphs in all, however many shapes."""
-    model = randomize(TYPE_MODELS["hybrid"]()).eval()
-    counter = Counter("eager")
-    config = compile_config(counter)
-    generator = torch.Generator().manual_seed(0)
-
-    def run(batch, length, **kwargs):
-        ids = torch.randint(3, 40, (batch, length), generator=generator)
-        model.generate(input_ids=ids, max_new_tokens=6, min_new_tokens=6, cache_implementation="static",
-                       compile_config=config, **kwargs)
-
-    for batch, length in ((2, 7), (3, 7), (3, 9), (5, 11), (17, 9)):
-        run(batch, length)
-    assert counter.compiled == 1
-    for batch, length in ((2, 7), (3, 9)):
-        run(batch, length, num_beams=4)
-    assert counter.compiled == 2
-    run(1, 5)
-    run(1, 8, num_beams=4)
-    run(4, 6)
-    assert counter.compiled <= 4
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # crop: assisted decoding and prompt lookup for decoders with step state (dynamic cache); the model types with
 # keys/values alone: tests/test_cache.py
