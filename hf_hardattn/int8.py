@@ -9,7 +9,7 @@ import warnings
 import torch
 from torch import nn
 
-from .int8_traced import traced_int8_linears
+from .int8_traced import check_int_mm, traced_int8_linears
 from .packed_linear import Int8Linear, unpack_linears
 
 
@@ -44,6 +44,8 @@ class Int8Mixin:
             raise ValueError(f"quantize_int8(): `engine`={engine!r} is not an int8 engine of this torch build; allowed: "
                              f"{engines} (torch's packed int8 layers) or {TRACED_ENGINE!r} (int8 layers in torch "
                              f"operators).")
+        if engine == TRACED_ENGINE:
+            check_int_mm()  # (before any change to the model)
         if self.training:
             raise ValueError("quantize_int8() is for inference: call model.eval() first (int8 layers have no gradient).")
         if self.is_int8:

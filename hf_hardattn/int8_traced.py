@@ -71,8 +71,40 @@ class TracedInt8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
+def int_mm_is_exact() -> bool:
+    """Whether ``torch._int_mm`` gives the exact int32 products here, checked on the largest ones the layers make
+    (codes of +-127 summed over 64 terms, one row against [out, in] transposed and 4 rows against [in, out], the two
+    layouts the layers use). Its CPU kernel is oneDNN's: without VNNI (an AVX2-only CPU, or oneDNN capped by
+    ``ONEDNN_MAX_CPU_ISA``) s8 x s8 products go through 16-bit pair sums that saturate, and the products are wrong."""
+    if not hasattr(_int_mm_is_exact, "value"):
+        codes = torch.tensor([Q_MAX, -Q_MAX], dtype=torch.int8).repeat(32)  # 64 alternating extremes
+        same = torch.full((64,), Q_MAX, dtype=torch.int8)  # 64 equal extremes (the largest pair sums)
+        weight = torch.stack([same, -same, codes, -codes] * 2)  # [8 out, 64 in]
+        exact = True
+        for rows in (same[None], torch.stack([same, -same, codes, -codes])):
+            layout = weight.t() if rows.shape[0] == 1 else weight.t().contiguous()
+            expected = rows.long() @ weight.t().long()
+            exact = exact and torch.equal(torch._int_mm(rows, layout).long(), expected)
+        _int_mm_is_exact.value = exact
+    return _int_mm_is_exact.value
+
+
+def _int_mm_is_exact():
+    """(holds the answer of :func:`int_mm_is_exact` for the process)"""
+
+
+def check_int_mm():
+    """A clear error where ``torch._int_mm`` is not exact (:func:`int_mm_is_exact`)."""
+    if not int_mm_is_exact():
+        raise ValueError("quantize_int8(): `engine`='traced' needs exact int8 products from torch._int_mm, which this "
+                         "CPU / oneDNN build does not give (its s8 x s8 kernel saturates without VNNI, or oneDNN is "
+                         "capped by ONEDNN_MAX_CPU_ISA); allowed here: engine='fbgemm' or 'onednn' (they compile too).")
+
+
 def traced_int8_linears(model: nn.Module, names: list) -> nn.Module:
-    """The ``nn.Linear`` layers ``names`` of ``model`` (in place) as :class:`TracedInt8Linear`. Returns ``model``."""
+    """The ``nn.Linear`` layers ``names`` of ``model`` (in place) as :class:`TracedInt8Linear`. Returns ``model``.
+    Refused where ``torch._int_mm`` is not exact (:func:`int_mm_is_exact`)."""
+    check_int_mm()
     for name in names:
         model.set_submodule(name, TracedInt8Linear(model.get_submodule(name)))
     return model

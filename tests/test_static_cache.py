@@ -380,6 +380,10 @@ def test_translate_compile_int8_or_packed_gives_the_eager_lines(saved_soft32, tm
     counter = Counter("eager")
     monkeypatch.setattr(cli, "compiled_decoding", functools.partial(modeling_hardattn.compiled_decoding,
                                                                     backend=counter))
+    from hf_hardattn.int8_traced import int_mm_is_exact
+
+    if engine == "traced" and not int_mm_is_exact():
+        pytest.skip("torch._int_mm is not exact here: the traced engine refuses (tests/test_int8_compiled.py)")
     layers = ["--pack-linears"] if engine == "packed" else ["--int8", "--int8-engine", engine]
     outputs = []
     for extra in ([], ["--compile"]):
