@@ -41,6 +41,8 @@ from .saving import SavingMixin
 
 logger = logging.get_logger(__name__)
 
+REUSES_STATIC_CACHE = CACHE_FIELD == "cache"  # transformers >= 5.24 (see _prepare_cache_for_generation)
+
 # generate() without length or beam arguments: a generation config fit for translation, as Marian checkpoints ship one
 TRANSLATION_MAX_LENGTH = 512  # Marian's max_length (transformers' model-agnostic default, 20, cuts sentences)
 TRANSLATION_NUM_BEAMS = 4  # the package's usual beam (`hf-hardattn translate` / `train` --num-beams)
@@ -573,7 +575,9 @@ class HardAttnForConditionalGeneration(HardAttnPreTrainedModel, GenerationMixin)
         length = max(max_cache_length + draft, getattr(generation_config, "max_cache_len", None) or 0,
                      getattr(self, "_previous_max_cache_length", 0))
         rows = max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1) * batch_size
-        cache = getattr(self, "_static_cache", None)  # reused when the shapes allow (compiled graphs keep its buffers)
+        # reused when the shapes allow (compiled graphs keep its buffers), on the transformers releases where that is
+        # tested (5.24 on; under 5.10's generate() a reused cache's slots and the decoder's mask part)
+        cache = getattr(self, "_static_cache", None) if REUSES_STATIC_CACHE else None
         if cache is None or (cache.max_cache_len, cache.max_batch_size, cache.model_dtype, cache.position.device) != (
                 length, rows, self.dtype, self.device):
             cache = self._static_cache = StaticHardAttnCache(self.config.decoder_layers, length, rows,
@@ -707,6 +711,7 @@ class HardAttnForConditionalGeneration(HardAttnPreTrainedModel, GenerationMixin)
 
 __all__ = [
     "compiled_decoding",
+    "REUSES_STATIC_CACHE",
     "HardAttnModel",
     "HardAttnPreTrainedModel",
     "HardAttnForConditionalGeneration",
