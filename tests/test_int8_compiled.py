@@ -10,13 +10,13 @@ import copy
 import pytest
 import torch
 from torch import nn
-from torch._dynamo.testing import CompileCounterWithBackend
 
 from common import CONTRACT_MODELS, assert_step_scores_close, contract_model, decoding_batch, source_batch, tiny_kwargs
 from hf_hardattn import SoftTransformerConfig, SoftTransformerForConditionalGeneration
 from hf_hardattn import int8_traced
 from hf_hardattn.int8_traced import Q_MAX, TracedInt8Linear, int_mm_is_exact
 from hf_hardattn.modeling_hardattn import compiled_decoding
+from test_static_cache import Counter, generate
 
 pytestmark = pytest.mark.numerics  # CPU-dependent rounding: .ci/run runs these under other kernels too
 EPS32 = torch.finfo(torch.float32).eps
@@ -208,28 +208,6 @@ def test_probabilities_and_greedy_tokens_follow_fp32_within_the_rounding(name="s
     for row in range(ids.shape[0]):
         n = int(clear[row].long().cumprod(0).sum())  # leading clear positions
         assert torch.equal(int8_tokens[row, : n + 1], tokens[row, : n + 1]), (row, n)
-
-
-class Counter(CompileCounterWithBackend):
-    """Counts the graphs compiled; kept itself when generate() deep-copies its compile config."""
-
-    def __deepcopy__(self, memo):
-        return self
-
-    @property
-    def compiled(self) -> int:
-        return sum(any(node.op == "call_function" for node in graph.graph.nodes) for graph in self.graphs)
-
-
-MODES = {"greedy": dict(do_sample=False), "beam": dict(num_beams=4, num_return_sequences=2, do_sample=False),
-         "sample": dict(do_sample=True, top_k=0)}
-
-
-def generate(model, mode, **kwargs):
-    ids, mask = source_batch()
-    torch.manual_seed(1234)
-    return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, min_new_tokens=8, output_scores=True,
-                          return_dict_in_generate=True, **MODES[mode], **kwargs)
 
 
 @pytest.mark.parametrize("name, backend, modes, engine", [("soft", "aot_eager", ("greedy",), "traced"),

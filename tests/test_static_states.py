@@ -9,56 +9,18 @@ greedy generate() for assisted decoding.
 
 import pytest
 import torch
-from torch._dynamo.testing import CompileCounterWithBackend
-from transformers import CompileConfig, GenerationConfig
+from transformers import GenerationConfig
 
 from common import (TYPE_MODELS, as_float64, assert_nontrivial, assert_step_scores_close, contract_model, randomize,
                     source_batch)
 from hf_hardattn.caches import CACHE_FIELD, HardAttnCache, StaticHardAttnCache
 from hf_hardattn.recurrent import RECURRENT_VARIANTS
-
-MODES = {
-    "greedy": dict(do_sample=False),
-    "beam": dict(num_beams=4, num_return_sequences=2, do_sample=False),
-    "sample": dict(do_sample=True, top_k=0),
-}
+from test_static_cache import MODES, Counter, assert_same, compile_config, generate
 
 # generate(max_cache_len=...) is a generation setting of the later transformers 5.x (5.10 refuses it as unused)
 needs_max_cache_len = pytest.mark.skipif("max_cache_len" not in GenerationConfig().to_dict(),
                                          reason="this transformers' generate() takes no max_cache_len")
 
-
-
-class Counter(CompileCounterWithBackend):
-    """Counts the graphs compiled; kept itself when generate() deep-copies its compile config."""
-
-    def __deepcopy__(self, memo):
-        return self
-
-    @property
-    def compiled(self) -> int:
-        """Graphs that compute something (dynamo may hand the backend an empty graph first)."""
-        return sum(any(node.op == "call_function" for node in graph.graph.nodes) for graph in self.graphs)
-
-
-def compile_config(counter, dynamic=True):
-    config = CompileConfig(fullgraph=True, dynamic=dynamic, backend=counter, mode=None)
-    config._compile_all_devices = True  # (generate() compiles on a CPU only when asked)
-    return config
-
-
-def generate(model, mode, seed=1234, **kwargs):
-    ids, mask = kwargs.pop("source", source_batch())  # the second row right-padded
-    torch.manual_seed(seed)
-    return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, min_new_tokens=8,
-                          output_scores=True, return_dict_in_generate=True, **MODES[mode], **kwargs)
-
-
-def assert_same(out, reference, what):
-    assert torch.equal(out.sequences, reference.sequences), f"{what}: {out.sequences.tolist()} != " \
-                                                            f"{reference.sequences.tolist()}"
-    for step, (got, expected) in enumerate(zip(out.scores, reference.scores, strict=True)):
-        assert_step_scores_close(got, expected, f"{what}, step {step}")
 
 
 @pytest.fixture
