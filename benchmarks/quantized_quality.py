@@ -1,5 +1,5 @@
 """What int8 and bf16 decoding cost in quality: models trained by ``benchmarks/reproduce.py`` decoded in
-fp32, after ``model.quantize_int8()`` and after ``model.to(torch.bfloat16)``, scored exactly as the reproduction
+fp32, after ``model.quantize_int8()`` (each engine: fbgemm, onednn, traced) and after ``model.to(torch.bfloat16)``, scored exactly as the reproduction
 table scores them (its stored task and recipe: Multi30k BLEU of beam 4 on test_2016_flickr, or noun-inflection exact
 match; ``hf_hardattn.tools.reproduce.evaluate``).
 
@@ -10,7 +10,7 @@ score, its change from fp32, the share of outputs identical to fp32's, and the t
 free-decoding timing each: a rough figure; the speed comparison is ``benchmarks/decode_speed.py``).
 
     python benchmarks/quantized_quality.py soft hybrid_additive_kd_eq1 --folder outputs/reproduce/multi30k-cpu
-    python benchmarks/quantized_quality.py soft hc_sa --folder outputs/reproduce/nouns-cpu --precisions fp32 int8
+    python benchmarks/quantized_quality.py soft hc_sa --folder outputs/reproduce/nouns-cpu --precisions fp32 int8 int8_traced
 
 bf16 runs only on CPUs with native bf16 matrix products unless named (elsewhere it is ~100x slower).
 Writes benchmarks/results/quantized_quality_KIND.json (KIND: benchmarks/machine_kind.py), or ``--output``.
@@ -27,11 +27,14 @@ from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
 import hf_hardattn  # noqa: F401  (registers the model types)
 from hf_hardattn.tools.reproduce import Recipe, evaluate, load_task
+from hf_hardattn.int8_traced import int_mm_is_exact
 from hf_hardattn.tools.training import cpu_has_bf16_matmul, machine
 from trained_models import check_trained_args
 from machine_kind import default_output
 
-PRECISIONS = ("fp32", "int8", "bf16")
+# int8: quantize_int8()'s default engine (fbgemm); int8_onednn, int8_traced: its other engines (traced: the int8 layers that
+# torch.compile traces, refused on CPUs whose int8 products saturate)
+PRECISIONS = ("fp32", "int8", "int8_onednn", "int8_traced", "bf16")
 
 
 def load(args, name):
@@ -45,8 +48,8 @@ def load(args, name):
 
 
 def with_precision(model, precision):
-    if precision == "int8":
-        return model.quantize_int8()
+    if precision.startswith("int8"):
+        return model.quantize_int8(*precision.split("_")[1:])
     if precision == "bf16":
         return model.to(torch.bfloat16)
     return model
@@ -58,6 +61,8 @@ def main(argv=None):
     parser.add_argument("--folder", default=os.path.join("outputs", "reproduce", "multi30k-cpu"))
     parser.add_argument("--marian", help="a MarianMTModel folder, decoded converted to a soft model "
                                          "(its tokenizer: the folder's, else --folder's)")
+    parser.add_argument("--data", help="the rows' Multi30k folder, if reproduce.py was given --data (default: "
+                                        "../shared/data/multi30k)")
     parser.add_argument("--precisions", nargs="+", choices=PRECISIONS, default=None,
                         help="default: all (bf16 only on CPUs with native bf16 matrix products)")
     parser.add_argument("--threads", type=int, default=2)
@@ -77,8 +82,10 @@ def main(argv=None):
     if args.marian and task != "multi30k":
         parser.error(f"--marian needs a multi30k folder (its tokenizer and test set), got task {task!r}")
     seeds = {row.get("seed", 0) for row in stored_table["rows"].values()} or {0}
-    test = load_task(task, recipe, None, min(seeds))[1]
+    test = load_task(task, recipe, args.data, min(seeds))[1]
     precisions = args.precisions or [p for p in PRECISIONS if p != "bf16" or cpu_has_bf16_matmul()]
+    if "int8_traced" in precisions and args.precisions is None and not int_mm_is_exact():
+        precisions.remove("int8_traced")  # refused by quantize_int8 on this CPU (its int8 products saturate)
     rows_tokenizer = AutoTokenizer.from_pretrained(os.path.join(args.folder, "tokenizer"))
     names = list(args.models) + (["converted_marian"] if args.marian else [])
     results = {}
