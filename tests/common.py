@@ -6,6 +6,7 @@ for all of them.
 """
 
 import copy
+import importlib.util
 import itertools
 import json
 import os
@@ -792,3 +793,18 @@ def training_step(model, batch, seed=7, count_calls=True):
 
 ONE_PER_TYPE = ("soft", "hard_retrieval", "gaussian_hc_all", "hybrid_additive", "recurrent_expand_1",
                 "beam_joint_transformer", "beam_joint_rnn")  # a contract model of each of the seven model types
+
+
+BENCHMARKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks")
+
+
+def benchmark_script(name):
+    """``benchmarks/NAME.py`` as ``python benchmarks/NAME.py`` runs it: its folder first on ``sys.path`` (the scripts
+    import ``machine_kind`` and ``trained_models`` from beside themselves), whatever other test files put there."""
+    folder = os.path.abspath(BENCHMARKS)
+    if folder not in [os.path.abspath(path) for path in sys.path if path]:
+        sys.path.insert(0, folder)
+    spec = importlib.util.spec_from_file_location(name, os.path.join(folder, f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

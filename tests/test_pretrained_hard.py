@@ -3,12 +3,10 @@ exactly as the source), hard retrieval and hc-sa, fine-tuned and scored at sever
 the README's quick start (pretrained Marian -> fine-tuned hard retrieval -> Hub), run as written on a tiny local
 MarianMTModel with the uploads faked."""
 
-import importlib.util
 import json
 import os
 import re
 import shlex
-import sys
 
 import pytest
 import sacrebleu
@@ -22,23 +20,15 @@ from hf_hardattn.tools.tokenization import train_tokenizer
 from hf_hardattn.tools.training import translate
 from hf_hardattn_cli.command import main as cli_main
 
+from common import benchmark_script
 from test_pipelines_hub import hub  # noqa: F401  (fixture: HfApi uploads recorded, nothing leaves)
 from test_reproduce import DE, EN, write_toy_multi30k
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "pretrained_hard.py")
 README = os.path.join(os.path.dirname(__file__), "..", "docs", "usage.md")  # (the full guide holds the quick start)
 
 
 def load_script():
-    """The script as ``python benchmarks/pretrained_hard.py`` runs it: its folder first on ``sys.path`` (it imports
-    ``machine_kind`` from beside itself), whatever other test files put there before."""
-    folder = os.path.dirname(os.path.abspath(SCRIPT))
-    if folder not in [os.path.abspath(path) for path in sys.path if path]:
-        sys.path.insert(0, folder)
-    spec = importlib.util.spec_from_file_location("pretrained_hard", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_script("pretrained_hard")
 
 
 def script_argv(root, data, out, results, *extra):

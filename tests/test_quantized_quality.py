@@ -2,10 +2,7 @@
 and after quantize_int8() with each engine; each int8 precision quantises with its own engine, and the change and
 agreement against fp32 are checked by hand on canned outputs."""
 
-import importlib.util
 import json
-import os
-import sys
 
 import pytest
 import torch
@@ -14,23 +11,15 @@ from hf_hardattn.int8 import Int8Mixin
 from hf_hardattn.int8_traced import int_mm_is_exact
 from hf_hardattn.tools import reproduce
 
+from common import benchmark_script
 from test_recipes import tiny_argv
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "quantized_quality.py")
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def load_script():
-    """The script as ``python benchmarks/quantized_quality.py`` runs it: its folder first on ``sys.path`` (it imports
-    ``trained_models`` and ``machine_kind`` from beside itself)."""
-    folder = os.path.dirname(os.path.abspath(SCRIPT))
-    if folder not in [os.path.abspath(path) for path in sys.path if path]:
-        sys.path.insert(0, folder)
-    spec = importlib.util.spec_from_file_location("quantized_quality", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_script("quantized_quality")
 
 
 @pytest.fixture(scope="module")
