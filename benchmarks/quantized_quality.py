@@ -119,8 +119,12 @@ def main(argv=None):
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     with open(args.output, "w") as handle:
         command = "python benchmarks/quantized_quality.py " + " ".join(sys.argv[1:] if argv is None else argv)
+        trained = {name: dict({key: stored_table["rows"][name].get(key) for key in ("steps", "seed", "machine", "command")},
+                              bf16=recipe.bf16)  # how the scored rows were trained (bf16: the recipe's mixed precision)
+                   for name in args.models if name in stored_table["rows"]}
         json.dump(dict(machine=machine(), command=command, folder=args.folder, task=task, threads=args.threads,
-                       num_beams=recipe.num_beams, examples=len(test), results=results, table=table), handle, indent=2)
+                       num_beams=recipe.num_beams, examples=len(test), trained=trained, results=results, table=table),
+                  handle, indent=2)
     return results
 
 
