@@ -331,6 +331,12 @@ def trained_on(path, payload, rows):
         budget = f"{steps.pop()} steps per row"
     else:
         budget = "fixed steps per row (`--max-steps`, the steps column)"
+    converging = {(c["patience"], c["eval_steps"]) for c in (row.get("convergence") or {} for row in rows.values())
+                  if "patience" in c}
+    if len(converging) == 1 and all("patience" in (row.get("convergence") or {}) for row in rows.values()):
+        (patience, every), = converging  # a paper recipe's rows: trained to convergence, the budget only a cap
+        budget = (f"until {patience} evaluations of the validation loss, {every} steps apart, bring no new best "
+                  f"({budget.replace(' per row', '')} at most; the steps column gives where each row stopped)")
     seed = (f"seed {seeds.pop()} (one seed)" if len(seeds) == 1
             else "seeds " + ", ".join(str(s) for s in sorted(seeds)))
     inits = sorted({init_of(row) for name, row in rows.items() if name != "marian"})
@@ -341,6 +347,8 @@ def init_of(row):
     """A row's initialisation, from its ``init_std`` / ``embed_init_std`` (the older rows store neither:
     they ran the earlier default, Xavier linears and N(0, d^-1/2) embeddings)."""
     init_std, embed = row.get("init_std"), row.get("embed_init_std")
+    if isinstance(init_std, str):  # a paper's named scheme (hard retrieval's "lipschitz")
+        return f"the {init_std} init" + ("" if embed is None else f", N(0, {embed:g}) embeddings")
     linears = "Xavier linears" if init_std is None else f"N(0, {init_std:g}) linears"
     if embed is None:
         embed = "d^-1/2" if init_std is None else f"{init_std:g}"
