@@ -1,6 +1,6 @@
 """What int8 and bf16 decoding cost in quality: models trained by ``benchmarks/reproduce.py`` decoded in
-fp32, after ``model.quantize_int8()`` (each engine: fbgemm, onednn, traced) and after ``model.to(torch.bfloat16)``, scored exactly as the reproduction
-table scores them (its stored task and recipe: Multi30k BLEU of beam 4 on test_2016_flickr, or noun-inflection exact
+fp32, after ``model.quantize_int8()`` (each engine: fbgemm, onednn, traced) and after ``model.to(torch.bfloat16)``,
+scored exactly as the reproduction table scores them (its stored task and recipe: Multi30k BLEU of beam 4 on test_2016_flickr, or noun-inflection exact
 match; ``hf_hardattn.tools.reproduce.evaluate``).
 
 Reads the rows' models (folders under ``--folder``/models), the folder's tokenizer and its

@@ -331,10 +331,9 @@ def trained_on(path, payload, rows):
         budget = f"{steps.pop()} steps per row"
     else:
         budget = "fixed steps per row (`--max-steps`, the steps column)"
-    converging = {(c["patience"], c["eval_steps"]) for c in (row.get("convergence") or {} for row in rows.values())
-                  if "patience" in c}
-    if len(converging) == 1 and all("patience" in (row.get("convergence") or {}) for row in rows.values()):
-        (patience, every), = converging  # a paper recipe's rows: trained to convergence, the budget only a cap
+    rules = {(c.get("patience"), c.get("eval_steps")) for c in (row.get("convergence") or {} for row in rows.values())}
+    if len(rules) == 1 and None not in next(iter(rules)):
+        (patience, every), = rules  # a paper recipe's rows: trained to convergence, the budget only a cap
         budget = (f"until {patience} evaluations of the validation loss, {every} steps apart, bring no new best "
                   f"({budget.replace(' per row', '')} at most; the steps column gives where each row stopped)")
     seed = (f"seed {seeds.pop()} (one seed)" if len(seeds) == 1
