@@ -161,6 +161,20 @@ def test_convergence_stops_after_patience_evaluations_without_improvement():
     assert [bleu.observe(step, value) for step, value in ((1, 10.0), (2, 9.0), (3, 11.0), (4, 11.0))] == \
         [False, False, False, True]
     assert bleu.record()["best_step"] == 3
+    # as a Trainer callback: every `every` steps one evaluation, logged with the best so far; stop once patience is spent
+    from types import SimpleNamespace
+
+    losses = iter([3.0, 2.0, 2.5, 2.5])
+    callback = Convergence(lambda model: next(losses), every=2, patience=2)
+    state, control = SimpleNamespace(global_step=0, log_history=[{"loss": 9.0, "step": 1}]), SimpleNamespace(
+        should_training_stop=False)
+    for step in range(1, 9):
+        state.global_step = step
+        callback.on_step_end(None, state, control)
+        assert control.should_training_stop is (step == 8)
+    assert state.log_history == [{"loss": 9.0, "step": 1}] + [
+        {"step": step, "val_loss": value, "best_val_loss": best, "best_step": at}
+        for step, value, best, at in ((2, 3.0, 3.0, 2), (4, 2.0, 2.0, 4), (6, 2.5, 2.0, 4), (8, 2.5, 2.0, 4))]
     never = Convergence(None, every=1, patience=2)
     assert not any(never.observe(step, 10.0 - step) for step in range(1, 6)) and never.record()["converged"] is False
     for kwargs, name in ((dict(every=0, patience=1), "every"), (dict(every=1, patience=1.5), "patience"),

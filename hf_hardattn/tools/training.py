@@ -158,7 +158,8 @@ class Convergence(TrainerCallback):
     (``metric``, a key of :data:`PATIENCE_METRICS`: "val_loss" lower is better, "val_bleu" higher); training stops
     once ``patience`` evaluations in a row have not improved on the best so far (strictly), but not before step
     ``min_steps``. The run's cap (``max_steps`` / minutes) may end it first: :meth:`record` then says
-    ``converged`` False. :meth:`record` also holds the curve [[step, value], ...], the best value and its step."""
+    ``converged`` False. :meth:`record` also holds the curve [[step, value], ...], the best value and its step; each
+    evaluation is also appended to the Trainer's ``state.log_history`` (so to every checkpoint's trainer_state.json)."""
 
     def __init__(self, evaluate, every: int, patience: int, metric: str = "val_loss", min_steps: int = 0):
         for name, value in (("every", every), ("patience", patience)):
@@ -186,8 +187,12 @@ class Convergence(TrainerCallback):
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
         self.last_step = state.global_step
-        if state.global_step % self.every == 0 and self.observe(state.global_step, self.evaluate(model)):
-            control.should_training_stop = True
+        if state.global_step % self.every == 0:
+            stop = self.observe(state.global_step, self.evaluate(model))
+            # the curve so far in the Trainer's log (each checkpoint's trainer_state.json): a long run can be watched
+            state.log_history.append({"step": state.global_step, self.metric: self.curve[-1][1],
+                                      f"best_{self.metric}": self.best, "best_step": self.best_step})
+            control.should_training_stop |= stop
 
     def record(self) -> dict:
         return dict(converged=self.converged, metric=self.metric, patience=self.patience, eval_steps=self.every,
