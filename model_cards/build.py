@@ -291,15 +291,25 @@ def trained_on(path, payload, rows):
     order), from their JSON (``machine``, ``recipe``, ``seed`` and the command's options)."""
     groups = {}  # (machine, precision) -> row names, in order of first appearance
     steps, minutes, seeds, notes = set(), set(), set(), []
-    for name, row in rows.items():
+
+    def machine_of(row):
         machine = row.get("machine")
         if machine is None:
-            where = traced_machine(path)
-        elif machine.get("gpu"):
-            where = f"one {machine['gpu']} GPU"
-        else:
-            threads = machine["threads"]
-            where = f"{machine['cpu']} ({machine['cpu_capability']}), {threads} thread{'s' if threads != 1 else ''}"
+            return traced_machine(path)
+        if machine.get("gpu"):
+            return f"one {machine['gpu']} GPU"
+        threads = machine["threads"]
+        return f"{machine['cpu']} ({machine['cpu_capability']}), {threads} thread{'s' if threads != 1 else ''}"
+
+    # a row decoding another row's model in the table was not trained: its source's line is its own (where it was
+    # decoded, if elsewhere, is a note: its sentences/s compare only with rows decoded there)
+    for name, row in rows.items():
+        source = row.get("decoded_from")
+        if source in rows and machine_of(row) != machine_of(rows[source]):
+            notes.append(f" ({name} decoded on {machine_of(row)})")
+    rows = {name: row for name, row in rows.items() if row.get("decoded_from") not in rows}
+    for name, row in rows.items():
+        where = machine_of(row)
         recipe = row.get("recipe") or payload["recipe"]  # the older nouns rows stored none: the file's
         precision = command_option(row, "--precision") or ("bf16" if recipe["bf16"] else "fp32")
         precision = "bf16 autocast" if precision == "bf16" else precision

@@ -29,3 +29,21 @@ def test_build_reproduces_the_committed_cards(tmp_path):
         diff = "".join(difflib.unified_diff(committed.splitlines(True), built.splitlines(True),
                                             f"model_cards/{name}", f"built/{name}"))
         assert built == committed, f"model_cards/build.py no longer writes {name}:\n{diff[:4000]}"
+
+
+def test_a_decoded_row_takes_its_sources_training_line():
+    """A row decoding another row's model was not trained: the line under the table is its source's (a converging
+    row's rule, not the cap alone), and where it was decoded elsewhere is said as a note."""
+    build = load_build()
+    machine = dict(cpu="AMD EPYC", cpu_capability="AVX512", threads=2, gpu=None)
+    recipe = dict(bf16=True, max_steps=12000, minutes=None)
+    soft = dict(machine=machine, recipe=recipe, seed=0, command="python benchmarks/reproduce.py --rows soft",
+                convergence=dict(patience=5, eval_steps=250), init_std="lipschitz", embed_init_std=None)
+    decoded = dict(soft, machine=dict(machine, threads=1), decoded_from="soft", convergence=None)
+    line = build.trained_on("x.json", {}, {"soft": soft, "soft_decoded_hard": decoded})
+    assert line.startswith("Trained on: AMD EPYC (AVX512), 2 threads; bf16 autocast (soft_decoded_hard decoded on "
+                           "AMD EPYC (AVX512), 1 thread). Budget: until 5 evaluations of the validation loss, 250 "
+                           "steps apart, bring no new best (12000 steps at most;"), line
+    # decoded where its source was trained: no note
+    same = build.trained_on("x.json", {}, {"soft": soft, "soft_decoded_hard": dict(decoded, machine=machine)})
+    assert "decoded on" not in same and "Budget: until 5 evaluations" in same
