@@ -850,14 +850,13 @@ def status_line(entries) -> str:
     paper = sum(is_paper(top) and not earned(top) for top in tops)
     ours = m - n - paper
     head = ("**No quality verdict yet rests on rows trained to convergence with the paper's recipe**" if not n else
-            f"**{n} of the {m} quality verdicts rest on converged paper-recipe rows** ({PAPER_SEEDS} or more seeds, "
-            "every row trained with the paper's recipe until its validation loss stopped improving; such a group is "
-            "a claim's headline before any other)")
+            f"**{n} of the {m} quality verdicts rest on converged paper-recipe rows** ({PAPER_SEEDS}+ seeds, every "
+            "row trained to convergence; such a group heads its claim)")
     rest = []
     if ours:
         rest.append(("all are" if ours == m else f"{ours} of the {m} {'is' if ours == 1 else 'are'}") +
-                    " of our recipe (our init, a fixed budget of steps or minutes, the last checkpoint), so a \"no\" "
-                    "is about that budget, not yet the mechanism")
+                    " of our recipe (our init, fixed budgets, the last checkpoint): a \"no\" there is about the "
+                    "budget, not yet the mechanism")
     if paper:
         rest.append(f"{paper} of the {m} rest{'s' if paper == 1 else ''} on paper-recipe rows not all converged or "
                     f"of fewer than {PAPER_SEEDS} seeds")
