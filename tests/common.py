@@ -15,6 +15,7 @@ import sys
 import textwrap
 
 import torch
+from transformers import TrainerCallback
 
 from hf_hardattn.model_card import MIN_TRANSFORMERS
 
@@ -808,3 +809,36 @@ def benchmark_script(name):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Interrupted training runs (resume tests)
+# ----------------------------------------------------------------------------------------------------------------
+class Interrupted(Exception):
+    pass
+
+
+class InterruptAt(TrainerCallback):
+    """Raises :class:`Interrupted` before the step after ``at`` runs (checkpoint ``at`` saved): a run cut off between
+    two steps, as a killed process or a session's end leaves it."""
+
+    def __init__(self, at):
+        self.at = at
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step == self.at:
+            raise Interrupted(self.at)
+
+
+class Scripted(TrainerCallback):
+    """A validation metric by step for a :class:`Convergence` rule (``rule(scripted)``): this callback, listed before
+    the rule, notes the step the rule evaluates at."""
+
+    def __init__(self, values):
+        self.values, self.step = values, 0
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.step = state.global_step
+
+    def __call__(self, model):
+        return self.values[self.step]

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import DataCollatorForSeq2Seq, Seq2SeqTrainingArguments
 
-from common import EOS, as_float64, collate, copy_task, fitted, tiny_kwargs, toy_tokenizer
+from common import EOS, InterruptAt, Interrupted, Scripted, as_float64, collate, copy_task, fitted, tiny_kwargs, toy_tokenizer
 from hf_hardattn import (HybridConfig, HybridForConditionalGeneration, SoftTransformerConfig,
                          SoftTransformerForConditionalGeneration)
 from hf_hardattn.hybrid import kd_loss, sequence_kd_loss
@@ -220,6 +220,72 @@ def test_two_stage_schedule_runs_mle_then_the_kd_scheme(tmp_path, monkeypatch):
     none, only = train_two_stage(hybrid(), toy_tokenizer(), _distilled(), kd_scheme="sequence_only", mle=False,
                                  kd=step, output_dir=str(tmp_path / "one"))
     assert none is None and [s[0] for s in seen] == ["kd"] and seen[0][2] == outs
+
+
+# stage 1: best 2.0 at step 4, stopped by patience 2 at 8 (no multiple of the checkpoint interval 3: saved as the stop);
+# stage 2: best 1.5 at 4, stopped at 8
+MLE_SCRIPT = {2: 3.0, 4: 2.0, 6: 2.5, 8: 2.6, 10: 1.0, 12: 1.0}
+KD_SCRIPT = {2: 2.0, 4: 1.5, 6: 1.6, 8: 1.7, 10: 1.0, 12: 1.0}
+
+
+def _two_stage_run(tmp_path, name, interrupt=None, resume=False, **changes):
+    from hf_hardattn.tools.training import Convergence, OptimizerCarry
+
+    carry, rules, args = OptimizerCarry(), {}, {}
+    for stage, values in (("mle", MLE_SCRIPT), ("kd", KD_SCRIPT)):
+        script = Scripted(values)
+        rules[stage] = Convergence(script, every=2, patience=2)
+        callbacks = [script, rules[stage]] + ([InterruptAt(interrupt[1])] if interrupt and interrupt[0] == stage else [])
+        args[stage] = dict(dict(max_steps=12, batch_size=1, learning_rate=1e-2, warmup_steps=2, progress=False,
+                                save_steps=3, save_total_limit=2, carry=carry, callbacks=callbacks),
+                           **changes.get(stage, {}))
+    torch.manual_seed(0)
+    student = hybrid(dropout=0.1)  # dropout: the RNG of each stage must be the uninterrupted run's
+    first, second = train_two_stage(student, toy_tokenizer(), _distilled(), mle=args["mle"], kd=args["kd"],
+                                    output_dir=str(tmp_path / name), resume_from_checkpoint=resume)
+    return student, first, second, rules
+
+
+@pytest.mark.parametrize("interrupt", [("mle", 6), ("kd", 0), ("kd", 6)])
+def test_two_stage_run_resumed_after_an_interruption_ends_as_the_uninterrupted_one(tmp_path, interrupt):
+    """Stage 1 (MLE) then Eq. 1 continuing its optimizer (one OptimizerCarry), each stopped by its patience rule:
+    cut off inside stage 1, between the stages (stage 1 finished, stage 2 saved nothing) or inside stage 2, then
+    resumed with resume_from_checkpoint=True, the run ends with the uninterrupted run's weights (bit for bit), its
+    stages' steps and its rules' curves; a stage 1 finished earlier comes back as a FinishedRun."""
+    from hf_hardattn.tools.training import FinishedRun
+
+    whole, first, second, rules = _two_stage_run(tmp_path, "whole")
+    assert first.state.global_step == 8 and second.state.global_step == 8
+    assert rules["mle"].converged and rules["kd"].converged
+    with pytest.raises(Interrupted):
+        _two_stage_run(tmp_path, "cut", interrupt=interrupt)
+    resumed, again_first, again_second, again = _two_stage_run(tmp_path, "cut", resume=True)
+    assert again_first.state.global_step == 8 and again_second.state.global_step == 8
+    assert isinstance(again_first, FinishedRun) is (interrupt[0] == "kd")
+    for (name, a), b in zip(whole.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(a, b), name
+    resumed_at = {("mle", 6): {"mle": 6}, ("kd", 0): {"mle": 8}, ("kd", 6): {"mle": 8, "kd": 6}}[interrupt]
+    for stage in ("mle", "kd"):
+        record, expected = again[stage].record(), rules[stage].record()
+        assert record.pop("resumed_at") == resumed_at.get(stage) and expected.pop("resumed_at") is None
+        assert record == expected, stage
+    assert not (tmp_path / "cut" / "kd" / "continuation").exists()  # stage 2's start from stage 1's end, removed
+
+
+def test_two_stage_resume_refuses_what_cannot_continue(tmp_path):
+    with pytest.raises(ValueError, match="`resume_from_checkpoint` must be True or False"):
+        train_two_stage(hybrid(), toy_tokenizer(), _distilled(), output_dir=str(tmp_path), resume_from_checkpoint="x")
+    with pytest.raises(Interrupted):
+        _two_stage_run(tmp_path, "cut", interrupt=("kd", 3))
+    # stage 2 continues stage 1's optimizer: a resumed stage 2 rebuilds the schedule from its own arguments
+    with pytest.raises(ValueError, match=r"differ from stage 1's \{'warmup_steps': \(2, 5\)\}"):
+        _two_stage_run(tmp_path, "cut", resume=True, kd=dict(warmup_steps=5))
+    # stage-2 checkpoints beside a stage 1 that never finished: not one run's folder
+    import shutil
+
+    shutil.rmtree(tmp_path / "cut" / "mle")
+    with pytest.raises(ValueError, match="holds stage-2 checkpoints but stage 1 .* did not finish"):
+        _two_stage_run(tmp_path, "cut", resume=True)
 
 
 def test_two_stage_default_is_the_papers_schedule(tmp_path, monkeypatch):

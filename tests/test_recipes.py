@@ -10,6 +10,8 @@ import pytest
 import torch
 from torch import nn
 
+from common import InterruptAt, Interrupted, Scripted
+
 import hf_hardattn  # noqa: F401
 from hf_hardattn import HardRetrievalConfig, HardRetrievalForConditionalGeneration
 from hf_hardattn.hard_retrieval import HardRetrievalAttention, sampled_retrieval
@@ -172,8 +174,9 @@ def test_convergence_stops_after_patience_evaluations_without_improvement():
         state.global_step = step
         callback.on_step_end(None, state, control)
         assert control.should_training_stop is (step == 8)
+    assert all(entry.pop("minutes") >= 0 for entry in state.log_history[1:])  # wall-clock, for a resumed run's total
     assert state.log_history == [{"loss": 9.0, "step": 1}] + [
-        {"step": step, "val_loss": value, "best_val_loss": best, "best_step": at}
+        {"step": step, "val_loss": value, "best_val_loss": best, "best_step": at, "converged": step == 8}
         for step, value, best, at in ((2, 3.0, 3.0, 2), (4, 2.0, 2.0, 4), (6, 2.5, 2.0, 4), (8, 2.5, 2.0, 4))]
     never = Convergence(None, every=1, patience=2)
     assert not any(never.observe(step, 10.0 - step) for step in range(1, 6)) and never.record()["converged"] is False
@@ -186,10 +189,10 @@ def test_convergence_stops_after_patience_evaluations_without_improvement():
 
 def toy_model(**extra):
     torch.manual_seed(0)
-    config = SoftTransformerConfig(**dict(SIZES, vocab_size=TOKENIZER_VOCAB), dropout=0.0, attention_dropout=0.0,
-                                   label_smoothing=0.0, pad_token_id=TOKENIZER.pad_token_id,
-                                   bos_token_id=TOKENIZER.bos_token_id, eos_token_id=TOKENIZER.eos_token_id,
-                                   decoder_start_token_id=TOKENIZER.bos_token_id, **extra)
+    config = SoftTransformerConfig(**{**dict(SIZES, vocab_size=TOKENIZER_VOCAB, dropout=0.0, attention_dropout=0.0,
+                                             label_smoothing=0.0, pad_token_id=TOKENIZER.pad_token_id,
+                                             bos_token_id=TOKENIZER.bos_token_id, eos_token_id=TOKENIZER.eos_token_id,
+                                             decoder_start_token_id=TOKENIZER.bos_token_id), **extra})
     return SoftTransformerForConditionalGeneration(config)
 
 
@@ -239,8 +242,9 @@ def test_validation_loss_is_the_token_mean_nll_of_the_references():
 def train(model, steps, tmp_path, name, **kwargs):
     from hf_hardattn.tools.training import train_seq2seq
 
-    return train_seq2seq(model, TOKENIZER, toy_data(), output_dir=str(tmp_path / name), max_steps=steps, batch_size=4,
-                         learning_rate=1e-2, warmup_steps=3, lr_scheduler="inverse_sqrt", progress=False, **kwargs)
+    kwargs = dict(dict(batch_size=4, learning_rate=1e-2, warmup_steps=3, lr_scheduler="inverse_sqrt", progress=False),
+                  **kwargs)
+    return train_seq2seq(model, TOKENIZER, toy_data(), output_dir=str(tmp_path / name), max_steps=steps, **kwargs)
 
 
 def test_a_carried_optimizer_continues_the_previous_stage(tmp_path):
@@ -264,6 +268,59 @@ def test_a_carried_optimizer_continues_the_previous_stage(tmp_path):
     assert max((a - c).abs().max().item() for a, c in zip(whole.parameters(), restarted.parameters())) > 1e-4
     with pytest.raises(ValueError, match="`carry`"):
         train(toy_model(), 1, tmp_path, "bad", carry=object())
+
+
+# best 1.8 at step 12; 14 and 16 do not improve: patience 2 stops at 16. A rule that forgot the evaluations before a
+# resume at 15 would take 16's 2.1 as its best and run on to the cap (20)
+SCRIPT = {2: 3.0, 4: 2.0, 6: 2.5, 8: 1.9, 10: 2.2, 12: 1.8, 14: 2.0, 16: 2.1, 18: 2.2, 20: 2.3}
+
+
+def scripted_run(tmp_path, name, interrupt=None, resume=False, dropout=0.1):
+    from hf_hardattn.tools.training import Convergence
+
+    script = Scripted(SCRIPT)
+    rule = Convergence(script, every=2, patience=2)
+    callbacks = [script, rule] + ([InterruptAt(interrupt)] if interrupt else [])
+    model = toy_model(dropout=dropout)  # dropout: the resumed run must restore the RNG too
+    trainer = train(model, 20, tmp_path, name, batch_size=1, save_steps=3, callbacks=callbacks,
+                    resume_from_checkpoint=resume)
+    return model, rule, trainer
+
+
+def test_a_run_to_convergence_resumed_after_an_interruption_ends_as_the_uninterrupted_one(tmp_path):
+    """Stopped by patience at step 16 (checkpoints every 3 steps, 4 examples one per batch: the resume skips into an
+    epoch); the same run cut off after step 15 and resumed from its checkpoint takes the rule's state back from the
+    checkpoint's log, stops at 16 too, with the same weights (bit for bit), curve and best; the stopping step is saved
+    (16 is no multiple of 3), so the finished run says so on disk; a run cut off before is not finished."""
+    from hf_hardattn.tools.training import checkpoints, finished_run
+
+    whole, rule, trainer = scripted_run(tmp_path, "whole")
+    assert trainer.state.global_step == 16 and rule.converged and rule.best_step == 12
+    assert [step for step, _ in checkpoints(tmp_path / "whole")][-1] == 16  # saved at the stop
+    ended = finished_run(str(tmp_path / "whole"))
+    assert ended is not None and ended.state.global_step == 16 and ended.checkpoint.endswith("checkpoint-16")
+    with pytest.raises(Interrupted):
+        scripted_run(tmp_path, "cut", interrupt=15)
+    assert finished_run(str(tmp_path / "cut")) is None
+    resumed, resumed_rule, trainer = scripted_run(tmp_path, "cut", resume=True)
+    assert trainer.state.global_step == 16 and resumed_rule.resumed_at == 15
+    for a, b in zip(whole.state_dict().values(), resumed.state_dict().values()):
+        assert torch.equal(a, b)
+    record, expected = resumed_rule.record(), rule.record()
+    assert record.pop("resumed_at") == 15 and expected.pop("resumed_at") is None
+    assert record == expected and record["curve"] == [[step, SCRIPT[step]] for step in range(2, 17, 2)]
+    assert resumed_rule.minutes() >= resumed_rule.minutes_before > 0  # the first run's minutes carried over
+    # the control: a rule that forgot the evaluations before 15 would not have stopped at 16, but at the cap
+    from hf_hardattn.tools.training import Convergence
+
+    forgetful = Convergence(None, every=2, patience=2)
+    assert [forgetful.observe(step, SCRIPT[step]) for step in (16, 18, 20)] == [False, False, True]
+
+
+def test_resuming_needs_a_checkpoint_with_its_optimizer(tmp_path):
+    train(toy_model(), 2, tmp_path, "model_only", save_steps=2, save_only_model=True)
+    with pytest.raises(ValueError, match="`resume_from_checkpoint`.*no optimizer state.*save_only_model"):
+        train(toy_model(), 4, tmp_path, "model_only", resume_from_checkpoint=True)
 
 
 def test_averaged_checkpoints_are_the_hand_mean_of_the_last_saved_weights(tmp_path):
@@ -359,6 +416,54 @@ def test_hard_retrieval_recipe_row_converges_by_patience_and_stores_every_field(
     assert "| hard_cross |" in (tmp_path / "fp16" / "hard_cross" / "README.md").read_text()
 
 
+def test_an_interrupted_paper_recipe_row_resumes_where_it_stopped(tmp_path, monkeypatch):
+    """hard_cross under the hard-retrieval recipe (a constant validation loss: it stops at step 6 of 10; checkpoints
+    2, 4, 6 averaged) cut off after step 4, then the same command again: the row resumes from checkpoint-4 (stored as
+    resumed_at), stops at 6 and stores the uninterrupted run's model (bit for bit), scores and curve. The finished
+    row's checkpoints keep their weights, not the optimizer state; --force trains the row anew."""
+    import json
+
+    from transformers import AutoModelForSeq2SeqLM
+
+    from hf_hardattn.tools import reproduce, training
+
+    monkeypatch.setattr(training, "validation_loss", lambda *args, **kwargs: 1.0)
+
+    def argv(out, *extra):
+        return tiny_argv(tmp_path, "--recipe", "hard_retrieval", "--rows", "hard_cross", "--output-dir", str(out),
+                         "--eval-steps", "2", "--max-steps", "10", *extra)
+
+    reproduce.main(argv(tmp_path / "whole"))
+    real, out = training.train_seq2seq, tmp_path / "cut"
+
+    def cut_off(*args, **kwargs):
+        return real(*args, **dict(kwargs, callbacks=list(kwargs.get("callbacks") or []) + [InterruptAt(4)]))
+
+    monkeypatch.setattr(training, "train_seq2seq", cut_off)
+    with pytest.raises(Interrupted):
+        reproduce.main(argv(out))
+    assert json.loads((out / "trainer" / "hard_cross" / "row.json").read_text())["row"] == "hard_cross"
+    monkeypatch.setattr(training, "train_seq2seq", real)
+    reproduce.main(argv(out))
+    whole, row = (stored(folder, "hard_retrieval")["rows"]["hard_cross"] for folder in (tmp_path / "whole", out))
+    assert row.pop("resumed_at") == {"train": 4} and "resumed_at" not in whole
+    assert row["convergence"].pop("resumed_at") == 4 and whole["convergence"].pop("resumed_at") is None
+    for result in (whole, row):
+        assert result.pop("train_minutes") > 0
+        for timing in ("command", "decode_seconds", "sentences_per_s"):  # the output folder's name; the clock
+            result.pop(timing)
+    assert row == whole and row["steps"] == 6 and row["averaged_checkpoints"] == [2, 4, 6]
+    models = [AutoModelForSeq2SeqLM.from_pretrained(folder / "models" / "hard_cross") for folder in (tmp_path / "whole", out)]
+    for (name, a), b in zip(models[0].state_dict().items(), models[1].state_dict().values()):
+        assert torch.equal(a, b), name
+    saved = sorted((out / "trainer" / "hard_cross").glob("checkpoint-*"))
+    assert [p.name for p in saved] == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
+    assert all((p / "model.safetensors").exists() and not (p / "optimizer.pt").exists() for p in saved)
+    # --force: anew (nothing resumed), and so is a row whose folder belongs to another run (row.json differs)
+    reproduce.main(argv(out, "--force"))
+    assert "resumed_at" not in stored(out, "hard_retrieval")["rows"]["hard_cross"]
+
+
 def test_hybrid_recipe_student_is_twice_as_wide_and_eq1_continues_the_mle_stage(tmp_path, monkeypatch):
     """The hybrid paper's recipe: rnn_hidden_size 2 x d_model over d_model embeddings; the MLE stage at least the
     teacher's steps; the Eq. 1 stage continues the MLE stage's optimizer (one OptimizerCarry through both stages,
@@ -389,6 +494,47 @@ def test_hybrid_recipe_student_is_twice_as_wide_and_eq1_continues_the_mle_stage(
     assert kd.optimizer.state[next(iter(kd.optimizer.state))]["step"] == row["steps"]
     assert set(row["convergence"]) == {"mle", "kd"} and row["convergence"]["mle"]["min_steps"] == rows["soft"]["steps"]
     assert json.loads((out / "kd_data" / "kd_manifest.json").read_text())["num_beams"] == 12 == row["distill_beams"]
+
+
+def test_an_interrupted_two_stage_row_resumes_its_second_stage(tmp_path, monkeypatch):
+    """hybrid_dot_kd_eq1 under the hybrid recipe, cut off just as its Eq. 1 stage begins (the MLE stage finished),
+    then the same command again: the MLE stage is not trained again (its record comes back from its last checkpoint,
+    resumed_at its last step), Eq. 1 starts from the MLE stage's end, and the row's model equals an uninterrupted
+    run's (bit for bit)."""
+    from transformers import AutoModelForSeq2SeqLM
+
+    from hf_hardattn.tools import distill, reproduce, training
+
+    def argv(out):
+        return tiny_argv(tmp_path, "--recipe", "hybrid", "--rows", "hybrid_dot_kd_eq1", "--max-steps", "3",
+                         "--output-dir", str(out))
+
+    reproduce.main(argv(tmp_path / "whole"))
+    real, out, stages, cutting = training.train_seq2seq, tmp_path / "cut", [], [True]
+
+    def cut_off(*args, **kwargs):
+        stages.append(kwargs["output_dir"])
+        if cutting[0] and kwargs["output_dir"].endswith(os.path.join("hybrid_dot_kd_eq1", "kd")):
+            kwargs = dict(kwargs, callbacks=list(kwargs.get("callbacks") or []) + [InterruptAt(0)])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(training, "train_seq2seq", cut_off)
+    monkeypatch.setattr(distill, "train_seq2seq", cut_off)  # the stages' own import of it
+    with pytest.raises(Interrupted):
+        reproduce.main(argv(out))
+    stages.clear()
+    cutting[0] = False
+    reproduce.main(argv(out))  # (still counting the stages it trains)
+    assert [os.path.basename(stage) for stage in stages] == ["kd"]
+    whole, row = (stored(folder, "hybrid")["rows"]["hybrid_dot_kd_eq1"] for folder in (tmp_path / "whole", out))
+    mle_steps = whole["stages"]["mle"]
+    assert row["resumed_at"] == {"mle": mle_steps} and row["stages"] == whole["stages"]
+    assert row["convergence"]["mle"]["curve"] == whole["convergence"]["mle"]["curve"]
+    assert row["convergence"]["kd"] == whole["convergence"]["kd"]
+    models = [AutoModelForSeq2SeqLM.from_pretrained(folder / "models" / "hybrid_dot_kd_eq1")
+              for folder in (tmp_path / "whole", out)]
+    for (name, a), b in zip(models[0].state_dict().items(), models[1].state_dict().values()):
+        assert torch.equal(a, b), name
 
 
 def test_paper_recipes_refuse_other_rows_and_patience_needs_its_interval(tmp_path):

@@ -41,8 +41,10 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import inspect
 import json
 import os
+import shutil
 import sys
 
 import datasets
@@ -243,9 +245,12 @@ def train_kd_stage(student, tokenizer, distilled, kd_scheme: str = DEFAULT_KD_SC
                                              teacher_tokenizer=teacher_tokenizer), **train_kwargs)
 
 
+SCHEDULE_DEFAULTS = inspect.signature(train_seq2seq).parameters  # train_seq2seq's own defaults (a stage may omit one)
+
+
 def train_two_stage(student, tokenizer, distilled, kd_scheme: str = DEFAULT_KD_SCHEME, kd_lambda=None,
                     teacher_model=None, teacher_tokenizer=None, mle: dict | bool = True, kd: dict | None = None,
-                    max_length: int = 128, output_dir: str = "outputs/kd"):
+                    max_length: int = 128, output_dir: str = "outputs/kd", resume_from_checkpoint: bool = False):
     """The paper's two-stage training (Sec. 2.2: "We use a two-stage training for our hybrid model: the pre-training
     and the knowledge distillation fine-tuning. In the first stage, our model is generally trained to maximize the
     likelihood estimation using the bilingual training data."): stage 1 maximises the likelihood of the bilingual data
@@ -255,25 +260,81 @@ def train_two_stage(student, tokenizer, distilled, kd_scheme: str = DEFAULT_KD_S
     default) runs stage 1 with train_seq2seq's defaults, as ``kd=None`` runs stage 2. Skipping stage 1 is not the
     paper's schedule and must be asked for: ``mle=False`` (a student trained with MLE already, or the
     ``sequence_only`` rows of the reproduction table, trained from scratch on the teacher's outputs). Returns
-    (stage-1 trainer or None, stage-2 trainer)."""
+    (stage-1 trainer or None, stage-2 trainer).
+
+    ``resume_from_checkpoint=True`` continues an interrupted run from the checkpoints in ``output_dir`` (``mle/`` and
+    ``kd/``; each stage must save them with their optimizer, e.g. ``save_steps``): stage 2 from its last complete
+    checkpoint; or, when stage 1 had finished (:func:`~hf_hardattn.tools.training.finished_run`) and stage 2 had saved
+    none, stage 2 from its start with stage 1's final weights, optimizer and schedule; or stage 1 from its last
+    complete checkpoint; or from the start. The weights reached are an uninterrupted run's. A stage 1 that finished
+    in an earlier process is returned as a :class:`~hf_hardattn.tools.training.FinishedRun` (its ``.state``), and its
+    :class:`~hf_hardattn.tools.training.Convergence` callbacks take their state back from it. With an
+    :class:`~hf_hardattn.tools.training.OptimizerCarry` in both stages, a resumed stage 2 rebuilds the schedule from
+    its own arguments, so they must equal stage 1's (``learning_rate``, ``warmup_steps``, ``lr_scheduler``,
+    ``weight_decay``: checked)."""
     check_kd_scheme(kd_scheme)
+    if not isinstance(resume_from_checkpoint, bool):
+        raise ValueError(f"`resume_from_checkpoint` must be True or False (the stages' checkpoints in `output_dir`), "
+                         f"got {resume_from_checkpoint!r}.")
     if mle is None:  # None once skipped stage 1 and was the default: refused rather than reinterpreted
         raise ValueError("`mle=None` no longer skips stage 1: pass `mle=False` to skip the MLE stage (not the paper's "
                          "schedule), or `mle=True` / a dict of train_seq2seq arguments to run it.")
     if not isinstance(mle, (bool, dict)):
         raise ValueError(f"`mle` must be True (stage 1 with train_seq2seq's defaults), a dict of train_seq2seq "
                          f"arguments, or mle=False (no stage 1), got {mle!r}.")
-    first = None
-    if mle is not False:
-        if "reference" not in distilled.column_names:
-            raise ValueError("stage 1 (`mle`) trains on the bilingual data: `distilled` needs its 'reference' column "
-                             f"(translate_dataset of a dataset with targets), or pass mle=False; columns: "
-                             f"{distilled.column_names}.")
+    if mle is not False and "reference" not in distilled.column_names:
+        raise ValueError("stage 1 (`mle`) trains on the bilingual data: `distilled` needs its 'reference' column "
+                         f"(translate_dataset of a dataset with targets), or pass mle=False; columns: "
+                         f"{distilled.column_names}.")
+    mle_args = {} if mle is True else (dict(mle) if mle else None)
+    kd_args = dict(kd or {})
+    mle_dir, kd_dir = os.path.join(str(output_dir), "mle"), os.path.join(str(output_dir), "kd")
+    first, resume_mle, resume_kd, continuation = None, False, None, None
+    if resume_from_checkpoint:
+        for name, stage in (("mle", mle_args), ("kd", kd_args)):
+            if stage is not None and "resume_from_checkpoint" in stage:
+                raise ValueError(f"`{name}` sets resume_from_checkpoint: pass train_two_stage(resume_from_checkpoint="
+                                 f"True), which resumes each stage from its own folder.")
+        ended = training.finished_run(mle_dir) if mle_args is not None else None
+        kd_checkpoint = training.last_complete_checkpoint(kd_dir) if os.path.isdir(kd_dir) else None
+        if kd_checkpoint is not None and mle_args is not None and ended is None:
+            raise ValueError(f"`resume_from_checkpoint`: {kd_dir!r} holds stage-2 checkpoints but stage 1 in {mle_dir!r} "
+                             f"did not finish; allowed: the folder of one two-stage run (or resume_from_checkpoint=False "
+                             f"in an empty `output_dir`).")
+        if ended is not None:  # stage 1 finished in an earlier process
+            first = ended
+            for callback in mle_args.get("callbacks") or []:
+                if isinstance(callback, training.Convergence):
+                    callback.restore(ended.state)
+                    callback.resumed_at = ended.state.global_step
+            resume_kd = kd_checkpoint
+            if resume_kd is None:  # stage 2 saved nothing yet: it starts from stage 1's end
+                continuation = resume_kd = training.continuation_checkpoint(ended, os.path.join(kd_dir, "continuation"))
+        elif kd_checkpoint is not None:  # no stage 1 (mle=False)
+            resume_kd = kd_checkpoint
+        else:
+            resume_mle = training.last_complete_checkpoint(mle_dir) is not None if os.path.isdir(mle_dir) else False
+        carry = kd_args.get("carry")
+        if resume_kd is not None and carry is not None and carry.optimizer is None and mle_args is not None:
+            schedule = {name: SCHEDULE_DEFAULTS[name].default
+                        for name in ("learning_rate", "warmup_steps", "lr_scheduler", "weight_decay")}
+            differ = {name: (mle_args.get(name, default), kd_args.get(name, default))
+                      for name, default in schedule.items()
+                      if mle_args.get(name, default) != kd_args.get(name, default)}
+            if differ:
+                raise ValueError(f"`resume_from_checkpoint`: stage 2 continues stage 1's optimizer (`carry`), and a resumed "
+                                 f"stage 2 rebuilds its schedule from its own arguments, which differ from stage 1's "
+                                 f"{differ} (stage 1, stage 2); allowed: the same values in `mle` and `kd`.")
+    if mle_args is not None and first is None:
         references = tokenize_dataset(distilled, tokenizer, max_length=max_length, target_column="reference")
-        first = train_seq2seq(student, tokenizer, references, output_dir=os.path.join(str(output_dir), "mle"),
-                              **({} if mle is True else mle))
+        first = train_seq2seq(student, tokenizer, references, output_dir=mle_dir,
+                              **({"resume_from_checkpoint": True} if resume_mle else {}), **mle_args)
+    if resume_kd is not None:
+        kd_args["resume_from_checkpoint"] = resume_kd
     second = train_kd_stage(student, tokenizer, distilled, kd_scheme, kd_lambda, teacher_model, teacher_tokenizer,
-                            max_length, os.path.join(str(output_dir), "kd"), **(kd or {}))
+                            max_length, kd_dir, **kd_args)
+    if continuation is not None:
+        shutil.rmtree(continuation)
     return first, second
 
 

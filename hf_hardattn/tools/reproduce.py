@@ -49,7 +49,9 @@ halved too; the ``hybrid`` recipe gives the MLE stage the teacher's budget and c
 rows and ``rnn_luong_soft`` (their soft baseline on the same Luong-style LSTM decoder) train with label smoothing 0,
 the beam-joint paper's plain likelihood (the ``*_bahdanau`` rows keep the earlier recipe: the
 hybrid's GRU decoder, label smoothing 0.1). Finished rows are stored in ``reproduce_TASK_PRESET.json`` in the
-output folder and skipped on a rerun (``--force`` redoes them), so a run can be interrupted and resumed, and two
+output folder and skipped on a rerun (``--force`` redoes them), so a run can be interrupted and resumed (a row
+trained by steps, as under every paper recipe, also resumes part-way from its last checkpoint: :func:`prepare_trainer_dir`,
+``distill.train_two_stage(resume_from_checkpoint=True)``), and two
 processes may run disjoint sets of rows into the same folder (e.g. one thread each for the small nouns models; train
 the tokenizer first). Every row stores the command that produced it, its seed, the recipe (``recipe_name`` and every
 field of :class:`Recipe`) and the training settings its model was built with (``model_fields``: sizes, dropouts,
@@ -558,8 +560,11 @@ def train_row(row: Row, ctx, model, train_tok) -> dict:
     average = recipe.average_checkpoints
     checkpoint_steps = recipe.checkpoint_steps or recipe.eval_steps or recipe.max_steps  # and the run's last step
     trainer_dir = os.path.join(ctx["out"], "trainer", row.name)
-    if average and os.path.isdir(trainer_dir):  # checkpoints of an earlier run of this row must not be averaged
-        shutil.rmtree(trainer_dir)
+    # a row trained by steps (a paper's recipe: to convergence) resumes an interrupted run of itself from its last
+    # complete checkpoint; anything else in the folder (another recipe, seed or model; --force) is removed first
+    resume = prepare_trainer_dir(ctx, row, model, trainer_dir)
+
+    resumable = recipe.minutes is None  # a wall-clock budget's schedule cannot be resumed to the same end
 
     def budget(minutes, max_steps, warmup_steps=recipe.warmup_steps, stage="train", min_steps=0, carry=None):
         kwargs = dict(max_steps=max_steps, minutes=minutes, batch_size=ctx["batch_size"],
@@ -572,7 +577,10 @@ def train_row(row: Row, ctx, model, train_tok) -> dict:
             kwargs["callbacks"] = [rule]
         if carry is not None:
             kwargs["carry"] = carry
-        if average and stage in ("train", "kd"):  # the last stage saves the checkpoints that are averaged
+        last = stage in ("train", "kd")  # the last stage saves the checkpoints that are averaged
+        if resumable:  # every stage saves checkpoints it can resume from (with the optimizer), the last one `average`
+            kwargs.update(save_steps=checkpoint_steps, save_total_limit=max(average, 1) if last else 1)
+        elif average and last:
             kwargs.update(save_steps=checkpoint_steps, save_total_limit=average, save_only_model=True)
         return kwargs
 
@@ -603,7 +611,8 @@ def train_row(row: Row, ctx, model, train_tok) -> dict:
             mle, kd = False, budget(recipe.minutes, recipe.max_steps, stage="kd")  # no MLE stage: hybrid_*_kd
             stage_warmup = recipe.warmup_steps
         first, second = distill.train_two_stage(model, ctx["tokenizer"], kd_data(ctx), kd_scheme=row.kd_scheme, mle=mle,
-                                        kd=kd, max_length=recipe.max_length, output_dir=trainer_dir)
+                                                kd=kd, max_length=recipe.max_length, output_dir=trainer_dir,
+                                                resume_from_checkpoint=resume)
         stages = {"mle": first.state.global_step if first is not None else 0, "kd": second.state.global_step}
         losses = (_losses(first) if first is not None else []) + _losses(second)
         result = dict(steps=sum(stages.values()), kd_scheme=row.kd_scheme, stages=stages,
@@ -616,15 +625,22 @@ def train_row(row: Row, ctx, model, train_tok) -> dict:
         extra = {}
         if row.name == "marian":  # MarianMTModel's own loss has no label smoothing: the Trainer's LabelSmoother does it
             extra["label_smoothing_factor"] = recipe.label_smoothing
+        resume_train = resume and training.last_complete_checkpoint(trainer_dir) is not None
         trainer = training.train_seq2seq(model, ctx["tokenizer"], train_tok, output_dir=trainer_dir,
+                                         resume_from_checkpoint=resume_train,
                                          **budget(recipe.minutes, recipe.max_steps), **extra)
         losses = _losses(trainer)
         result = dict(steps=trainer.state.global_step, first_loss=losses[0] if losses else None,
                       last_loss=losses[-1] if losses else None)
         last_dir = trainer_dir
-    result["train_minutes"] = round((time.perf_counter() - start) / 60, 2)
+    # minutes of training: this process's, plus those of the runs it resumed (up to their last evaluation)
+    earlier = sum(rule.minutes_before for rule in rules.values())
+    result["train_minutes"] = round((time.perf_counter() - start) / 60 + earlier, 2)
     if rules:  # convergence: each stage's record; the row converged when every stage did
         records = {stage: rule.record() for stage, rule in rules.items()}
+        resumed = {stage: record["resumed_at"] for stage, record in records.items() if record["resumed_at"]}
+        if resumed:  # where each stage took up an interrupted run (its step), e.g. in a later session
+            result["resumed_at"] = resumed
         result["convergence"] = records["train"] if set(records) == {"train"} else records
         result["converged"] = all(record["converged"] for record in records.values())
     if average:  # the paper's evaluation: the mean of the last saved checkpoints
@@ -632,7 +648,34 @@ def train_row(row: Row, ctx, model, train_tok) -> dict:
         training.load_average(model, paths)
         result["averaged_checkpoints"] = [int(os.path.basename(p).rsplit("-", 1)[1]) for p in paths]
         result["checkpoint_steps"] = checkpoint_steps
+    for _, path in training.checkpoints(last_dir) + training.checkpoints(os.path.join(trainer_dir, "mle")):
+        # the row is finished: the optimizer states, needed only to resume it, go (the weights stay, for the average)
+        if os.path.isfile(os.path.join(path, training.OPTIMIZER_FILE)):
+            os.remove(os.path.join(path, training.OPTIMIZER_FILE))
     return result
+
+
+def prepare_trainer_dir(ctx, row: Row, model, trainer_dir) -> bool:
+    """True when ``trainer_dir`` holds an interrupted run of this very row (same row, seed, recipe, batch and model
+    configuration, recorded in its ``row.json``) that can resume: the recipe trains by steps, not minutes, and
+    --force is not given. Otherwise the folder is emptied (checkpoints of another run must be neither resumed nor
+    averaged) and this run's ``row.json`` written; False."""
+    recipe, args = ctx["recipe"], ctx["args"]
+    config = getattr(model, "config", None)  # (None: a test's stand-in for the model)
+    config = {k: v for k, v in config.to_dict().items() if k != "transformers_version"} if config is not None else None
+    identity = json.loads(json.dumps(dict(row=row.name, seed=args.seed, recipe=dataclasses.asdict(recipe),
+                                          batch_size=ctx["batch_size"], config=config), default=str, sort_keys=True))
+    path = os.path.join(trainer_dir, "row.json")
+    if recipe.minutes is None and not getattr(args, "force", False) and os.path.isfile(path):
+        with open(path, encoding="utf-8") as handle:
+            if json.load(handle) == identity:
+                return True
+    if os.path.isdir(trainer_dir):
+        shutil.rmtree(trainer_dir)
+    os.makedirs(trainer_dir)
+    with open(path, "w", encoding="utf-8") as handle:
+        json.dump(identity, handle, indent=1, sort_keys=True)
+    return False
 
 
 def kd_data(ctx):

@@ -43,6 +43,8 @@ from transformers import (
     Seq2SeqTrainer,
     Seq2SeqTrainingArguments,
     TrainerCallback,
+    TrainerControl,
+    TrainerState,
 )
 from transformers.trainer_pt_utils import LengthGroupedSampler
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
@@ -159,7 +161,11 @@ class Convergence(TrainerCallback):
     once ``patience`` evaluations in a row have not improved on the best so far (strictly), but not before step
     ``min_steps``. The run's cap (``max_steps`` / minutes) may end it first: :meth:`record` then says
     ``converged`` False. :meth:`record` also holds the curve [[step, value], ...], the best value and its step; each
-    evaluation is also appended to the Trainer's ``state.log_history`` (so to every checkpoint's trainer_state.json)."""
+    evaluation is also appended to the Trainer's ``state.log_history`` (so to every checkpoint's trainer_state.json),
+    with ``converged`` and the wall-clock ``minutes`` of training so far. A run resumed from a checkpoint
+    (``resume_from_checkpoint``) takes the rule's state back from that log (:meth:`restore`), minutes included, so it
+    stops where the uninterrupted run stops; the step that stops training is saved as a checkpoint too (when the run
+    saves checkpoints by steps), so a finished run's last checkpoint says it finished."""
 
     def __init__(self, evaluate, every: int, patience: int, metric: str = "val_loss", min_steps: int = 0):
         for name, value in (("every", every), ("patience", patience)):
@@ -171,7 +177,7 @@ class Convergence(TrainerCallback):
             raise ValueError(f"`min_steps` must be an integer >= 0, got {min_steps!r}.")
         self.evaluate, self.every, self.patience, self.metric, self.min_steps = evaluate, every, patience, metric, min_steps
         self.curve, self.best, self.best_step, self.since_best, self.converged = [], None, None, 0, False
-        self.last_step = 0
+        self.last_step, self.minutes_before, self.start, self.resumed_at = 0, 0.0, None, None
 
     def observe(self, step: int, value: float) -> bool:
         """Record ``value`` at ``step``; True when training should stop (patience spent, ``min_steps`` reached)."""
@@ -185,19 +191,45 @@ class Convergence(TrainerCallback):
         self.converged = self.since_best >= self.patience and step >= self.min_steps
         return self.converged
 
+    def restore(self, state) -> None:
+        """The rule's state after the evaluations logged in ``state`` (a TrainerState, e.g. of the checkpoint a run
+        resumes from): the logged values are observed again in order, so best, patience and ``converged`` are those
+        of the run that logged them."""
+        self.curve, self.best, self.best_step, self.since_best, self.converged = [], None, None, 0, False
+        self.minutes_before = 0.0
+        for entry in state.log_history:
+            if self.metric in entry and "best_step" in entry and entry["step"] <= state.global_step:
+                self.observe(entry["step"], entry[self.metric])
+                self.minutes_before = entry.get("minutes", self.minutes_before)
+        self.last_step = state.global_step
+
+    def minutes(self) -> float:
+        """Wall-clock minutes of training so far, the runs this one resumed included (up to their last evaluation)."""
+        return self.minutes_before + (0.0 if self.start is None else (time.perf_counter() - self.start) / 60)
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.start = time.perf_counter()
+        if state.global_step > 0:  # resumed from a checkpoint: its log holds the evaluations so far
+            self.restore(state)
+            self.resumed_at = state.global_step
+
     def on_step_end(self, args, state, control, model=None, **kwargs):
         self.last_step = state.global_step
         if state.global_step % self.every == 0:
             stop = self.observe(state.global_step, self.evaluate(model))
-            # the curve so far in the Trainer's log (each checkpoint's trainer_state.json): a long run can be watched
+            # the curve so far in the Trainer's log (each checkpoint's trainer_state.json): a long run can be watched,
+            # and a resumed one takes the rule's state from it
             state.log_history.append({"step": state.global_step, self.metric: self.curve[-1][1],
-                                      f"best_{self.metric}": self.best, "best_step": self.best_step})
+                                      f"best_{self.metric}": self.best, "best_step": self.best_step,
+                                      "converged": self.converged, "minutes": round(self.minutes(), 3)})
             control.should_training_stop |= stop
+            if stop and _value(getattr(args, "save_strategy", None)) == "steps":  # the last step's checkpoint: the run's end, on disk
+                control.should_save = True
 
     def record(self) -> dict:
         return dict(converged=self.converged, metric=self.metric, patience=self.patience, eval_steps=self.every,
                     min_steps=self.min_steps, steps_reached=self.last_step, best=self.best, best_step=self.best_step,
-                    curve=self.curve)
+                    curve=self.curve, resumed_at=self.resumed_at)
 
 
 class OptimizerCarry:
@@ -336,6 +368,7 @@ def check_bf16(bf16: bool, name: str = "bf16", fix: str = "Pass bf16=False (fp32
             f"AMX): its bf16 GEMMs run ~100x slower than fp32. {fix}.")
 
 
+OPTIMIZER_FILE = "optimizer.pt"  # transformers.trainer.OPTIMIZER_NAME: a checkpoint saved with its optimizer state
 TRAINER_STATE = "trainer_state.json"  # written last by transformers' Trainer._save_checkpoint (5.10 - 5.24)
 _CHECKPOINT = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
 
@@ -474,6 +507,10 @@ def resolve_checkpoint(resume_from_checkpoint, output_dir) -> str | None:
     else:
         raise ValueError(f"`resume_from_checkpoint` must be True, False, None or a checkpoint path, got "
                          f"{resume_from_checkpoint!r}.")
+    if not os.path.isfile(os.path.join(path, OPTIMIZER_FILE)):
+        raise ValueError(f"`resume_from_checkpoint`: the checkpoint {path!r} holds no optimizer state ({OPTIMIZER_FILE}; "
+                         f"saved with save_only_model=True), so a resumed run would start Adam and the schedule "
+                         f"anew; allowed: a checkpoint saved with its optimizer (save_only_model=False), or False.")
     match = _CHECKPOINT.match(os.path.basename(os.path.normpath(path)))
     if match and os.path.isdir(output_dir) and os.path.samefile(os.path.dirname(os.path.abspath(path)), output_dir):
         for step, other in checkpoints(output_dir):
@@ -481,6 +518,60 @@ def resolve_checkpoint(resume_from_checkpoint, output_dir) -> str | None:
                 logger.warning(f"Removing the interrupted checkpoint {other} (resuming from {path}).")
                 shutil.rmtree(other)
     return path
+
+
+@dataclasses.dataclass
+class FinishedRun:
+    """A :func:`train_seq2seq` run that ended in an earlier process, known by its last checkpoint (:func:`finished_run`):
+    ``state`` is that checkpoint's ``TrainerState`` (``global_step``, ``log_history``) and ``checkpoint`` its folder.
+    It stands in for the run's Trainer where only ``.state`` is read (``distill.train_two_stage``'s first stage when
+    a resumed run finds it finished)."""
+
+    state: TrainerState
+    checkpoint: str
+
+
+def finished_run(output_dir) -> FinishedRun | None:
+    """The run saved in ``output_dir`` if its last complete checkpoint is the run's end, else None: the checkpoint of
+    the step that reached the run's ``max_steps``, or of the step where a :class:`Convergence` rule stopped it (its log
+    entry at that step says ``converged``; the rule saves that step)."""
+    path = last_complete_checkpoint(output_dir) if os.path.isdir(output_dir) else None
+    if path is None:
+        return None
+    state = TrainerState.load_from_json(os.path.join(path, TRAINER_STATE))
+    converged = any(entry.get("converged") is True and entry.get("step") == state.global_step
+                    for entry in state.log_history)
+    if converged or (state.max_steps and state.global_step >= state.max_steps):
+        return FinishedRun(state, path)
+    return None
+
+
+def continuation_checkpoint(finished: FinishedRun, folder) -> str:
+    """A checkpoint folder from which a new :func:`train_seq2seq` run (``resume_from_checkpoint=folder``) starts at
+    its step 0 with ``finished``'s weights, optimizer state and learning-rate schedule: what an
+    :class:`OptimizerCarry` hands from one call to the next in one process (e.g. the hybrid's Eq. 1 stage continuing its
+    MLE stage), rebuilt from disk after an interruption between the two. ``finished``'s files are copied but for its
+    TrainerState (a fresh one, step 0) and RNG states (none: the new run keeps its own seed's, as the uninterrupted
+    one does, since each Trainer seeds anew). Written to a temporary folder and renamed, so it is whole or absent."""
+    folder = os.fspath(folder)
+    if os.path.isdir(folder):
+        shutil.rmtree(folder)
+    partial = f"{folder}.partial"
+    if os.path.isdir(partial):
+        shutil.rmtree(partial)
+    os.makedirs(partial)
+    for name in os.listdir(finished.checkpoint):
+        if name == TRAINER_STATE or name.startswith("rng_state"):
+            continue
+        source = os.path.join(finished.checkpoint, name)
+        (shutil.copytree if os.path.isdir(source) else shutil.copy2)(source, os.path.join(partial, name))
+    # step 0, no log; the batch and intervals as the finished run recorded them (transformers compares them)
+    TrainerState(stateful_callbacks=[TrainerControl()],
+                 **{name: getattr(finished.state, name) for name in
+                    ("train_batch_size", "logging_steps", "eval_steps", "save_steps")}).save_to_json(
+        os.path.join(partial, TRAINER_STATE))
+    os.rename(partial, folder)
+    return folder
 
 
 # Seq2SeqTrainingArguments fields that train_seq2seq sets from a parameter of its own (pass that one instead)
@@ -635,8 +726,10 @@ def train_seq2seq(
     ``train_sampling_strategy``) are refused with the parameter to use. Checkpoints: none by default;
     ``save_steps=N`` saves one every N steps (``save_strategy`` "steps"). ``resume_from_checkpoint``: True resumes
     from the last *complete* checkpoint in ``output_dir`` (one that a kill left half written is skipped, see
-    :func:`checkpoint_problem`), a path from that checkpoint; the run then ends with the weights an uninterrupted run
-    would have (same data order and RNG states; with ``minutes``, the time budget starts again).
+    :func:`checkpoint_problem`), a path from that checkpoint (saved with its optimizer state, not
+    ``save_only_model``); the run then ends with the weights an uninterrupted run would have (same data order and RNG
+    states, a :class:`Convergence` rule's state from the checkpoint's log; with ``minutes``, the time budget starts
+    again).
     ``carry`` (an :class:`OptimizerCarry`): the first call with it creates the optimizer and schedule as usual and
     leaves them there; a later call continues them (``learning_rate``, ``warmup_steps`` and ``lr_scheduler`` are then
     the first call's).
