@@ -50,7 +50,8 @@ from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, TrainerCallback
 
 import hf_hardattn
 from hf_hardattn.gaussian import GaussianConfig
-from hf_hardattn.tools.reproduce import PRESETS, batch_size_for, evaluate, load_task
+from hf_hardattn.tools.recipes import PRESETS
+from hf_hardattn.tools.reproduce import batch_size_for, evaluate, load_task
 from hf_hardattn.tools.training import check_bf16, decode_speed, machine, tokenize_dataset, train_seq2seq, translate
 
 DEFAULT_SOURCE = "outputs/reproduce/multi30k-small-marian/models/marian"

@@ -26,7 +26,8 @@ import torch
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
 import hf_hardattn  # noqa: F401  (registers the model types)
-from hf_hardattn.tools.reproduce import Recipe, evaluate, load_task
+from hf_hardattn.tools.recipes import Recipe
+from hf_hardattn.tools.reproduce import evaluate, load_task
 from hf_hardattn.int8_traced import int_mm_is_exact
 from hf_hardattn.tools.training import cpu_has_bf16_matmul, machine
 from trained_models import check_trained_args

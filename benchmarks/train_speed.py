@@ -25,7 +25,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from hf_hardattn.tools.reproduce import PRESETS, ROWS
+from hf_hardattn.tools.recipes import PRESETS
+from hf_hardattn.tools.reproduce import ROWS
 from hf_hardattn.tools.training import machine
 from machine_kind import default_output
 

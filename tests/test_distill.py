@@ -252,7 +252,7 @@ def test_two_stage_run_resumed_after_an_interruption_ends_as_the_uninterrupted_o
     cut off inside stage 1, between the stages (stage 1 finished, stage 2 saved nothing) or inside stage 2, then
     resumed with resume_from_checkpoint=True, the run ends with the uninterrupted run's weights (bit for bit), its
     stages' steps and its rules' curves; a stage 1 finished earlier comes back as a FinishedRun."""
-    from hf_hardattn.tools.training import FinishedRun
+    from hf_hardattn.tools.checkpointing import FinishedRun
 
     whole, first, second, rules = _two_stage_run(tmp_path, "whole")
     assert first.state.global_step == 8 and second.state.global_step == 8

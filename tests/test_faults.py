@@ -28,7 +28,8 @@ from hf_hardattn import (RecurrentConfig, RecurrentForConditionalGeneration, Sof
                          SoftTransformerForConditionalGeneration)
 from hf_hardattn import safe_io
 from hf_hardattn.safe_io import CHECKSUM_FILE, CorruptFileError
-from hf_hardattn.tools.training import checkpoint_problem, last_complete_checkpoint, resolve_checkpoint, train_seq2seq
+from hf_hardattn.tools.checkpointing import checkpoint_problem, last_complete_checkpoint, resolve_checkpoint
+from hf_hardattn.tools.training import train_seq2seq
 
 FORK = multiprocessing.get_context("fork")
 

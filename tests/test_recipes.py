@@ -16,6 +16,7 @@ import hf_hardattn  # noqa: F401
 from hf_hardattn import HardRetrievalConfig, HardRetrievalForConditionalGeneration
 from hf_hardattn.hard_retrieval import HardRetrievalAttention, sampled_retrieval
 from hf_hardattn.soft import SoftTransformerConfig, SoftTransformerForConditionalGeneration
+from hf_hardattn.tools import recipes
 
 SIZES = dict(vocab_size=500, d_model=64, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
              decoder_attention_heads=4, encoder_ffn_dim=256, decoder_ffn_dim=256)
@@ -292,7 +293,7 @@ def test_a_run_to_convergence_resumed_after_an_interruption_ends_as_the_uninterr
     epoch); the same run cut off after step 15 and resumed from its checkpoint takes the rule's state back from the
     checkpoint's log, stops at 16 too, with the same weights (bit for bit), curve and best; the stopping step is saved
     (16 is no multiple of 3), so the finished run says so on disk; a run cut off before is not finished."""
-    from hf_hardattn.tools.training import checkpoints, finished_run
+    from hf_hardattn.tools.checkpointing import checkpoints, finished_run
 
     whole, rule, trainer = scripted_run(tmp_path, "whole")
     assert trainer.state.global_step == 16 and rule.converged and rule.best_step == 12
@@ -328,7 +329,7 @@ def test_averaged_checkpoints_are_the_hand_mean_of_the_last_saved_weights(tmp_pa
     of those checkpoints holds (read back one by one, summed in float64); the tied output layer follows."""
     from safetensors.torch import load_file
 
-    from hf_hardattn.tools.training import average_checkpoints, last_checkpoints, load_average
+    from hf_hardattn.tools.checkpointing import average_checkpoints, last_checkpoints, load_average
 
     model = toy_model()
     train(model, 5, tmp_path, "run", save_steps=1)
@@ -390,10 +391,10 @@ def test_hard_retrieval_recipe_row_converges_by_patience_and_stores_every_field(
     row = payload["rows"]["hard_cross"]
     assert row["converged"] is True and row["steps"] == 6 and row["convergence"]["steps_reached"] == 6
     assert row["convergence"]["curve"] == [[2, 1.0], [4, 1.0], [6, 1.0]] and row["convergence"]["metric"] == "val_loss"
-    fields = {field.name for field in reproduce.dataclasses.fields(reproduce.Recipe)}
+    fields = {field.name for field in reproduce.dataclasses.fields(recipes.Recipe)}
     assert set(row["recipe"]) == set(payload["recipe"]) == fields
     assert row["recipe_name"] == payload["recipe_name"] == "hard_retrieval" and "--recipe hard_retrieval" in row["command"]
-    for name, value in reproduce.PAPER_RECIPES["hard_retrieval"]["fields"].items():
+    for name, value in recipes.PAPER_RECIPES["hard_retrieval"]["fields"].items():
         assert row["recipe"][name] == value, name
     assert (row["recipe"]["patience"], row["recipe"]["max_steps"], row["recipe"]["eval_steps"]) == (2, 10, 2)
     assert row["recipe"]["lr_scheduler"] == "inverse_sqrt" and "--eval-steps 2 " in row["command"] + " "
@@ -442,7 +443,7 @@ def test_an_interrupted_paper_recipe_row_resumes_where_it_stopped(tmp_path, monk
     monkeypatch.setattr(training, "train_seq2seq", cut_off)
     with pytest.raises(Interrupted):
         reproduce.main(argv(out))
-    assert json.loads((out / "trainer" / "hard_cross" / "row.json").read_text())["row"] == "hard_cross"
+    assert json.loads((out / "trainer" / "hard_cross" / "run.json").read_text())["row"] == "hard_cross"
     monkeypatch.setattr(training, "train_seq2seq", real)
     reproduce.main(argv(out))
     whole, row = (stored(folder, "hard_retrieval")["rows"]["hard_cross"] for folder in (tmp_path / "whole", out))
@@ -459,9 +460,26 @@ def test_an_interrupted_paper_recipe_row_resumes_where_it_stopped(tmp_path, monk
     saved = sorted((out / "trainer" / "hard_cross").glob("checkpoint-*"))
     assert [p.name for p in saved] == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
     assert all((p / "model.safetensors").exists() and not (p / "optimizer.pt").exists() for p in saved)
-    # --force: anew (nothing resumed), and so is a row whose folder belongs to another run (row.json differs)
+    # --force: anew (nothing resumed)
     reproduce.main(argv(out, "--force"))
     assert "resumed_at" not in stored(out, "hard_retrieval")["rows"]["hard_cross"]
+
+
+def test_a_run_folder_resumes_only_the_run_it_records(tmp_path):
+    """prepare_run_folder: the same identity with resume allowed keeps the folder (True); another identity, or resume
+    not allowed, empties it and records the new identity (False)."""
+    from hf_hardattn.tools.checkpointing import prepare_run_folder
+
+    folder = tmp_path / "run"
+    assert prepare_run_folder(folder, dict(row="soft", seed=0), resume=True) is False  # nothing there yet
+    (folder / "checkpoint-2").mkdir()
+    assert prepare_run_folder(folder, dict(seed=0, row="soft"), resume=True) is True  # (key order does not matter)
+    assert (folder / "checkpoint-2").is_dir()
+    assert prepare_run_folder(folder, dict(row="soft", seed=1), resume=True) is False  # another run's folder
+    assert sorted(p.name for p in folder.iterdir()) == ["run.json"]
+    (folder / "checkpoint-2").mkdir()
+    assert prepare_run_folder(folder, dict(row="soft", seed=1), resume=False) is False  # e.g. --force
+    assert sorted(p.name for p in folder.iterdir()) == ["run.json"]
 
 
 def test_hybrid_recipe_student_is_twice_as_wide_and_eq1_continues_the_mle_stage(tmp_path, monkeypatch):
@@ -547,9 +565,9 @@ def test_paper_recipes_refuse_other_rows_and_patience_needs_its_interval(tmp_pat
     with pytest.raises(ValueError, match="`--patience` must be > 0"):
         reproduce.main(tiny_argv(tmp_path, "--rows", "soft", "--patience", "0", "--eval-steps", "1"))
     with pytest.raises(ValueError, match="`recipe`"):
-        reproduce.recipe_for("multi30k", "cpu", "hard")
+        recipes.recipe_for("multi30k", "cpu", "hard")
     # today's recipe is the preset's, unchanged; a paper's keeps the preset's sizes
-    assert reproduce.recipe_for("multi30k", "cpu") == reproduce.PRESETS["multi30k"]["cpu"]
-    paper = reproduce.recipe_for("multi30k", "cpu", "hybrid")
-    assert paper.dims == reproduce.PRESETS["multi30k"]["cpu"].dims and paper.rnn["rnn_hidden_size"] == 512
+    assert recipes.recipe_for("multi30k", "cpu") == recipes.PRESETS["multi30k"]["cpu"]
+    paper = recipes.recipe_for("multi30k", "cpu", "hybrid")
+    assert paper.dims == recipes.PRESETS["multi30k"]["cpu"].dims and paper.rnn["rnn_hidden_size"] == 512
     assert (paper.minutes, paper.max_steps, paper.patience, paper.eval_steps) == (None, 12000, 5, 250)

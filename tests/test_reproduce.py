@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
 import hf_hardattn  # noqa: F401
-from hf_hardattn.tools import reproduce
+from hf_hardattn.tools import recipes, reproduce
 from hf_hardattn.tools.training import translate
 
 EN = ["a man is riding a bike .", "two dogs play in the snow .", "a woman is reading a book .",
@@ -149,7 +149,7 @@ def test_evaluate_scores_each_set_on_its_own_translations(monkeypatch):
     monkeypatch.setattr(reproduce.training, "translate", lambda model, tokenizer, sources, **kw: outputs[tuple(sources)])
     test = datasets.Dataset.from_dict({"source": EN, "target": DE})
     val = datasets.Dataset.from_dict({"source": EN[:2:-1], "target": DE[:2:-1]})
-    out = reproduce.evaluate("multi30k", None, None, test, reproduce.PRESETS["multi30k"]["tiny"],
+    out = reproduce.evaluate("multi30k", None, None, test, recipes.PRESETS["multi30k"]["tiny"],
                              other_sets={"val": val})
     for split, hypotheses, references in (("test_2016_flickr", outputs[tuple(EN)], DE),
                                           ("val", outputs[tuple(EN[:2:-1])], DE[:2:-1])):
@@ -206,12 +206,12 @@ def test_init_std_reaches_every_hf_hardattn_row_and_is_recorded(tmp_path):
     rows = load_results(tmp_path / "default")["rows"]
     assert rows["soft"]["embed_init_std"] == 0.02 and rows["hybrid_dot"]["embed_init_std"] is None
     # the nouns recipes keep N(0, d^-1/2) embeddings for every type (0.02 measured lower there), recorded in the recipe
-    assert all(recipe.embed_init_std is None for recipe in reproduce.PRESETS["nouns"].values())
+    assert all(recipe.embed_init_std is None for recipe in recipes.PRESETS["nouns"].values())
     assert rows["soft"]["recipe"]["embed_init_std"] == "model"
-    nouns = dict(recipe=reproduce.PRESETS["nouns"]["cpu"])
+    nouns = dict(recipe=recipes.PRESETS["nouns"]["cpu"])
     nouns["tokenizer"] = type("Tok", (list,), dict(pad_token_id=0, bos_token_id=1, eos_token_id=2))(["x"] * 50)
     assert reproduce._common(nouns)["embed_init_std"] is None
-    assert "embed_init_std" not in reproduce._common(dict(nouns, recipe=reproduce.PRESETS["multi30k"]["cpu"]))
+    assert "embed_init_std" not in reproduce._common(dict(nouns, recipe=recipes.PRESETS["multi30k"]["cpu"]))
     for flag, value in (("--init-std", "-1"), ("--embed-init-std", "0"), ("--embed-init-std", "xavier")):
         with pytest.raises(SystemExit):
             reproduce.main(common + [flag, value, "--output-dir", str(tmp_path / "bad")])
@@ -311,8 +311,8 @@ def test_learning_rate_override_reaches_training_and_the_stored_command(run_dir,
             "--quiet", "--rows", "soft", "--learning-rate", "3e-4", "--precision", "bf16"]
     with pytest.raises(StopTraining):
         reproduce.main(argv)
-    assert seen["learning_rate"] == 3e-4 != reproduce.PRESETS["multi30k"]["tiny"].learning_rate
-    assert seen["bf16"] is True and reproduce.PRESETS["multi30k"]["tiny"].bf16 is False
+    assert seen["learning_rate"] == 3e-4 != recipes.PRESETS["multi30k"]["tiny"].learning_rate
+    assert seen["bf16"] is True and recipes.PRESETS["multi30k"]["tiny"].bf16 is False
     args = argparse.ArgumentParser()
     reproduce.add_arguments(args)
     ctx = dict(args=args.parse_args(argv), task="multi30k", preset="tiny")
@@ -334,7 +334,7 @@ def test_bf16_preset_refused_without_bf16_matmul_unless_fp32(run_dir, tmp_path, 
     with pytest.raises(ValueError, match="--preset cpu.*--precision fp32"):
         reproduce.main(argv)
     assert not os.path.exists(tmp_path / "tokenizer")  # refused before training a tokenizer
-    assert reproduce.PRESETS["multi30k"]["cpu"].bf16 is True
+    assert recipes.PRESETS["multi30k"]["cpu"].bf16 is True
     with pytest.raises(StopTraining):
         reproduce.main(argv + ["--precision", "fp32", "--max-steps", "1", "--eval-size", "2"])
     assert seen["bf16"] is False
@@ -416,8 +416,8 @@ def test_every_row_builds_for_its_tasks():
 
     names = [row.name for row in reproduce.ROWS]
     assert len(names) == len(set(names))
-    for task in reproduce.TASKS:
-        recipe = reproduce.PRESETS[task]["tiny"]
+    for task in recipes.TASKS:
+        recipe = recipes.PRESETS[task]["tiny"]
         train = datasets.Dataset.from_dict({"source": EN, "target": DE})
         tokenizer = train_tokenizer(EN + DE, **recipe.tokenizer)
         ctx = dict(recipe=recipe, tokenizer=tokenizer, train=train)
@@ -473,9 +473,9 @@ def test_cli_entry():
 
 def test_every_preset_exists_for_every_task():
     """--preset accepts PRESET_NAMES for every --task: each task has each of them (no KeyError after parsing)."""
-    for task in reproduce.TASKS:
-        assert set(reproduce.PRESETS[task]) == set(reproduce.PRESET_NAMES), task
-    small = reproduce.PRESETS["multi30k"]["small"]
+    for task in recipes.TASKS:
+        assert set(recipes.PRESETS[task]) == set(recipes.PRESET_NAMES), task
+    small = recipes.PRESETS["multi30k"]["small"]
     assert (small.dims["d_model"], small.max_tokens, small.bf16, small.minutes) == (128, 1024, False, 20.0)
 
 
@@ -498,7 +498,7 @@ def test_kd_rows_ask_for_their_mle_stage_explicitly(monkeypatch, tmp_path):
         return (None if mle is False else trainer(mle["max_steps"])), trainer(kd["max_steps"])
 
     monkeypatch.setattr(distill, "train_two_stage", two_stage)
-    recipe = reproduce.PRESETS["multi30k"]["tiny"]
+    recipe = recipes.PRESETS["multi30k"]["tiny"]
     ctx = dict(recipe=recipe, args=SimpleNamespace(seed=0, quiet=True), batch_size=2, tokenizer=None,
                out=str(tmp_path), kd_data="distilled")
     rows = {row.name: row for row in reproduce.ROWS}

@@ -54,7 +54,7 @@ from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
 from ..hybrid import kd_loss, sequence_kd_loss
 from ..safe_io import write_json_atomic
-from . import training
+from . import checkpointing, training
 from .arguments import check_model_type
 from .data import load_parallel
 from .training import Seq2SeqLengthTrainer, tokenize_dataset, train_seq2seq
@@ -264,10 +264,10 @@ def train_two_stage(student, tokenizer, distilled, kd_scheme: str = DEFAULT_KD_S
 
     ``resume_from_checkpoint=True`` continues an interrupted run from the checkpoints in ``output_dir`` (``mle/`` and
     ``kd/``; each stage must save them with their optimizer, e.g. ``save_steps``): stage 2 from its last complete
-    checkpoint; or, when stage 1 had finished (:func:`~hf_hardattn.tools.training.finished_run`) and stage 2 had saved
+    checkpoint; or, when stage 1 had finished (:func:`~hf_hardattn.tools.checkpointing.finished_run`) and stage 2 had saved
     none, stage 2 from its start with stage 1's final weights, optimizer and schedule; or stage 1 from its last
     complete checkpoint; or from the start. The weights reached are an uninterrupted run's. A stage 1 that finished
-    in an earlier process is returned as a :class:`~hf_hardattn.tools.training.FinishedRun` (its ``.state``), and its
+    in an earlier process is returned as a :class:`~hf_hardattn.tools.checkpointing.FinishedRun` (its ``.state``), and its
     :class:`~hf_hardattn.tools.training.Convergence` callbacks take their state back from it. With an
     :class:`~hf_hardattn.tools.training.OptimizerCarry` in both stages, a resumed stage 2 rebuilds the schedule from
     its own arguments, so they must equal stage 1's (``learning_rate``, ``warmup_steps``, ``lr_scheduler``,
@@ -295,8 +295,8 @@ def train_two_stage(student, tokenizer, distilled, kd_scheme: str = DEFAULT_KD_S
             if stage is not None and "resume_from_checkpoint" in stage:
                 raise ValueError(f"`{name}` sets resume_from_checkpoint: pass train_two_stage(resume_from_checkpoint="
                                  f"True), which resumes each stage from its own folder.")
-        ended = training.finished_run(mle_dir) if mle_args is not None else None
-        kd_checkpoint = training.last_complete_checkpoint(kd_dir) if os.path.isdir(kd_dir) else None
+        ended = checkpointing.finished_run(mle_dir) if mle_args is not None else None
+        kd_checkpoint = checkpointing.last_complete_checkpoint(kd_dir) if os.path.isdir(kd_dir) else None
         if kd_checkpoint is not None and mle_args is not None and ended is None:
             raise ValueError(f"`resume_from_checkpoint`: {kd_dir!r} holds stage-2 checkpoints but stage 1 in {mle_dir!r} "
                              f"did not finish; allowed: the folder of one two-stage run (or resume_from_checkpoint=False "
@@ -309,11 +309,11 @@ def train_two_stage(student, tokenizer, distilled, kd_scheme: str = DEFAULT_KD_S
                     callback.resumed_at = ended.state.global_step
             resume_kd = kd_checkpoint
             if resume_kd is None:  # stage 2 saved nothing yet: it starts from stage 1's end
-                continuation = resume_kd = training.continuation_checkpoint(ended, os.path.join(kd_dir, "continuation"))
+                continuation = resume_kd = checkpointing.continuation_checkpoint(ended, os.path.join(kd_dir, "continuation"))
         elif kd_checkpoint is not None:  # no stage 1 (mle=False)
             resume_kd = kd_checkpoint
         else:
-            resume_mle = training.last_complete_checkpoint(mle_dir) is not None if os.path.isdir(mle_dir) else False
+            resume_mle = checkpointing.last_complete_checkpoint(mle_dir) is not None if os.path.isdir(mle_dir) else False
         carry = kd_args.get("carry")
         if resume_kd is not None and carry is not None and carry.optimizer is None and mle_args is not None:
             schedule = {name: SCHEDULE_DEFAULTS[name].default
