@@ -190,7 +190,7 @@ def finished_run(output_dir) -> FinishedRun | None:
     """The run saved in ``output_dir`` if its last complete checkpoint is the run's end, else None: the checkpoint of
     the step that reached the run's ``max_steps``, or of the step where a :class:`Convergence` rule stopped it (its log
     entry at that step says ``converged``; the rule saves that step)."""
-    path = last_complete_checkpoint(output_dir) if os.path.isdir(output_dir) else None
+    path = last_complete_checkpoint(output_dir)
     if path is None:
         return None
     state = TrainerState.load_from_json(os.path.join(path, TRAINER_STATE))

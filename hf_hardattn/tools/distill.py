@@ -264,11 +264,11 @@ def train_two_stage(student, tokenizer, distilled, kd_scheme: str = DEFAULT_KD_S
 
     ``resume_from_checkpoint=True`` continues an interrupted run from the checkpoints in ``output_dir`` (``mle/`` and
     ``kd/``; each stage must save them with their optimizer, e.g. ``save_steps``): stage 2 from its last complete
-    checkpoint; or, when stage 1 had finished (:func:`~hf_hardattn.tools.checkpointing.finished_run`) and stage 2 had saved
-    none, stage 2 from its start with stage 1's final weights, optimizer and schedule; or stage 1 from its last
+    checkpoint; or, when stage 1 had finished (:func:`~hf_hardattn.tools.checkpointing.finished_run`) and stage 2
+    had saved none, stage 2 from its start with stage 1's final weights, optimizer and schedule; or stage 1 from its last
     complete checkpoint; or from the start. The weights reached are an uninterrupted run's. A stage 1 that finished
-    in an earlier process is returned as a :class:`~hf_hardattn.tools.checkpointing.FinishedRun` (its ``.state``), and its
-    :class:`~hf_hardattn.tools.training.Convergence` callbacks take their state back from it. With an
+    in an earlier process is returned as a :class:`~hf_hardattn.tools.checkpointing.FinishedRun` (its ``.state``),
+    and its :class:`~hf_hardattn.tools.training.Convergence` callbacks take their state back from it. With an
     :class:`~hf_hardattn.tools.training.OptimizerCarry` in both stages, a resumed stage 2 rebuilds the schedule from
     its own arguments, so they must equal stage 1's (``learning_rate``, ``warmup_steps``, ``lr_scheduler``,
     ``weight_decay``: checked)."""
@@ -296,7 +296,7 @@ def train_two_stage(student, tokenizer, distilled, kd_scheme: str = DEFAULT_KD_S
                 raise ValueError(f"`{name}` sets resume_from_checkpoint: pass train_two_stage(resume_from_checkpoint="
                                  f"True), which resumes each stage from its own folder.")
         ended = checkpointing.finished_run(mle_dir) if mle_args is not None else None
-        kd_checkpoint = checkpointing.last_complete_checkpoint(kd_dir) if os.path.isdir(kd_dir) else None
+        kd_checkpoint = checkpointing.last_complete_checkpoint(kd_dir)
         if kd_checkpoint is not None and mle_args is not None and ended is None:
             raise ValueError(f"`resume_from_checkpoint`: {kd_dir!r} holds stage-2 checkpoints but stage 1 in {mle_dir!r} "
                              f"did not finish; allowed: the folder of one two-stage run (or resume_from_checkpoint=False "
@@ -306,21 +306,20 @@ def train_two_stage(student, tokenizer, distilled, kd_scheme: str = DEFAULT_KD_S
             for callback in mle_args.get("callbacks") or []:
                 if isinstance(callback, training.Convergence):
                     callback.restore(ended.state)
-                    callback.resumed_at = ended.state.global_step
             resume_kd = kd_checkpoint
             if resume_kd is None:  # stage 2 saved nothing yet: it starts from stage 1's end
-                continuation = resume_kd = checkpointing.continuation_checkpoint(ended, os.path.join(kd_dir, "continuation"))
+                continuation = os.path.join(kd_dir, "continuation")
+                resume_kd = checkpointing.continuation_checkpoint(ended, continuation)
         elif kd_checkpoint is not None:  # no stage 1 (mle=False)
             resume_kd = kd_checkpoint
         else:
-            resume_mle = checkpointing.last_complete_checkpoint(mle_dir) is not None if os.path.isdir(mle_dir) else False
+            resume_mle = checkpointing.last_complete_checkpoint(mle_dir) is not None
         carry = kd_args.get("carry")
         if resume_kd is not None and carry is not None and carry.optimizer is None and mle_args is not None:
-            schedule = {name: SCHEDULE_DEFAULTS[name].default
-                        for name in ("learning_rate", "warmup_steps", "lr_scheduler", "weight_decay")}
-            differ = {name: (mle_args.get(name, default), kd_args.get(name, default))
-                      for name, default in schedule.items()
-                      if mle_args.get(name, default) != kd_args.get(name, default)}
+            pairs = {name: (mle_args.get(name, SCHEDULE_DEFAULTS[name].default),
+                            kd_args.get(name, SCHEDULE_DEFAULTS[name].default))
+                     for name in ("learning_rate", "warmup_steps", "lr_scheduler", "weight_decay")}
+            differ = {name: pair for name, pair in pairs.items() if pair[0] != pair[1]}
             if differ:
                 raise ValueError(f"`resume_from_checkpoint`: stage 2 continues stage 1's optimizer (`carry`), and a resumed "
                                  f"stage 2 rebuilds its schedule from its own arguments, which differ from stage 1's "

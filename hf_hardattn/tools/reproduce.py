@@ -50,8 +50,8 @@ rows and ``rnn_luong_soft`` (their soft baseline on the same Luong-style LSTM de
 the beam-joint paper's plain likelihood (the ``*_bahdanau`` rows keep the earlier recipe: the
 hybrid's GRU decoder, label smoothing 0.1). Finished rows are stored in ``reproduce_TASK_PRESET.json`` in the
 output folder and skipped on a rerun (``--force`` redoes them), so a run can be interrupted and resumed (a row
-trained by steps, as under every paper recipe, also resumes part-way from its last checkpoint: :func:`prepare_trainer_dir`,
-``distill.train_two_stage(resume_from_checkpoint=True)``), and two
+trained by steps, as under every paper recipe, also resumes part-way from its last checkpoint:
+:func:`prepare_trainer_dir`, ``distill.train_two_stage(resume_from_checkpoint=True)``), and two
 processes may run disjoint sets of rows into the same folder (e.g. one thread each for the small nouns models; train
 the tokenizer first). Every row stores the command that produced it, its seed, the recipe (``recipe_name`` and every
 field of :class:`Recipe`) and the training settings its model was built with (``model_fields``: sizes, dropouts,
@@ -419,9 +419,8 @@ def train_row(row: Row, ctx, model, train_tok) -> dict:
     trainer_dir = os.path.join(ctx["out"], "trainer", row.name)
     # a row trained by steps (a paper's recipe: to convergence) resumes an interrupted run of itself from its last
     # complete checkpoint; anything else in the folder (another recipe, seed or model; --force) is removed first
-    resume = prepare_trainer_dir(ctx, row, model, trainer_dir)
-
     resumable = recipe.minutes is None  # a wall-clock budget's schedule cannot be resumed to the same end
+    resume = prepare_trainer_dir(ctx, row, model, trainer_dir, resumable)
 
     def budget(minutes, max_steps, warmup_steps=recipe.warmup_steps, stage="train", min_steps=0, carry=None):
         kwargs = dict(max_steps=max_steps, minutes=minutes, batch_size=ctx["batch_size"],
@@ -509,16 +508,16 @@ def train_row(row: Row, ctx, model, train_tok) -> dict:
     return result
 
 
-def prepare_trainer_dir(ctx, row: Row, model, trainer_dir) -> bool:
+def prepare_trainer_dir(ctx, row: Row, model, trainer_dir, resumable: bool) -> bool:
     """True when ``trainer_dir`` holds an interrupted run of this very row (same row, seed, recipe, batch and model
-    configuration) that may resume: the recipe trains by steps, not minutes, and --force is not given; otherwise it
-    is emptied (:func:`~hf_hardattn.tools.checkpointing.prepare_run_folder`)."""
+    configuration) that may resume: ``resumable`` (the recipe trains by steps, not minutes) and no --force; otherwise
+    it is emptied (:func:`~hf_hardattn.tools.checkpointing.prepare_run_folder`)."""
     recipe, args = ctx["recipe"], ctx["args"]
     config = getattr(model, "config", None)  # (None: a test's stand-in for the model)
     config = {k: v for k, v in config.to_dict().items() if k != "transformers_version"} if config is not None else None
     identity = dict(row=row.name, seed=args.seed, recipe=dataclasses.asdict(recipe), batch_size=ctx["batch_size"],
                     config=config)
-    return checkpointing.prepare_run_folder(trainer_dir, identity, recipe.minutes is None and not getattr(args, "force", False))
+    return checkpointing.prepare_run_folder(trainer_dir, identity, resumable and not getattr(args, "force", False))
 
 
 def kd_data(ctx):

@@ -189,14 +189,14 @@ class Convergence(TrainerCallback):
     def restore(self, state) -> None:
         """The rule's state after the evaluations logged in ``state`` (a TrainerState, e.g. of the checkpoint a run
         resumes from): the logged values are observed again in order, so best, patience and ``converged`` are those
-        of the run that logged them."""
+        of the run that logged them; ``resumed_at`` is that state's step."""
         self.curve, self.best, self.best_step, self.since_best, self.converged = [], None, None, 0, False
         self.minutes_before = 0.0
         for entry in state.log_history:
             if self.metric in entry and "best_step" in entry and entry["step"] <= state.global_step:
                 self.observe(entry["step"], entry[self.metric])
                 self.minutes_before = entry.get("minutes", self.minutes_before)
-        self.last_step = state.global_step
+        self.last_step = self.resumed_at = state.global_step
 
     def minutes(self) -> float:
         """Wall-clock minutes of training so far, the runs this one resumed included (up to their last evaluation)."""
@@ -206,7 +206,6 @@ class Convergence(TrainerCallback):
         self.start = time.perf_counter()
         if state.global_step > 0:  # resumed from a checkpoint: its log holds the evaluations so far
             self.restore(state)
-            self.resumed_at = state.global_step
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
         self.last_step = state.global_step
@@ -218,7 +217,7 @@ class Convergence(TrainerCallback):
                                       f"best_{self.metric}": self.best, "best_step": self.best_step,
                                       "converged": self.converged, "minutes": round(self.minutes(), 3)})
             control.should_training_stop |= stop
-            if stop and _value(getattr(args, "save_strategy", None)) == "steps":  # the last step's checkpoint: the run's end, on disk
+            if stop and _value(getattr(args, "save_strategy", None)) == "steps":  # the run's end, on disk
                 control.should_save = True
 
     def record(self) -> dict:
@@ -279,7 +278,8 @@ class Seq2SeqLengthTrainer(Seq2SeqCardTrainer):
         """transformers' checkpoint save, into a folder that does not exist yet: a run resumed from an earlier step
         rewrites the checkpoints after it, and writing into the old folder would mix its files (a complete-looking
         trainer_state.json) with a new save that a kill left half done. The old one is removed first; this run
-        writes it again. (The Trainer writes trainer_state.json last, which :func:`~hf_hardattn.tools.checkpointing.checkpoint_problem` relies on.)"""
+        writes it again. (The Trainer writes trainer_state.json last, which
+        :func:`~hf_hardattn.tools.checkpointing.checkpoint_problem` relies on.)"""
         folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
         if self.args.should_save and os.path.isdir(folder):
             shutil.rmtree(folder)
@@ -515,8 +515,8 @@ def train_seq2seq(
     ``train_sampling_strategy``) are refused with the parameter to use. Checkpoints: none by default;
     ``save_steps=N`` saves one every N steps (``save_strategy`` "steps"). ``resume_from_checkpoint``: True resumes
     from the last *complete* checkpoint in ``output_dir`` (one that a kill left half written is skipped, see
-    :func:`~hf_hardattn.tools.checkpointing.checkpoint_problem`), a path from that checkpoint (saved with its optimizer state, not
-    ``save_only_model``); the run then ends with the weights an uninterrupted run would have (same data order and RNG
+    :func:`~hf_hardattn.tools.checkpointing.checkpoint_problem`), a path from that checkpoint (saved with its
+    optimizer state, not ``save_only_model``); the run then ends with the weights an uninterrupted run would have (same data order and RNG
     states, a :class:`Convergence` rule's state from the checkpoint's log; with ``minutes``, the time budget starts
     again).
     ``carry`` (an :class:`OptimizerCarry`): the first call with it creates the optimizer and schedule as usual and
