@@ -482,43 +482,92 @@ def test_a_run_folder_resumes_only_the_run_it_records(tmp_path):
     assert sorted(p.name for p in folder.iterdir()) == ["run.json"]
 
 
-def test_hybrid_recipe_student_is_twice_as_wide_and_eq1_continues_the_mle_stage(tmp_path, monkeypatch):
-    """The hybrid paper's recipe: rnn_hidden_size 2 x d_model over d_model embeddings; the MLE stage at least the
-    teacher's steps; the Eq. 1 stage continues the MLE stage's optimizer (one OptimizerCarry through both stages,
-    its Adam step count the sum); the teacher's translations with beam 12."""
+def test_hybrid_recipe_student_is_twice_as_wide_and_eq1_continues_the_hybrid_row(tmp_path, monkeypatch):
+    """The hybrid paper's recipe: rnn_hidden_size 2 x d_model over d_model embeddings; the teacher's translations with
+    beam 12; the MLE stage (mle_stage "row") is the hybrid_dot row itself, trained with at least the teacher's steps,
+    and the Eq. 1 row continues it (its weights, and its Adam: the step count goes on, one optimizer through both)
+    without training it again. Independent reference: mle_stage "teacher", where the Eq. 1 row trains its own MLE
+    stage in one process and hands the optimizer over in memory: the same Eq. 1 model, bit for bit."""
     import json
+
+    from transformers import AutoModelForSeq2SeqLM
 
     from hf_hardattn.tools import distill, reproduce, training
 
-    carries, train_seq2seq = [], training.train_seq2seq
+    calls, train_seq2seq = [], training.train_seq2seq
 
     def spy(*args, **kwargs):
-        carries.append(kwargs.get("carry"))
+        calls.append((os.path.relpath(kwargs["output_dir"], tmp_path), kwargs.get("carry")))
         return train_seq2seq(*args, **kwargs)
 
     monkeypatch.setattr(training, "train_seq2seq", spy)
     monkeypatch.setattr(distill, "train_seq2seq", spy)  # the stages' own import of it
-    out = tmp_path / "out"
+    out = tmp_path / "row"
     reproduce.main(tiny_argv(tmp_path, "--recipe", "hybrid", "--rows", "hybrid_dot_kd_eq1", "--max-steps", "3",
                              "--output-dir", str(out)))
     rows = stored(out, "hybrid")["rows"]
-    row = rows["hybrid_dot_kd_eq1"]
+    row, mle_row, teacher = rows["hybrid_dot_kd_eq1"], rows["hybrid_dot"], rows["soft"]
     assert row["model_fields"]["rnn_hidden_size"] == 2 * row["model_fields"]["d_model"] == 64
     assert row["model_fields"]["rnn_embedding_size"] == 32
-    assert row["stages"]["mle"] >= rows["soft"]["steps"] and row["continued_optimizer"] is True
-    assert row["mle_stage"] == "teacher" and row["stage_warmup_steps"] is None
-    teacher, mle, kd = carries  # soft, then the student's two stages
-    assert teacher is None and mle is kd is not None and kd.steps == row["steps"] == sum(row["stages"].values())
-    assert kd.optimizer.state[next(iter(kd.optimizer.state))]["step"] == row["steps"]
-    assert set(row["convergence"]) == {"mle", "kd"} and row["convergence"]["mle"]["min_steps"] == rows["soft"]["steps"]
     assert json.loads((out / "kd_data" / "kd_manifest.json").read_text())["num_beams"] == 12 == row["distill_beams"]
+    # trained: the teacher, the hybrid row (the MLE stage), then only Eq. 1
+    trained = [os.path.join(*folder.split(os.sep)[2:]) for folder, _ in calls]
+    assert trained == ["soft", "hybrid_dot", os.path.join("hybrid_dot_kd_eq1", "kd")]
+    assert mle_row["convergence"]["min_steps"] == teacher["steps"] <= mle_row["steps"]
+    assert row["mle_stage"] == "row" and row["mle_row"] == "hybrid_dot" and row["continued_optimizer"] is True
+    assert row["stages"]["mle"] == mle_row["steps"] and row["stage_warmup_steps"] is None
+    assert row["convergence"]["mle"] == mle_row["convergence"] and "resumed_at" not in row
+    kd = calls[-1][1]
+    assert kd.steps == row["stages"]["kd"] and row["steps"] == sum(row["stages"].values())
+    assert kd.optimizer.state[next(iter(kd.optimizer.state))]["step"] == row["steps"]  # Adam went on, not anew
+    # the hybrid row keeps its optimizer for the Eq. 1 rows; the Eq. 1 row's copy of it goes when the row is done
+    final = os.path.join(out, "trainer", "hybrid_dot", f"checkpoint-{mle_row['steps']}")
+    assert os.path.isfile(os.path.join(final, "optimizer.pt"))
+    assert not list((out / "trainer" / "hybrid_dot_kd_eq1").rglob("optimizer.pt"))
+
+    fields = dict(recipes.PAPER_RECIPES["hybrid"]["fields"], mle_stage="teacher")
+    monkeypatch.setitem(recipes.PAPER_RECIPES["hybrid"], "fields", fields)
+    calls.clear()
+    reference = tmp_path / "teacher"
+    reproduce.main(tiny_argv(tmp_path, "--recipe", "hybrid", "--rows", "hybrid_dot_kd_eq1", "--max-steps", "3",
+                             "--output-dir", str(reference)))
+    assert [os.path.basename(folder) for folder, _ in calls] == ["soft", "mle", "kd"]
+    expected = stored(reference, "hybrid")["rows"]["hybrid_dot_kd_eq1"]
+    assert expected["stages"] == row["stages"] and expected["convergence"] == row["convergence"]
+    models = [AutoModelForSeq2SeqLM.from_pretrained(folder / "models" / "hybrid_dot_kd_eq1")
+              for folder in (out, reference)]
+    for (name, a), b in zip(models[0].state_dict().items(), models[1].state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def test_an_eq1_row_refuses_a_hybrid_row_it_cannot_continue(tmp_path):
+    """mle_stage "row": the Eq. 1 row continues the hybrid row's training only when that run finished with this seed,
+    recipe and model and kept its optimizer; otherwise a clear error (never a silent fresh MLE stage). And a
+    wall-clock budget, which keeps no final checkpoint to continue, is refused where the input enters."""
+    from hf_hardattn.tools import reproduce
+
+    out = tmp_path / "out"
+    argv = tiny_argv(tmp_path, "--recipe", "hybrid", "--rows", "hybrid_dot_kd_eq1", "--max-steps", "3",
+                     "--output-dir", str(out))
+    with pytest.raises(ValueError, match="`--minutes` 1.0: the hybrid recipe's Eq. 1 rows continue"):
+        reproduce.main([*argv, "--minutes", "1"])
+    reproduce.main(tiny_argv(tmp_path, "--recipe", "hybrid", "--rows", "hybrid_dot", "--max-steps", "3",
+                             "--output-dir", str(out)))
+    for path in (out / "trainer" / "hybrid_dot").rglob("optimizer.pt"):
+        path.unlink()
+    with pytest.raises(ValueError, match="`hybrid_dot_kd_eq1` continues the training of `hybrid_dot`.*"
+                                         "--rows hybrid_dot --force"):
+        reproduce.main(argv)
+    reproduce.main(tiny_argv(tmp_path, "--recipe", "hybrid", "--rows", "hybrid_dot", "--max-steps", "3", "--seed", "1",
+                             "--force", "--output-dir", str(out)))  # another seed's hybrid row in the folder
+    with pytest.raises(ValueError, match="holds no finished run of it with this seed, recipe and model"):
+        reproduce.main(argv)
 
 
 def test_an_interrupted_two_stage_row_resumes_its_second_stage(tmp_path, monkeypatch):
-    """hybrid_dot_kd_eq1 under the hybrid recipe, cut off just as its Eq. 1 stage begins (the MLE stage finished),
-    then the same command again: the MLE stage is not trained again (its record comes back from its last checkpoint,
-    resumed_at its last step), Eq. 1 starts from the MLE stage's end, and the row's model equals an uninterrupted
-    run's (bit for bit)."""
+    """hybrid_dot_kd_eq1 under the hybrid recipe, cut off inside its Eq. 1 stage (after its checkpoint 1), then the
+    same command again: neither the hybrid row (its MLE stage) nor the soft teacher is trained again, Eq. 1 resumes
+    from its checkpoint, and the row's model, stages and curves equal an uninterrupted run's (bit for bit)."""
     from transformers import AutoModelForSeq2SeqLM
 
     from hf_hardattn.tools import distill, reproduce, training
@@ -533,7 +582,7 @@ def test_an_interrupted_two_stage_row_resumes_its_second_stage(tmp_path, monkeyp
     def cut_off(*args, **kwargs):
         stages.append(kwargs["output_dir"])
         if cutting[0] and kwargs["output_dir"].endswith(os.path.join("hybrid_dot_kd_eq1", "kd")):
-            kwargs = dict(kwargs, callbacks=list(kwargs.get("callbacks") or []) + [InterruptAt(0)])
+            kwargs = dict(kwargs, callbacks=list(kwargs.get("callbacks") or []) + [InterruptAt(1)])
         return real(*args, **kwargs)
 
     monkeypatch.setattr(training, "train_seq2seq", cut_off)
@@ -545,10 +594,9 @@ def test_an_interrupted_two_stage_row_resumes_its_second_stage(tmp_path, monkeyp
     reproduce.main(argv(out))  # (still counting the stages it trains)
     assert [os.path.basename(stage) for stage in stages] == ["kd"]
     whole, row = (stored(folder, "hybrid")["rows"]["hybrid_dot_kd_eq1"] for folder in (tmp_path / "whole", out))
-    mle_steps = whole["stages"]["mle"]
-    assert row["resumed_at"] == {"mle": mle_steps} and row["stages"] == whole["stages"]
-    assert row["convergence"]["mle"]["curve"] == whole["convergence"]["mle"]["curve"]
-    assert row["convergence"]["kd"] == whole["convergence"]["kd"]
+    assert row["resumed_at"] == {"kd": 1} and row["stages"] == whole["stages"] and whole["stages"]["kd"] > 1
+    assert row["convergence"]["mle"] == whole["convergence"]["mle"]
+    assert dict(row["convergence"]["kd"], resumed_at=None) == whole["convergence"]["kd"]
     models = [AutoModelForSeq2SeqLM.from_pretrained(folder / "models" / "hybrid_dot_kd_eq1")
               for folder in (tmp_path / "whole", out)]
     for (name, a), b in zip(models[0].state_dict().items(), models[1].state_dict().values()):

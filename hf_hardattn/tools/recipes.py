@@ -97,9 +97,12 @@ PRESETS["nouns"]["tiny"] = dataclasses.replace(TINY, tokenizer=dict(kind="char",
                                                embed_init_std=None)
 
 # The hybrid Eq. 1 rows' MLE stage: "half" (today: MLE for half the row's budget, then Eq. 1 for the other half, each
-# stage a new optimizer with the preset's schedule compressed onto it) or "teacher" (the MLE stage gets the teacher's
-# budget, at least as many steps as the soft teacher took, then Eq. 1 continues its optimizer and schedule)
-MLE_STAGES = ("half", "teacher")
+# stage a new optimizer with the preset's schedule compressed onto it), "teacher" (the MLE stage gets the teacher's
+# budget, at least as many steps as the soft teacher took, then Eq. 1 continues its optimizer and schedule) or "row"
+# (as "teacher", with the MLE stage being the hybrid_* row itself: that row trains with the teacher's budget and keeps
+# its optimizer, and each Eq. 1 row continues it, the paper's fine-tuning of the same model; the same weights as
+# "teacher" for one training less per Eq. 1 row)
+MLE_STAGES = ("half", "teacher", "row")
 
 # Convergence under a paper's recipe, per preset: a cap (max_steps), the evaluation interval and the patience (in
 # evaluations) of the rule on the validation loss; checkpoints (for averaging) at every evaluation
@@ -123,7 +126,7 @@ PAPER_RECIPES = {
                                  "hard_decoded_soft")),
     # Wang, Wu & Liu (Sec. 2.2, 3.1): GRU 1024 over 512 embeddings, MLE then Eq. 1 fine-tuning of the same model, beam
     # 12 (the only beam the paper states), label smoothing 0.1 (Vaswani et al., which it follows)
-    "hybrid": dict(fields=dict(rnn="2x", mle_stage="teacher", distill_beams=12, label_smoothing=0.1),
+    "hybrid": dict(fields=dict(rnn="2x", mle_stage="row", distill_beams=12, label_smoothing=0.1),
                    rows=("soft", "hybrid_additive", "hybrid_dot", "hybrid_multihead", "hybrid_additive_kd_eq1",
                          "hybrid_dot_kd_eq1", "hybrid_multihead_kd_eq1")),
     # Shankar, Garg & Sarawagi (Sec. 4): dropout 0.2, no label smoothing; not its SGD, batch 64, LSTM encoder

@@ -28,9 +28,10 @@ Presets
 Recipes (``--recipe``): ``today`` (default), the preset's for every row; or a paper's on the preset's sizes
 (``recipes.PAPER_RECIPES``; results in ``reproduce_TASK_PRESET_RECIPE.json``) for that paper's rows alike, the baseline
 included: ``hard_retrieval`` (Lipschitz init, attention dropout 0.1 before the draw, the average of the last 5
-checkpoints), ``hybrid`` (GRU 2 x d_model wide, MLE stage with the teacher's budget, Eq. 1 continuing its optimizer,
-KD data of beam 12), ``beam_joint`` (dropout 0.2, label smoothing 0). Each trains to convergence (``recipes.CONVERGENCE``;
-cpu preset: validation loss every 250 steps, patience 5, cap 12000 steps) with the inverse-square-root schedule.
+checkpoints), ``hybrid`` (GRU 2 x d_model wide, each ``hybrid_*`` row trained with at least the teacher's steps and
+continued by its Eq. 1 row, KD data of beam 12), ``beam_joint`` (dropout 0.2, label smoothing 0). Each trains to
+convergence (``recipes.CONVERGENCE``; cpu preset: validation loss every 250 steps, patience 5, cap 12000 steps) with
+the inverse-square-root schedule.
 
 Convergence (``--patience N --eval-steps E``, any recipe): every E steps the validation split's loss (``val_loss``:
 teacher-forced NLL per token, no label smoothing) or BLEU (``--patience-metric val_bleu``) is measured; a row stops
@@ -39,13 +40,15 @@ stores ``converged``, ``steps`` (reached) and ``convergence`` (the rule and its 
 for the two-stage rows). The validation split then decides when a row stops; test_2016_flickr stays untouched.
 
 Rows (``--rows``, default all): see :data:`ROWS`. A row that decodes another row's model differently (e.g.
-``soft_decoded_hard``) or learns from its translations (``hybrid_*_kd``, ``hybrid_*_kd_eq1``) runs that row first.
+``soft_decoded_hard``) or learns from its translations (``hybrid_*_kd``, ``hybrid_*_kd_eq1``) runs that row first,
+as an Eq. 1 row under the ``hybrid`` recipe runs its ``hybrid_*`` row.
 KD rows name their stage-2 objective (``hf_hardattn.tools.distill`` ``kd_scheme``): ``hybrid_*_kd`` are sequence-level KD
 only, not the hybrid paper's Eq. 1 (``sequence_only``: trained from scratch on the soft row's beam-4 translations,
 no reference term, no MLE stage); ``hybrid_*_kd_eq1`` are Eq. 1 with the paper's two stages (``eq1_sequence``: MLE
 on the references, then reference NLL + lambda * NLL of the teacher's translation, lambda 1; today's recipe gives
 each stage half the row's budget and a new optimizer running the preset's schedule compressed onto its half, warm-up
-halved too; the ``hybrid`` recipe gives the MLE stage the teacher's budget and continues its optimizer). The beam-joint
+halved too; the ``hybrid`` recipe's MLE stage is the ``hybrid_*`` row itself, trained with at least the teacher's
+steps, whose weights, optimizer and schedule Eq. 1 continues: ``recipes.MLE_STAGES``). The beam-joint
 rows and ``rnn_luong_soft`` (their soft baseline on the same Luong-style LSTM decoder) train with label smoothing 0,
 the beam-joint paper's plain likelihood (the ``*_bahdanau`` rows keep the earlier recipe: the
 hybrid's GRU decoder, label smoothing 0.1). Finished rows are stored in ``reproduce_TASK_PRESET.json`` in the
@@ -67,6 +70,7 @@ import dataclasses
 import json
 import os
 import shlex
+import shutil
 import sys
 import time
 
@@ -103,7 +107,8 @@ class Row:
     source: str | None = None  # a row whose trained model this row decodes differently ...
     derive: object = None  # ... with derive(model) -> model
     kd_scheme: str | None = None  # hf_hardattn.tools.distill kd_scheme: learn from the soft teacher's beam-4 translations
-    two_stage: bool = False  # with kd_scheme: MLE on the references for half the budget first (the paper's stage 1)
+    two_stage: bool = False  # with kd_scheme: MLE on the references first (the paper's stage 1; budget: mle_stage)
+    mle_row: str | None = None  # two_stage under the recipe's mle_stage "row": the row whose training is stage 1
     tasks: tuple = TASKS
     baseline: str = "soft"  # the row the paper's direction compares with (the table's "vs" column)
 
@@ -242,7 +247,8 @@ ROWS = [
           build=_hybrid(a), kd_scheme="sequence_only") for a in ("additive", "dot", "multihead")],
     *[Row(f"hybrid_{a}_kd_eq1", "hybrid + KD, Tables 2-3: Eq. 1, two stages (MLE, then reference NLL + NLL of the "
           "teacher's output; budgets: the recipe's mle_stage)", "close to the soft teacher, above hybrid without KD",
-          build=_hybrid(a), kd_scheme="eq1_sequence", two_stage=True) for a in ("additive", "dot", "multihead")],
+          build=_hybrid(a), kd_scheme="eq1_sequence", two_stage=True, mle_row=f"hybrid_{a}")
+      for a in ("additive", "dot", "multihead")],
     Row("rnn_luong_soft", "beam-joint, Table 1 (soft attention on the paper's LSTM decoder)",
         "baseline of beam_joint_rnn_k6 (same decoder, soft attention)",
         build=_hybrid(PAPER_RNN["rnn_attention"], label_smoothing=0.0,
@@ -440,19 +446,27 @@ def train_row(row: Row, ctx, model, train_tok) -> dict:
             kwargs.update(save_steps=checkpoint_steps, save_total_limit=average, save_only_model=True)
         return kwargs
 
+    def teacher_budget(stage, carry=None):  # the teacher's cap and rule, and at least the steps the teacher took
+        teacher_steps = ctx["results"]["soft"]["steps"]
+        kwargs = budget(recipe.minutes, recipe.max_steps, stage=stage, carry=carry,
+                        min_steps=teacher_steps if recipe.patience else 0)
+        if recipe.patience is None and recipe.max_steps is not None:
+            kwargs["max_steps"] = max(recipe.max_steps, teacher_steps)
+        return kwargs
+
     start = time.perf_counter()
+    adopted = row.two_stage and recipe.mle_stage == "row"  # stage 1 is row.mle_row's training, finished
     if row.kd_scheme is not None:
         stage_warmup = None
-        if row.two_stage and recipe.mle_stage == "teacher":
-            # the MLE stage with the teacher's budget (its cap and rule, and at least the steps the teacher took),
-            # then Eq. 1 continuing the same optimizer and schedule (no restart, no second warm-up)
+        if row.two_stage and recipe.mle_stage in ("teacher", "row"):
+            # the MLE stage with the teacher's budget, then Eq. 1 continuing the same optimizer and schedule (no
+            # restart, no second warm-up); "row": that MLE stage is row.mle_row's training, which Eq. 1 continues
             carry = training.OptimizerCarry()
-            teacher_steps = ctx["results"]["soft"]["steps"]
-            mle = budget(recipe.minutes, recipe.max_steps, stage="mle", carry=carry,
-                         min_steps=teacher_steps if recipe.patience else 0)
-            if recipe.patience is None and recipe.max_steps is not None:
-                mle["max_steps"] = max(recipe.max_steps, teacher_steps)
+            mle = teacher_budget("mle", carry)
             kd = budget(recipe.minutes, recipe.max_steps, stage="kd", carry=carry)
+            if adopted:
+                adopt_mle_stage(ctx, row, model, trainer_dir)
+                resume = True
         elif row.two_stage:  # the row's budget, split in half: stage 1 MLE, stage 2 the KD scheme
             first_steps = None if recipe.max_steps is None else max(1, recipe.max_steps // 2)
             second_steps = None if recipe.max_steps is None else max(1, recipe.max_steps - first_steps)
@@ -473,7 +487,8 @@ def train_row(row: Row, ctx, model, train_tok) -> dict:
         losses = (_losses(first) if first is not None else []) + _losses(second)
         result = dict(steps=sum(stages.values()), kd_scheme=row.kd_scheme, stages=stages,
                       stage_warmup_steps=stage_warmup, mle_stage=recipe.mle_stage if row.two_stage else None,
-                      continued_optimizer=row.two_stage and recipe.mle_stage == "teacher",
+                      mle_row=row.mle_row if adopted else None,
+                      continued_optimizer=row.two_stage and recipe.mle_stage in ("teacher", "row"),
                       first_loss=losses[0] if losses else None, last_loss=losses[-1] if losses else None,
                       teacher="soft", distill_beams=recipe.distill_beams)
         last_dir = os.path.join(trainer_dir, "kd")
@@ -482,9 +497,10 @@ def train_row(row: Row, ctx, model, train_tok) -> dict:
         if row.name == "marian":  # MarianMTModel's own loss has no label smoothing: the Trainer's LabelSmoother does it
             extra["label_smoothing_factor"] = recipe.label_smoothing
         resume_train = resume and checkpointing.last_complete_checkpoint(trainer_dir) is not None
+        # an Eq. 1 row's MLE stage (mle_stage "row"): the teacher's budget, its final checkpoint kept with the optimizer
+        kwargs = teacher_budget("train") if is_mle_row(ctx, row.name) else budget(recipe.minutes, recipe.max_steps)
         trainer = training.train_seq2seq(model, ctx["tokenizer"], train_tok, output_dir=trainer_dir,
-                                         resume_from_checkpoint=resume_train,
-                                         **budget(recipe.minutes, recipe.max_steps), **extra)
+                                         resume_from_checkpoint=resume_train, **kwargs, **extra)
         losses = _losses(trainer)
         result = dict(steps=trainer.state.global_step, first_loss=losses[0] if losses else None,
                       last_loss=losses[-1] if losses else None)
@@ -494,7 +510,10 @@ def train_row(row: Row, ctx, model, train_tok) -> dict:
     result["train_minutes"] = round((time.perf_counter() - start) / 60 + earlier, 2)
     if rules:  # convergence: each stage's record; the row converged when every stage did
         records = {stage: rule.record() for stage, rule in rules.items()}
-        resumed = {stage: record["resumed_at"] for stage, record in records.items() if record["resumed_at"]}
+        if adopted:  # stage 1 is row.mle_row's run: its record as that row stored it (where it resumed, if it did)
+            records["mle"] = ctx["results"][row.mle_row]["convergence"]
+        resumed = {stage: record["resumed_at"] for stage, record in records.items()
+                   if record["resumed_at"] and not (adopted and stage == "mle")}
         if resumed:  # where each stage took up an interrupted run (its step), e.g. in a later session
             result["resumed_at"] = resumed
         result["convergence"] = records["train"] if set(records) == {"train"} else records
@@ -504,20 +523,56 @@ def train_row(row: Row, ctx, model, train_tok) -> dict:
         checkpointing.load_average(model, paths)
         result["averaged_checkpoints"] = [int(os.path.basename(p).rsplit("-", 1)[1]) for p in paths]
         result["checkpoint_steps"] = checkpoint_steps
-    checkpointing.drop_optimizer_states(last_dir, os.path.join(trainer_dir, "mle"))  # the row is finished
+    if not is_mle_row(ctx, row.name):  # the row is finished (an Eq. 1 row's MLE stage: Eq. 1 continues it)
+        checkpointing.drop_optimizer_states(last_dir, os.path.join(trainer_dir, "mle"))
     return result
+
+
+def is_mle_row(ctx, name) -> bool:
+    """Whether row ``name`` is an Eq. 1 row's MLE stage: a ``hybrid_*`` row under the recipe's mle_stage "row"."""
+    return ctx["recipe"].mle_stage == "row" and any(row.mle_row == name for row in ROWS)
+
+
+def adopt_mle_stage(ctx, row: Row, model, trainer_dir) -> None:
+    """Stage 1 of ``row`` under the recipe's mle_stage "row": the finished training of ``row.mle_row`` (same seed,
+    recipe, batch and model configuration), its final checkpoint (weights, optimizer, schedule, log) copied to
+    ``trainer_dir/mle``, from which ``distill.train_two_stage(resume_from_checkpoint=True)`` continues with Eq. 1."""
+    mle_dir = os.path.join(trainer_dir, "mle")
+    if checkpointing.finished_run(mle_dir) is not None:  # adopted already (an interrupted Eq. 1 stage resumes)
+        return
+    source = os.path.join(ctx["out"], "trainer", row.mle_row)
+    ended = checkpointing.finished_run(source)
+    try:
+        with open(os.path.join(source, "run.json"), encoding="utf-8") as handle:
+            recorded = json.load(handle)
+    except FileNotFoundError:
+        recorded = None
+    if (ended is None or recorded != dict(row_identity(ctx, row, model), row=row.mle_row)
+            or not os.path.isfile(os.path.join(ended.checkpoint, checkpointing.OPTIMIZER_FILE))):
+        raise ValueError(f"`{row.name}` continues the training of `{row.mle_row}` (the {ctx['recipe'].name} recipe's "
+                         f"mle_stage 'row'), and {source!r} holds no finished run of it with this seed, recipe and "
+                         f"model, with its optimizer; allowed: run `{row.mle_row}` into this output folder first "
+                         f"(--rows {row.mle_row} --force).")
+    with atomic_folder(mle_dir, drop=lambda name: True) as staging:
+        shutil.copytree(ended.checkpoint, os.path.join(staging, os.path.basename(ended.checkpoint)))
 
 
 def prepare_trainer_dir(ctx, row: Row, model, trainer_dir, resumable: bool) -> bool:
     """True when ``trainer_dir`` holds an interrupted run of this very row (same row, seed, recipe, batch and model
     configuration) that may resume: ``resumable`` (the recipe trains by steps, not minutes) and no --force; otherwise
     it is emptied (:func:`~hf_hardattn.tools.checkpointing.prepare_run_folder`)."""
-    recipe, args = ctx["recipe"], ctx["args"]
+    identity = row_identity(ctx, row, model)
+    resume = resumable and not getattr(ctx["args"], "force", False)
+    return checkpointing.prepare_run_folder(trainer_dir, identity, resume)
+
+
+def row_identity(ctx, row: Row, model) -> dict:
+    """What a row's training depends on (``trainer/ROW/run.json``), as JSON reads it back."""
     config = getattr(model, "config", None)  # (None: a test's stand-in for the model)
     config = {k: v for k, v in config.to_dict().items() if k != "transformers_version"} if config is not None else None
-    identity = dict(row=row.name, seed=args.seed, recipe=dataclasses.asdict(recipe), batch_size=ctx["batch_size"],
-                    config=config)
-    return checkpointing.prepare_run_folder(trainer_dir, identity, resumable and not getattr(args, "force", False))
+    identity = dict(row=row.name, seed=ctx["args"].seed, recipe=dataclasses.asdict(ctx["recipe"]),
+                    batch_size=ctx["batch_size"], config=config)
+    return json.loads(json.dumps(identity, default=str, sort_keys=True))
 
 
 def kd_data(ctx):
@@ -843,13 +898,18 @@ def run(args) -> dict:
 
     def need(name):
         row = task_rows[name]
-        for dep in ([row.source] if row.source else []) + (["soft"] if row.kd else []):
+        deps = ([row.source] if row.source else []) + (["soft"] if row.kd or is_mle_row(ctx, name) else [])
+        for dep in deps + ([row.mle_row] if row.two_stage and recipe.mle_stage == "row" else []):
             need(dep)
         if name not in order:
             order.append(name)
 
     for name in wanted:
         need(name)
+    if recipe.mle_stage == "row" and recipe.minutes is not None and any(task_rows[name].two_stage for name in order):
+        raise ValueError(f"`--minutes` {recipe.minutes}: the {recipe.name} recipe's Eq. 1 rows continue the hybrid "
+                         f"rows' training from its final checkpoint, which a wall-clock budget does not keep; "
+                         f"allowed: a step budget (the recipe's, or --max-steps).")
     for name in order:
         done = name in results and os.path.isdir(model_dir(ctx, name))
         if done and not (args.force and name in wanted):
