@@ -33,8 +33,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def chains(task: str, recipe: str, rows: list[str] | None) -> list[list[str]]:
     """``rows`` (default: the recipe's rows for the task) as chains: each trained row with the wanted rows that need it
-    (``source`` or a KD teacher, ``soft``), the trained row first. A wanted row whose trained row is not wanted pulls it
-    in, as ``reproduce.py`` would. Chains come in the order of their first row among ``rows``."""
+    (``source`` or a KD teacher, ``soft``; under mle_stage "row" the hybrid rows too, which train with the teacher's
+    budget and which the Eq. 1 rows continue), the trained row first. A wanted row whose trained row is not wanted
+    pulls it in, as ``reproduce.py`` would. Chains come in the order of their first row among ``rows``."""
     task_rows = {row.name: row for row in reproduce.rows_for(task)}
     if recipe != "today":
         task_rows = {n: r for n, r in task_rows.items() if n in reproduce.PAPER_RECIPES[recipe]["rows"]}
@@ -48,7 +49,9 @@ def chains(task: str, recipe: str, rows: list[str] | None) -> list[list[str]]:
         row = task_rows[name]
         if row.source is not None:
             return root(row.source)
-        return root("soft") if row.kd else name
+        fields = reproduce.PAPER_RECIPES[recipe]["fields"] if recipe != "today" else {}
+        mle_row = fields.get("mle_stage") == "row" and any(other.mle_row == name for other in task_rows.values())
+        return root("soft") if row.kd or mle_row else name
 
     out: dict[str, list[str]] = {}
     for name in wanted:

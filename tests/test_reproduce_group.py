@@ -17,8 +17,11 @@ group = benchmark_script("reproduce_group")
 def test_chains_put_each_trained_row_with_the_rows_that_need_it():
     assert group.chains("multi30k", "hard_retrieval", None) == [
         ["soft", "soft_decoded_hard"], ["hard_cross"], ["hard_self_cross", "hard_decoded_soft"], ["hard_enc_dec"]]
-    # a KD row needs the soft teacher: it runs after it, in its process and folder
+    # a KD row needs the soft teacher: it runs after it, in its process and folder; under the hybrid recipe the hybrid
+    # row (the teacher's budget) and the Eq. 1 row that continues it join them
     assert group.chains("multi30k", "hybrid", ["hybrid_dot", "hybrid_dot_kd_eq1"]) == [
+        ["soft", "hybrid_dot", "hybrid_dot_kd_eq1"]]
+    assert group.chains("multi30k", "today", ["hybrid_dot", "hybrid_dot_kd_eq1"]) == [
         ["hybrid_dot"], ["soft", "hybrid_dot_kd_eq1"]]
     # a decoded row alone pulls in the row it decodes
     assert group.chains("nouns", "beam_joint", ["beam_joint_rnn_k6_decoded_k1", "soft"]) == [
