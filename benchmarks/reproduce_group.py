@@ -50,8 +50,7 @@ def chains(task: str, recipe: str, rows: list[str] | None) -> list[list[str]]:
         if row.source is not None:
             return root(row.source)
         fields = reproduce.PAPER_RECIPES[recipe]["fields"] if recipe != "today" else {}
-        mle_row = fields.get("mle_stage") == "row" and any(other.mle_row == name for other in task_rows.values())
-        return root("soft") if row.kd or mle_row else name
+        return root("soft") if row.kd or reproduce.is_mle_row(fields.get("mle_stage"), name) else name
 
     out: dict[str, list[str]] = {}
     for name in wanted:

@@ -456,6 +456,7 @@ def train_row(row: Row, ctx, model, train_tok) -> dict:
 
     start = time.perf_counter()
     adopted = row.two_stage and recipe.mle_stage == "row"  # stage 1 is row.mle_row's training, finished
+    stage_one = is_mle_row(recipe.mle_stage, row.name)  # this row is an Eq. 1 row's stage 1: Eq. 1 continues it
     if row.kd_scheme is not None:
         stage_warmup = None
         if row.two_stage and recipe.mle_stage in ("teacher", "row"):
@@ -498,7 +499,7 @@ def train_row(row: Row, ctx, model, train_tok) -> dict:
             extra["label_smoothing_factor"] = recipe.label_smoothing
         resume_train = resume and checkpointing.last_complete_checkpoint(trainer_dir) is not None
         # an Eq. 1 row's MLE stage (mle_stage "row"): the teacher's budget, its final checkpoint kept with the optimizer
-        kwargs = teacher_budget("train") if is_mle_row(ctx, row.name) else budget(recipe.minutes, recipe.max_steps)
+        kwargs = teacher_budget("train") if stage_one else budget(recipe.minutes, recipe.max_steps)
         trainer = training.train_seq2seq(model, ctx["tokenizer"], train_tok, output_dir=trainer_dir,
                                          resume_from_checkpoint=resume_train, **kwargs, **extra)
         losses = _losses(trainer)
@@ -523,14 +524,14 @@ def train_row(row: Row, ctx, model, train_tok) -> dict:
         checkpointing.load_average(model, paths)
         result["averaged_checkpoints"] = [int(os.path.basename(p).rsplit("-", 1)[1]) for p in paths]
         result["checkpoint_steps"] = checkpoint_steps
-    if not is_mle_row(ctx, row.name):  # the row is finished (an Eq. 1 row's MLE stage: Eq. 1 continues it)
+    if not stage_one:  # the row is finished
         checkpointing.drop_optimizer_states(last_dir, os.path.join(trainer_dir, "mle"))
     return result
 
 
-def is_mle_row(ctx, name) -> bool:
-    """Whether row ``name`` is an Eq. 1 row's MLE stage: a ``hybrid_*`` row under the recipe's mle_stage "row"."""
-    return ctx["recipe"].mle_stage == "row" and any(row.mle_row == name for row in ROWS)
+def is_mle_row(mle_stage: str | None, name) -> bool:
+    """Whether row ``name`` is an Eq. 1 row's MLE stage: a ``hybrid_*`` row under a recipe's mle_stage "row"."""
+    return mle_stage == "row" and any(row.mle_row == name for row in ROWS)
 
 
 def adopt_mle_stage(ctx, row: Row, model, trainer_dir) -> None:
@@ -898,7 +899,8 @@ def run(args) -> dict:
 
     def need(name):
         row = task_rows[name]
-        deps = ([row.source] if row.source else []) + (["soft"] if row.kd or is_mle_row(ctx, name) else [])
+        teacher = row.kd or is_mle_row(recipe.mle_stage, name)  # a KD row, or one trained with the teacher's budget
+        deps = ([row.source] if row.source else []) + (["soft"] if teacher else [])
         for dep in deps + ([row.mle_row] if row.two_stage and recipe.mle_stage == "row" else []):
             need(dep)
         if name not in order:
