@@ -3,11 +3,13 @@
     python benchmarks/reproduce_group.py --recipe hard_retrieval --seeds 0 1 2 --runs outputs/group/hard_retrieval
     python benchmarks/reproduce_group.py --recipe hard_retrieval --rows soft hard_cross --seeds 0 1 2 --deadline 540 \
         --pack $OUT/results.tgz -- --threads 1 --quiet      # after --: passed to every reproduce.py process
+    python benchmarks/reproduce_group.py --recipe hybrid --seeds 0 1 2 --jobs 2 -- --threads 1   # a 2-core CPU
     bash benchmarks/run_gpu_reproduce.sh                   # the same on a lent GPU, in one call (its header says how)
 
 A chain is a trained row with the rows that need it (a row decoding its model differently, a KD row learning from
 the soft teacher's translations), run by one ``benchmarks/reproduce.py`` process in that order; chains of every seed run
-at once, each in RUNS/sSEED-ROW with one tokenizer per seed (trained here first, or copied from ``--tokenizer``), so that
+at once (or ``--jobs`` at a time, in the order of seeds, then chains: on a CPU, one per core with ``-- --threads 1``,
+which trains more steps a minute than one process on every core), each in RUNS/sSEED-ROW with one tokenizer per seed (trained here first, or copied from ``--tokenizer``), so that
 no two processes write one folder. Each folder's ``reproduce_*.json`` is the row's result as the CPU runs write it
 (``benchmarks/tables.py`` pools the files of one recipe, task, preset and machine). Every ``--pack-every`` seconds the
 results and logs so far go to ``--pack`` (a .tgz); at ``--deadline`` seconds the chains still running are stopped and
@@ -114,32 +116,46 @@ def run(args) -> int:
             folder = os.path.join(args.runs, f"s{seed}-{chain[0]}")
             if not os.path.isdir(os.path.join(folder, "tokenizer")):
                 shutil.copytree(tokenizers[seed], os.path.join(folder, "tokenizer"))
-            log = open(os.path.join(folder, "run.log"), "w")
-            argv = command(args, seed, chain, folder)
-            print(f"[{seed} {' '.join(chain)}] {' '.join(argv[1:])}", flush=True)
-            process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-            jobs.append(dict(seed=seed, chain=chain, folder=folder, process=process, log=log))
+            jobs.append(dict(seed=seed, chain=chain, folder=folder, process=None, log=None))
+
+    def start_next():  # the first chain not started yet, while fewer than --jobs run
+        waiting = [job for job in jobs if job["process"] is None]
+        if waiting and sum(job["process"] is not None and job["process"].poll() is None for job in jobs) < args.jobs:
+            job = waiting[0]
+            job["log"] = open(os.path.join(job["folder"], "run.log"), "w")
+            argv = command(args, job["seed"], job["chain"], job["folder"])
+            print(f"[{job['seed']} {' '.join(job['chain'])}] {' '.join(argv[1:])}", flush=True)
+            job["process"] = subprocess.Popen(argv, stdout=job["log"], stderr=subprocess.STDOUT, start_new_session=True)
+            return True
+        return False
+
+    while start_next():
+        pass
     last_pack = time.monotonic()
-    while any(job["process"].poll() is None for job in jobs):
+    while any(job["process"] is None or job["process"].poll() is None for job in jobs):
         if time.monotonic() - start > args.deadline:
             break
         time.sleep(min(1.0, args.pack_every))
+        while start_next():
+            pass
         if args.pack and time.monotonic() - last_pack >= args.pack_every:
             pack(args.runs, args.pack)
             last_pack = time.monotonic()
-            running = sum(job["process"].poll() is None for job in jobs)
+            running = sum(job["process"] is not None and job["process"].poll() is None for job in jobs)
             print(f"t={time.monotonic() - start:.0f}s running {running} of {len(jobs)}", flush=True)
     for job in jobs:
-        stop(job["process"])
-        job["log"].close()
+        if job["process"] is not None:
+            stop(job["process"])
+            job["log"].close()
     if args.pack:
         pack(args.runs, args.pack)
     print(f"after {time.monotonic() - start:.0f} s:")
     finished = True
     for job in jobs:
-        code = job["process"].returncode
-        state = "done" if code == 0 else ("cut off at the deadline" if code in (-signal.SIGTERM, -signal.SIGKILL)
-                                          else f"failed (exit {code}; see {job['folder']}/run.log)")
+        code = None if job["process"] is None else job["process"].returncode
+        state = ("not started before the deadline" if code is None else "done" if code == 0 else
+                 "cut off at the deadline" if code in (-signal.SIGTERM, -signal.SIGKILL) else
+                 f"failed (exit {code}; see {job['folder']}/run.log)")
         finished &= code == 0
         print(f"  seed {job['seed']} {' '.join(job['chain'])}: {state}")
     return 0 if finished else 1
@@ -155,6 +171,8 @@ def main(argv=None) -> int:
     parser.add_argument("--data", default=None, help="as reproduce.py's --data")
     parser.add_argument("--runs", default=os.path.join("outputs", "group"), help="one folder per seed and chain")
     parser.add_argument("--tokenizer", default=None, help="a tokenizer folder for every row (default: train one)")
+    parser.add_argument("--jobs", type=int, default=None,
+                        help="chains running at once (default: all); on a CPU, its cores with `-- --threads 1`")
     parser.add_argument("--deadline", type=float, default=float("inf"), help="seconds; then running chains stop")
     parser.add_argument("--pack", default=None, metavar="FILE.tgz", help="results and logs so far, refreshed")
     parser.add_argument("--pack-every", type=float, default=20.0, help="seconds between packs (default 20)")
@@ -163,6 +181,10 @@ def main(argv=None) -> int:
     for name in ("deadline", "pack_every"):
         if not getattr(args, name) > 0:
             raise ValueError(f"`--{name.replace('_', '-')}` must be > 0, got {getattr(args, name)!r}.")
+    if args.jobs is None:
+        args.jobs = len(args.seeds) * len(chains(args.task, args.recipe, args.rows))
+    elif args.jobs < 1:
+        raise ValueError(f"`--jobs` must be >= 1 (chains running at once), got {args.jobs!r}.")
     return run(args)
 
 

@@ -91,3 +91,49 @@ def test_deadline_stops_running_chains_and_names_them(toy, capsys):
     assert not (runs / "s0-soft" / "reproduce_multi30k_tiny_hard_retrieval.json").exists()
     with tarfile.open(packed) as tar:
         assert tar.getnames() == ["s0-soft/run.log"]
+
+
+@pytest.mark.parametrize("jobs, most", [(None, 4), (2, 2), (1, 1)])
+def test_jobs_caps_the_chains_running_at_once(toy, monkeypatch, capsys, jobs, most):
+    """Each chain's process stands in for a 0.3 s row: --jobs N keeps at most N alive (default: every chain at once),
+    starts the next as one ends, in the order of seeds then chains, and runs every chain once."""
+    import subprocess
+    import sys
+
+    started, real_popen = [], subprocess.Popen
+
+    def popen(argv, **kwargs):
+        alive = sum(p.poll() is None for _, p in started)
+        process = real_popen([sys.executable, "-c", "import time; time.sleep(0.3)"], **kwargs)
+        started.append((alive + 1, process))
+        return process
+
+    monkeypatch.setattr(group.subprocess, "Popen", popen)
+    runs = toy["root"] / f"jobs{jobs}"
+    extra = ["--jobs", str(jobs)] if jobs else []
+    code = group.main(argv(toy, runs, "--rows", "soft", "hard_cross", "--seeds", "0", "1", *extra))
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert len(started) == 4 and max(alive for alive, _ in started) == most
+    order = [line.split("]")[0] for line in out.splitlines() if line.startswith("[")]
+    assert order == ["[0 soft", "[0 hard_cross", "[1 soft", "[1 hard_cross"]
+
+
+def test_chains_not_started_by_the_deadline_are_named(toy, monkeypatch, capsys):
+    import subprocess
+    import sys
+
+    real_popen = subprocess.Popen
+    monkeypatch.setattr(group.subprocess, "Popen",
+                        lambda argv, **kw: real_popen([sys.executable, "-c", "import time; time.sleep(30)"], **kw))
+    code = group.main(argv(toy, toy["root"] / "late", "--rows", "soft", "hard_cross", "--seeds", "0", "--jobs", "1",
+                           "--deadline", "1"))
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "seed 0 soft: cut off at the deadline" in out
+    assert "seed 0 hard_cross: not started before the deadline" in out
+
+
+def test_bad_jobs_is_refused():
+    with pytest.raises(ValueError, match=r"`--jobs` must be >= 1 \(chains running at once\), got 0"):
+        group.main(["--jobs", "0"])
