@@ -10,10 +10,11 @@ A chain is a trained row with the rows that need it (a row decoding its model di
 the soft teacher's translations), run by one ``benchmarks/reproduce.py`` process in that order; chains of every seed run
 at once (or ``--jobs`` at a time, in the order of seeds, then chains: on a CPU, one per core with ``-- --threads 1``,
 which trains more steps a minute than one process on every core; benchmarks/README.md), each in RUNS/sSEED-ROW with one
-tokenizer per seed (trained here first, or copied from ``--tokenizer``), so that no two processes write one folder. Each folder's ``reproduce_*.json`` is the row's result as the CPU runs write it
-(``benchmarks/tables.py`` pools the files of one recipe, task, preset and machine). Every ``--pack-every`` seconds the
-results and logs so far go to ``--pack`` (a .tgz); at ``--deadline`` seconds the chains still running are stopped and
-named, never guessed. Exit status: 0 when every chain finished, 1 otherwise.
+tokenizer per seed (trained here first, or copied from ``--tokenizer``), so that no two processes write one folder.
+Each folder's ``reproduce_*.json`` is the row's result as the CPU runs write it (``benchmarks/tables.py`` pools the
+files of one recipe, task, preset and machine). Every ``--pack-every`` seconds the results and logs so far go to
+``--pack`` (a .tgz); at ``--deadline`` seconds the chains still running are stopped and named (the chains not started
+yet too), never guessed. Exit status: 0 when every chain finished, 1 otherwise.
 """
 
 from __future__ import annotations
