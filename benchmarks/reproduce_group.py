@@ -121,7 +121,8 @@ def run(args) -> int:
 
     def start_next():  # the first chain not started yet, while fewer than --jobs run
         waiting = [job for job in jobs if job["process"] is None]
-        if waiting and sum(job["process"] is not None and job["process"].poll() is None for job in jobs) < args.jobs:
+        running = sum(job["process"] is not None and job["process"].poll() is None for job in jobs)
+        if waiting and running < (args.jobs or len(jobs)):
             job = waiting[0]
             job["log"] = open(os.path.join(job["folder"], "run.log"), "w")
             argv = command(args, job["seed"], job["chain"], job["folder"])
@@ -182,9 +183,7 @@ def main(argv=None) -> int:
     for name in ("deadline", "pack_every"):
         if not getattr(args, name) > 0:
             raise ValueError(f"`--{name.replace('_', '-')}` must be > 0, got {getattr(args, name)!r}.")
-    if args.jobs is None:
-        args.jobs = len(args.seeds) * len(chains(args.task, args.recipe, args.rows))
-    elif args.jobs < 1:
+    if args.jobs is not None and args.jobs < 1:
         raise ValueError(f"`--jobs` must be >= 1 (chains running at once), got {args.jobs!r}.")
     return run(args)
 
