@@ -274,6 +274,15 @@ RATIOS += [("soft_int8_compiled / ct2_int8", "soft_int8_compiled", "ct2_int8"),
            ("soft_int8_traced_compiled / ct2_int8", "soft_int8_traced_compiled", "ct2_int8"),
            ("soft_int8_traced_compiled / soft_int8", "soft_int8_traced_compiled", "soft_int8"),
            ("soft_int8_traced / soft_int8", "soft_int8_traced", "soft_int8")]
+# the mechanisms in int8 with compiled steps (traced engine), against soft_int8_traced_compiled (the same sizes): with
+# the weight matrices a quarter of fp32's bytes, a step's attention core is a larger share of it than in fp32
+for _name in ("hard_retrieval", "attention_removed", "hybrid_dot"):
+    BUILDERS[f"{_name}_int8_traced"] = lambda _name=_name: BUILDERS[_name]().eval().quantize_int8(engine="traced")
+    BUILDERS[f"{_name}_int8_traced_compiled"] = lambda _name=_name: compiled(BUILDERS[f"{_name}_int8_traced"]())
+    RATIOS.append((f"{_name}_int8_traced_compiled / soft_int8_traced_compiled", f"{_name}_int8_traced_compiled",
+                   "soft_int8_traced_compiled"))
+RATIOS += [("hard_retrieval_int8_traced_compiled / attention_removed_int8_traced_compiled",
+            "hard_retrieval_int8_traced_compiled", "attention_removed_int8_traced_compiled")]
 
 
 def ctranslate2_available():

@@ -172,6 +172,7 @@ class Figures:
     files: tuple
     ratio: str  # decoding: a key of the rows' "ratios"; training: "ROW x_soft" or "ROW x_hybrid"
     note: str = ""
+    precision: str = "fp32"  # the weights' (int8: int8 weights, activations quantised at every call)
 
 
 @dataclass(frozen=True)
@@ -206,6 +207,8 @@ CPU_DECODE = ("decode_speed_intel_amx.json", "decode_speed_epyc_avx2_grouped.jso
               "decode_speed_epyc_avx512_grouped.json")
 CPU_COMPILED = ("decode_speed_packed_compiled_epyc_avx512.json",)  # packed weights + static cache + compiled steps
 COMPILED = "Transformer-base, random weights, packed + compiled (the per-step overhead gone)"
+CPU_INT8_COMPILED = ("decode_speed_int8_mechanisms_compiled_epyc_avx512.json",)  # int8 (traced engine) + compiled
+INT8_COMPILED = "Transformer-base, random weights, traced int8 engine + compiled (the per-step overhead gone)"
 HYBRIDS = ("additive", "dot", "multihead")  # the hybrid recipe's rows' cross-attention (reproduce.py PAPER_RECIPES)
 CPU_TRAIN = ("train_speed_intel_amx.json", "train_speed_epyc_avx2.json", "train_speed_epyc_avx512.json")
 
@@ -249,6 +252,8 @@ CLAIMS = [
               Rounds("Transformer-base, random weights", GPU512, "decoding", "hard_retrieval", "soft", (512,)),
               Figures("Transformer-base, random weights", CPU_DECODE, "hard_retrieval / soft"),
               Figures(COMPILED, CPU_COMPILED, "hard_retrieval_packed_compiled / soft_packed_compiled"),
+              Figures(INT8_COMPILED, CPU_INT8_COMPILED,
+                      "hard_retrieval_int8_traced_compiled / soft_int8_traced_compiled", precision="int8"),
           ), device="GPU"),
     Claim("003-hc-sa", "003", "hc-sa about equal to soft (Table 2: almost identical BLEU)", Bound(low=-0.5), "quality", (
         Rows("each type's default init", (SEEDS.format("hc_sa"), EMB.format("soft")), "hc_sa@xavier",
@@ -300,6 +305,8 @@ CLAIMS = [
         Rounds("Transformer-base, random weights", GPU512, "decoding", "hybrid_dot", "soft", (512,)),
         Figures("Transformer-base, random weights", CPU_DECODE, "hybrid_dot / soft"),
         Figures(COMPILED, CPU_COMPILED, "hybrid_dot_packed_compiled / soft_packed_compiled"),
+        Figures(INT8_COMPILED, CPU_INT8_COMPILED, "hybrid_dot_int8_traced_compiled / soft_int8_traced_compiled",
+                precision="int8"),
     ), device="GPU"),
     Claim("004-about-equal", "004", "the recurrent variants about equal to soft (Table 2: no significant gain)",
           Bound(low=-0.5, high=0.5), "quality", (
@@ -631,8 +638,8 @@ def judge_figures(claim: Claim, evidence: Figures) -> dict:
     return dict(
         id=claim.id, paper=claim.paper, claim=claim.claim, bound=claim.bound.text("x"), measure=evidence.ratio,
         evidence=evidence.label, verdict="not judged (no timed rounds stored)", seeds=None, sets=sets,
-        recipe=f"ours: {evidence.label}, fp32, 2 threads", converged=None, machine=joined(machines),
-        precision="fp32", steps=None, task="speed", note=evidence.note,
+        recipe=f"ours: {evidence.label}, {evidence.precision}, 2 threads", converged=None, machine=joined(machines),
+        precision=evidence.precision, steps=None, task="speed", note=evidence.note,
         rows=[dict(file=s["file"], ratio=evidence.ratio) for s in sets.values()])
 
 
