@@ -194,10 +194,15 @@ def write_json_atomic(path: str, data):
 
 def write_text_atomic(path: str, text: str):
     """Write ``text`` to ``path`` through a temporary file and ``os.replace``."""
+    write_bytes_atomic(path, text.encode("utf-8"))
+
+
+def write_bytes_atomic(path: str, data: bytes):
+    """Write ``data`` to ``path`` through a temporary file and ``os.replace``."""
     temporary = f"{path}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
     try:
-        with open(temporary, "w", encoding="utf-8") as handle:
-            handle.write(text)
+        with open(temporary, "wb") as handle:
+            handle.write(data)
         os.replace(temporary, path)
     except BaseException:
         with contextlib.suppress(OSError):

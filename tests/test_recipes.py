@@ -603,6 +603,60 @@ def test_an_interrupted_two_stage_row_resumes_its_second_stage(tmp_path, monkeyp
         assert torch.equal(a, b), name
 
 
+def test_a_fresh_machine_takes_the_teacher_from_the_results_folder(tmp_path, monkeypatch):
+    """The soft teacher's row and translations kept in --results-dir: a later run in a fresh output folder (another
+    machine, a later session) trains the hybrid and Eq. 1 rows without the teacher's model and without training it
+    again, to the same Eq. 1 model as the run that trained the teacher (bit for bit on CPU). The stored translations
+    are the teacher's own, and a file that does not match this run's teacher or data is refused by name."""
+    import gzip
+    import json
+
+    import datasets
+    from transformers import AutoModelForSeq2SeqLM
+
+    from hf_hardattn.tools import distill, reproduce, training
+
+    results = tmp_path / "results"
+
+    def argv(out, *extra):
+        return tiny_argv(tmp_path, "--recipe", "hybrid", "--rows", "hybrid_dot_kd_eq1", "--max-steps", "3",
+                         "--output-dir", str(out), "--results-dir", str(results), *extra)
+
+    reproduce.main(argv(tmp_path / "first"))
+    path = results / "reproduce_multi30k_tiny_hybrid_kd_data.jsonl.gz"
+    with gzip.open(path, "rt", encoding="utf-8") as handle:
+        header, targets = json.loads(handle.readline()), [json.loads(line) for line in handle]
+    made = datasets.load_from_disk(str(tmp_path / "first" / "kd_data" / "dataset"))
+    teacher = stored(tmp_path / "first", "hybrid")["rows"]["soft"]
+    assert targets == made["target"] and header["rows"] == len(made) and header["num_beams"] == 12
+    assert header["teacher"]["steps"] == teacher["steps"] and header["teacher"]["score"] == teacher["score"]
+
+    trained, real = [], training.train_seq2seq
+
+    def spy(*args, **kwargs):
+        trained.append(os.path.relpath(kwargs["output_dir"], tmp_path))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(training, "train_seq2seq", spy)
+    monkeypatch.setattr(distill, "train_seq2seq", spy)  # the stages' own import of it
+    second = tmp_path / "second"
+    reproduce.main(argv(second, "--force"))
+    assert trained == [os.path.join("second", "trainer", "hybrid_dot"),
+                       os.path.join("second", "trainer", "hybrid_dot_kd_eq1", "kd")]
+    assert not (second / "models" / "soft").exists()
+    rows = [stored(folder, "hybrid")["rows"]["hybrid_dot_kd_eq1"] for folder in (tmp_path / "first", second)]
+    assert rows[0]["stages"] == rows[1]["stages"] and rows[0]["scores"] == rows[1]["scores"]
+    models = [AutoModelForSeq2SeqLM.from_pretrained(folder / "models" / "hybrid_dot_kd_eq1")
+              for folder in (tmp_path / "first", second)]
+    for (name, a), b in zip(models[0].state_dict().items(), models[1].state_dict().values()):
+        assert torch.equal(a, b), name
+
+    header["num_beams"] = 4  # another teacher setting's translations
+    path.write_bytes(gzip.compress(("\n".join(json.dumps(x) for x in [header, *targets]) + "\n").encode()))
+    with pytest.raises(ValueError, match="holds translations of another teacher or data \\(\\['num_beams'\\]"):
+        reproduce.main(argv(tmp_path / "third", "--force"))
+
+
 def test_paper_recipes_refuse_other_rows_and_patience_needs_its_interval(tmp_path):
     from hf_hardattn.tools import reproduce
 

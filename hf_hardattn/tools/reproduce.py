@@ -48,7 +48,9 @@ no reference term, no MLE stage); ``hybrid_*_kd_eq1`` are Eq. 1 with the paper's
 on the references, then reference NLL + lambda * NLL of the teacher's translation, lambda 1; today's recipe gives
 each stage half the row's budget and a new optimizer running the preset's schedule compressed onto its half, warm-up
 halved too; the ``hybrid`` recipe's MLE stage is the ``hybrid_*`` row itself, trained with at least the teacher's
-steps, whose weights, optimizer and schedule Eq. 1 continues: ``recipes.MLE_STAGES``). The beam-joint
+steps, whose weights, optimizer and schedule Eq. 1 continues: ``recipes.MLE_STAGES``). The teacher's translations
+are kept in ``--results-dir`` (:func:`kd_data`), so that a later run in a fresh output folder trains these rows
+without training the teacher again. The beam-joint
 rows and ``rnn_luong_soft`` (their soft baseline on the same Luong-style LSTM decoder) train with label smoothing 0,
 the beam-joint paper's plain likelihood (the ``*_bahdanau`` rows keep the earlier recipe: the
 hybrid's GRU decoder, label smoothing 0.1). Finished rows are stored in ``reproduce_TASK_PRESET.json`` in the
@@ -67,6 +69,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import gzip
 import json
 import os
 import shlex
@@ -87,7 +90,7 @@ from ..hard_retrieval import HardRetrievalConfig, HardRetrievalForConditionalGen
 from ..hybrid import HybridConfig, HybridForConditionalGeneration
 from ..model_card import RESULTS_FILE, write_model_card
 from ..recurrent import RecurrentConfig, RecurrentForConditionalGeneration
-from ..safe_io import atomic_folder, write_json_atomic, write_text_atomic
+from ..safe_io import atomic_folder, write_bytes_atomic, write_json_atomic, write_text_atomic
 from ..soft import SoftTransformerConfig, SoftTransformerForConditionalGeneration
 from . import checkpointing, distill, training
 from .data import german_nouns, load_parallel, multi30k
@@ -578,13 +581,73 @@ def row_identity(ctx, row: Row, model) -> dict:
 
 def kd_data(ctx):
     """The soft teacher's translations (beam ``recipe.distill_beams``, 4 today) of the training sources ("target")
-    beside the references ("reference"), as strings (resumable, cached in the output folder)."""
+    beside the references ("reference"), as strings (resumable, cached in the output folder). With the teacher's model
+    in the output folder they are translated and kept in ``--results-dir`` too (:func:`kd_data_path`); without it
+    (a fresh machine), they are read from there, so that the KD rows need neither the model nor its training again."""
     if "kd_data" not in ctx:
-        teacher = on_accelerator(load_model(ctx, "soft"))
-        ctx["kd_data"] = distill.translate_dataset(teacher, ctx["tokenizer"], ctx["train"], os.path.join(ctx["out"], "kd_data"),
-                                           num_beams=ctx["recipe"].distill_beams, batch_size=ctx["recipe"].eval_batch_size,
-                                           max_length=ctx["recipe"].max_length, progress=not ctx["args"].quiet)
+        recipe, sources = ctx["recipe"], list(ctx["train"]["source"])
+        teacher_row = ctx["results"]["soft"]
+        header = dict(rows=len(sources), sources_sha256=distill._fingerprint(sources), num_beams=recipe.distill_beams,
+                      max_length=recipe.max_length, teacher={key: teacher_row.get(key) for key in KD_TEACHER_KEYS})
+        path = kd_data_path(ctx)
+        if os.path.isdir(model_dir(ctx, "soft")):
+            teacher = on_accelerator(load_model(ctx, "soft"))
+            data = distill.translate_dataset(teacher, ctx["tokenizer"], ctx["train"], os.path.join(ctx["out"], "kd_data"),
+                                             num_beams=recipe.distill_beams, batch_size=recipe.eval_batch_size,
+                                             max_length=recipe.max_length, progress=not ctx["args"].quiet)
+            if path is not None:
+                lines = [json.dumps(header)] + [json.dumps(text, ensure_ascii=False) for text in data["target"]]
+                payload = gzip.compress(("\n".join(lines) + "\n").encode("utf-8"), mtime=0)
+                write_bytes_atomic(path, payload)
+        else:
+            stored = read_kd_data(path)
+            if stored is None:
+                raise ValueError(f"the KD rows need the soft teacher's translations: there is no model of `soft` in "
+                                 f"{ctx['out']!r} and no {os.path.basename(kd_data_path(ctx) or KD_SUFFIX)!r} in "
+                                 f"--results-dir {ctx['args'].results_dir!r}; allowed: train the teacher here "
+                                 f"(--rows soft) or name the results folder that holds its translations.")
+            found, targets = stored
+            if found != header:
+                changed = sorted(key for key in header if found.get(key) != header[key])
+                raise ValueError(f"{path!r} holds translations of another teacher or data ({changed} differ from this "
+                                 f"run's); allowed: train the teacher again here (--rows soft --force).")
+            data = datasets.Dataset.from_dict(dict(source=sources, target=targets,
+                                                   reference=list(ctx["train"]["target"])))
+        ctx["kd_data"] = data
     return ctx["kd_data"]
+
+
+KD_SUFFIX = "_kd_data.jsonl.gz"  # beside the results JSON: the teacher's translations (a header line, then one per row)
+KD_TEACHER_KEYS = ("seed", "steps", "score", "scores")  # the teacher row's fields that tie its translations to it
+
+
+def kd_data_path(ctx):
+    """Where ``--results-dir`` keeps the teacher's translations (None without one)."""
+    folder = ctx["args"].results_dir
+    if folder is None:
+        return None
+    return os.path.join(folder, results_stem(ctx["task"], ctx["preset"], ctx["recipe"].name) + KD_SUFFIX)
+
+
+def read_kd_data(path):
+    """(header, translations) of a file written by :func:`kd_data`, or None where there is none."""
+    if path is None or not os.path.isfile(path):
+        return None
+    with gzip.open(path, "rt", encoding="utf-8") as handle:
+        header = json.loads(handle.readline())
+        targets = [json.loads(line) for line in handle]
+    if len(targets) != header.get("rows"):
+        raise ValueError(f"{path!r} holds {len(targets)} translations where its header says {header.get('rows')}; "
+                         f"delete it and train the teacher again (--rows soft --force).")
+    return header, targets
+
+
+def teacher_from_results(ctx, name, wanted, rows) -> bool:
+    """Whether row ``name`` is the soft teacher needed only for what the results hold: its steps (the hybrid_* rows'
+    budget) and, for the KD rows among ``rows`` (this run's), its translations in ``--results-dir``; not asked for
+    and decoded by no row."""
+    return (name == "soft" and name not in wanted and not any(row.source == name for row in rows)
+            and (not any(row.kd for row in rows) or read_kd_data(kd_data_path(ctx)) is not None))
 
 
 def model_dir(ctx, name):
@@ -913,10 +976,13 @@ def run(args) -> dict:
                          f"rows' training from its final checkpoint, which a wall-clock budget does not keep; "
                          f"allowed: a step budget (the recipe's, or --max-steps).")
     for name in order:
-        done = name in results and os.path.isdir(model_dir(ctx, name))
+        done = name in results and (os.path.isdir(model_dir(ctx, name))
+                                    or teacher_from_results(ctx, name, wanted, [task_rows[o] for o in order]))
         if done and not (args.force and name in wanted):
             print(f"[{name}] done: {results[name]['metric']} {results[name]['score']} (skipped)", flush=True)
             continue
+        if "soft" in order[:order.index(name)] and any(task_rows[other].kd for other in order):
+            kd_data(ctx)  # the teacher's translations first (kept in --results-dir), before a later row trains
         print(f"[{name}] {task_rows[name].paper}", flush=True)
         results[name] = run_row(task_rows[name], ctx)
         r = results[name]
