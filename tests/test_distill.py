@@ -489,3 +489,24 @@ def test_cli_distill(tmp_path):
     result = datasets.load_from_disk(str(tmp_path / "out" / "dataset"))
     assert result["source"] == ["t5 t6 t7", "t9 t8"] and len(result["target"]) == 2
     assert distill.MANIFEST in [p.name for p in (tmp_path / "out").iterdir()]
+
+
+def test_saved_translations_load_back_for_the_same_sources_and_identity_only(tmp_path):
+    """save_translations / load_translations: the file gives back translate_dataset's columns (source, the teacher's
+    target, the reference) for the same sources and identity; other sources or another identity are refused by name,
+    and no file is None."""
+    import datasets
+
+    data = datasets.Dataset.from_dict(dict(source=["a b", "c", "dé f"], target=["x", "y", "z"]))
+    distilled = datasets.Dataset.from_dict(dict(source=data["source"], target=["T1", "T 2", "Tü3"],
+                                                reference=data["target"]))
+    path = tmp_path / "kd.jsonl.gz"
+    assert distill.load_translations(path, data, num_beams=12) is None
+    distill.save_translations(path, distilled, num_beams=12, teacher=dict(steps=5))
+    loaded = distill.load_translations(path, data, num_beams=12, teacher=dict(steps=5))
+    assert loaded.column_names == distilled.column_names and loaded.to_dict() == distilled.to_dict()
+    with pytest.raises(ValueError, match=r"another teacher or data \(\['num_beams', 'teacher'\]"):
+        distill.load_translations(path, data, num_beams=4, teacher=dict(steps=6))
+    other = datasets.Dataset.from_dict(dict(source=["a b", "c", "d f"], target=["x", "y", "z"]))
+    with pytest.raises(ValueError, match=r"\(\['sources_sha256'\] differ"):
+        distill.load_translations(path, other, num_beams=12, teacher=dict(steps=5))

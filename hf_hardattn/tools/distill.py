@@ -40,6 +40,7 @@ Tooling (not runtime code): may import datasets / tqdm.
 from __future__ import annotations
 
 import argparse
+import gzip
 import hashlib
 import inspect
 import json
@@ -53,7 +54,7 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
 from ..hybrid import kd_loss, sequence_kd_loss
-from ..safe_io import write_json_atomic
+from ..safe_io import write_bytes_atomic, write_json_atomic
 from . import checkpointing, training
 from .arguments import check_model_type
 from .data import load_parallel
@@ -438,6 +439,34 @@ def translate_dataset(teacher, tokenizer, dataset, output_dir, source_column: st
     return distilled
 
 
+def save_translations(path, distilled, **identity):
+    """Keep the translations of ``distilled`` (a :func:`translate_dataset` result) in one gzip file ``path``: a header
+    line (the row count, the sources' sha256 and ``identity``: what made them), then one JSON string per row."""
+    header = dict(rows=len(distilled), sources_sha256=_fingerprint(distilled["source"]), **identity)
+    lines = [json.dumps(header)] + [json.dumps(text, ensure_ascii=False) for text in distilled["target"]]
+    write_bytes_atomic(str(path), gzip.compress(("\n".join(lines) + "\n").encode("utf-8"), mtime=0))
+
+
+def load_translations(path, dataset, source_column: str = "source", target_column: str = "target", **identity):
+    """:func:`translate_dataset`'s result for ``dataset`` rebuilt from a :func:`save_translations` file, or None where
+    there is none; a ValueError naming what differs where the file is of other sources or another ``identity``."""
+    if not os.path.isfile(str(path)):
+        return None
+    with gzip.open(str(path), "rt", encoding="utf-8") as handle:
+        found = json.loads(handle.readline())
+        translations = [json.loads(line) for line in handle]
+    sources = list(dataset[source_column])
+    header = dict(rows=len(sources), sources_sha256=_fingerprint(sources), **identity)
+    changed = sorted(key for key in header if found.get(key) != header[key])
+    if changed or len(translations) != len(sources):
+        raise ValueError(f"{str(path)!r} holds translations of another teacher or data ({changed or ['rows']} differ "
+                         f"from this run's); allowed: translate again with this teacher.")
+    columns = {"source": sources, "target": translations}
+    if target_column is not None and target_column in dataset.column_names:
+        columns["reference"] = list(dataset[target_column])
+    return datasets.Dataset.from_dict(columns)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # CLI
 # ----------------------------------------------------------------------------------------------------------------
@@ -495,6 +524,7 @@ def main(argv=None) -> int:
 
 __all__ = ["KD_SCHEMES", "DEFAULT_KD_SCHEME", "check_kd_scheme", "check_compatible",
            "tokenize_kd_dataset", "DistillationTrainer", "train_kd_stage", "train_two_stage", "translate_dataset",
+           "save_translations", "load_translations",
            "add_distill_arguments", "run_distill"]
 
 if __name__ == "__main__":

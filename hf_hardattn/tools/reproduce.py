@@ -69,7 +69,6 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import gzip
 import json
 import os
 import shlex
@@ -90,7 +89,7 @@ from ..hard_retrieval import HardRetrievalConfig, HardRetrievalForConditionalGen
 from ..hybrid import HybridConfig, HybridForConditionalGeneration
 from ..model_card import RESULTS_FILE, write_model_card
 from ..recurrent import RecurrentConfig, RecurrentForConditionalGeneration
-from ..safe_io import atomic_folder, write_bytes_atomic, write_json_atomic, write_text_atomic
+from ..safe_io import atomic_folder, write_json_atomic, write_text_atomic
 from ..soft import SoftTransformerConfig, SoftTransformerForConditionalGeneration
 from . import checkpointing, distill, training
 from .data import german_nouns, load_parallel, multi30k
@@ -585,35 +584,20 @@ def kd_data(ctx):
     in the output folder they are translated and kept in ``--results-dir`` too (:func:`kd_data_path`); without it
     (a fresh machine), they are read from there, so that the KD rows need neither the model nor its training again."""
     if "kd_data" not in ctx:
-        recipe, sources = ctx["recipe"], list(ctx["train"]["source"])
-        teacher_row = ctx["results"]["soft"]
-        header = dict(rows=len(sources), sources_sha256=distill._fingerprint(sources), num_beams=recipe.distill_beams,
-                      max_length=recipe.max_length, teacher={key: teacher_row.get(key) for key in KD_TEACHER_KEYS})
-        path = kd_data_path(ctx)
+        recipe, path = ctx["recipe"], kd_data_path(ctx)
+        identity = dict(num_beams=recipe.distill_beams, max_length=recipe.max_length,
+                        teacher={key: ctx["results"]["soft"].get(key) for key in KD_TEACHER_KEYS})
         if os.path.isdir(model_dir(ctx, "soft")):
             teacher = on_accelerator(load_model(ctx, "soft"))
-            data = distill.translate_dataset(teacher, ctx["tokenizer"], ctx["train"], os.path.join(ctx["out"], "kd_data"),
-                                             num_beams=recipe.distill_beams, batch_size=recipe.eval_batch_size,
-                                             max_length=recipe.max_length, progress=not ctx["args"].quiet)
+            ctx["kd_data"] = distill.translate_dataset(teacher, ctx["tokenizer"], ctx["train"],
+                                                       os.path.join(ctx["out"], "kd_data"),
+                                                       num_beams=recipe.distill_beams,
+                                                       batch_size=recipe.eval_batch_size,
+                                                       max_length=recipe.max_length, progress=not ctx["args"].quiet)
             if path is not None:
-                lines = [json.dumps(header)] + [json.dumps(text, ensure_ascii=False) for text in data["target"]]
-                payload = gzip.compress(("\n".join(lines) + "\n").encode("utf-8"), mtime=0)
-                write_bytes_atomic(path, payload)
-        else:
-            stored = read_kd_data(path)
-            if stored is None:
-                raise ValueError(f"the KD rows need the soft teacher's translations: there is no model of `soft` in "
-                                 f"{ctx['out']!r} and no {os.path.basename(kd_data_path(ctx) or KD_SUFFIX)!r} in "
-                                 f"--results-dir {ctx['args'].results_dir!r}; allowed: train the teacher here "
-                                 f"(--rows soft) or name the results folder that holds its translations.")
-            found, targets = stored
-            if found != header:
-                changed = sorted(key for key in header if found.get(key) != header[key])
-                raise ValueError(f"{path!r} holds translations of another teacher or data ({changed} differ from this "
-                                 f"run's); allowed: train the teacher again here (--rows soft --force).")
-            data = datasets.Dataset.from_dict(dict(source=sources, target=targets,
-                                                   reference=list(ctx["train"]["target"])))
-        ctx["kd_data"] = data
+                distill.save_translations(path, ctx["kd_data"], **identity)
+        else:  # the teacher's row from --results-dir (teacher_from_results): its translations are there
+            ctx["kd_data"] = distill.load_translations(path, ctx["train"], **identity)
     return ctx["kd_data"]
 
 
@@ -629,25 +613,13 @@ def kd_data_path(ctx):
     return os.path.join(folder, results_stem(ctx["task"], ctx["preset"], ctx["recipe"].name) + KD_SUFFIX)
 
 
-def read_kd_data(path):
-    """(header, translations) of a file written by :func:`kd_data`, or None where there is none."""
-    if path is None or not os.path.isfile(path):
-        return None
-    with gzip.open(path, "rt", encoding="utf-8") as handle:
-        header = json.loads(handle.readline())
-        targets = [json.loads(line) for line in handle]
-    if len(targets) != header.get("rows"):
-        raise ValueError(f"{path!r} holds {len(targets)} translations where its header says {header.get('rows')}; "
-                         f"delete it and train the teacher again (--rows soft --force).")
-    return header, targets
-
-
 def teacher_from_results(ctx, name, wanted, rows) -> bool:
     """Whether row ``name`` is the soft teacher needed only for what the results hold: its steps (the hybrid_* rows'
     budget) and, for the KD rows among ``rows`` (this run's), its translations in ``--results-dir``; not asked for
     and decoded by no row."""
+    path = kd_data_path(ctx)
     return (name == "soft" and name not in wanted and not any(row.source == name for row in rows)
-            and (not any(row.kd for row in rows) or read_kd_data(kd_data_path(ctx)) is not None))
+            and (not any(row.kd for row in rows) or (path is not None and os.path.isfile(path))))
 
 
 def model_dir(ctx, name):
