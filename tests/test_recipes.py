@@ -365,6 +365,15 @@ def tiny_argv(tmp_path, *extra):
     return ["--task", "multi30k", "--preset", "tiny", "--data", str(data), "--quiet", *extra]
 
 
+def assert_same_saved_model(row, first, second):
+    """The model of ``row`` saved in two output folders: equal bit for bit, tensor by tensor."""
+    from transformers import AutoModelForSeq2SeqLM
+
+    models = [AutoModelForSeq2SeqLM.from_pretrained(folder / "models" / row) for folder in (first, second)]
+    for (name, a), b in zip(models[0].state_dict().items(), models[1].state_dict().values()):
+        assert torch.equal(a, b), name
+
+
 def stored(out, recipe):
     import json
 
@@ -424,8 +433,6 @@ def test_an_interrupted_paper_recipe_row_resumes_where_it_stopped(tmp_path, monk
     row's checkpoints keep their weights, not the optimizer state; --force trains the row anew."""
     import json
 
-    from transformers import AutoModelForSeq2SeqLM
-
     from hf_hardattn.tools import reproduce, training
 
     monkeypatch.setattr(training, "validation_loss", lambda *args, **kwargs: 1.0)
@@ -454,9 +461,7 @@ def test_an_interrupted_paper_recipe_row_resumes_where_it_stopped(tmp_path, monk
         for timing in ("command", "decode_seconds", "sentences_per_s"):  # the output folder's name; the clock
             result.pop(timing)
     assert row == whole and row["steps"] == 6 and row["averaged_checkpoints"] == [2, 4, 6]
-    models = [AutoModelForSeq2SeqLM.from_pretrained(folder / "models" / "hard_cross") for folder in (tmp_path / "whole", out)]
-    for (name, a), b in zip(models[0].state_dict().items(), models[1].state_dict().values()):
-        assert torch.equal(a, b), name
+    assert_same_saved_model("hard_cross", tmp_path / "whole", out)
     saved = sorted((out / "trainer" / "hard_cross").glob("checkpoint-*"))
     assert [p.name for p in saved] == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
     assert all((p / "model.safetensors").exists() and not (p / "optimizer.pt").exists() for p in saved)
@@ -489,8 +494,6 @@ def test_hybrid_recipe_student_is_twice_as_wide_and_eq1_continues_the_hybrid_row
     without training it again. Independent reference: mle_stage "teacher", where the Eq. 1 row trains its own MLE
     stage in one process and hands the optimizer over in memory: the same Eq. 1 model, bit for bit."""
     import json
-
-    from transformers import AutoModelForSeq2SeqLM
 
     from hf_hardattn.tools import distill, reproduce, training
 
@@ -534,10 +537,7 @@ def test_hybrid_recipe_student_is_twice_as_wide_and_eq1_continues_the_hybrid_row
     assert [os.path.basename(folder) for folder, _ in calls] == ["soft", "mle", "kd"]
     expected = stored(reference, "hybrid")["rows"]["hybrid_dot_kd_eq1"]
     assert expected["stages"] == row["stages"] and expected["convergence"] == row["convergence"]
-    models = [AutoModelForSeq2SeqLM.from_pretrained(folder / "models" / "hybrid_dot_kd_eq1")
-              for folder in (out, reference)]
-    for (name, a), b in zip(models[0].state_dict().items(), models[1].state_dict().values()):
-        assert torch.equal(a, b), name
+    assert_same_saved_model("hybrid_dot_kd_eq1", out, reference)
 
 
 def test_an_eq1_row_refuses_a_hybrid_row_it_cannot_continue(tmp_path):
@@ -568,8 +568,6 @@ def test_an_interrupted_two_stage_row_resumes_its_second_stage(tmp_path, monkeyp
     """hybrid_dot_kd_eq1 under the hybrid recipe, cut off inside its Eq. 1 stage (after its checkpoint 1), then the
     same command again: neither the hybrid row (its MLE stage) nor the soft teacher is trained again, Eq. 1 resumes
     from its checkpoint, and the row's model, stages and curves equal an uninterrupted run's (bit for bit)."""
-    from transformers import AutoModelForSeq2SeqLM
-
     from hf_hardattn.tools import distill, reproduce, training
 
     def argv(out):
@@ -597,10 +595,7 @@ def test_an_interrupted_two_stage_row_resumes_its_second_stage(tmp_path, monkeyp
     assert row["resumed_at"] == {"kd": 1} and row["stages"] == whole["stages"] and whole["stages"]["kd"] > 1
     assert row["convergence"]["mle"] == whole["convergence"]["mle"]
     assert dict(row["convergence"]["kd"], resumed_at=None) == whole["convergence"]["kd"]
-    models = [AutoModelForSeq2SeqLM.from_pretrained(folder / "models" / "hybrid_dot_kd_eq1")
-              for folder in (tmp_path / "whole", out)]
-    for (name, a), b in zip(models[0].state_dict().items(), models[1].state_dict().values()):
-        assert torch.equal(a, b), name
+    assert_same_saved_model("hybrid_dot_kd_eq1", tmp_path / "whole", out)
 
 
 def test_a_fresh_machine_takes_the_teacher_from_the_results_folder(tmp_path, monkeypatch):
@@ -612,7 +607,6 @@ def test_a_fresh_machine_takes_the_teacher_from_the_results_folder(tmp_path, mon
     import json
 
     import datasets
-    from transformers import AutoModelForSeq2SeqLM
 
     from hf_hardattn.tools import distill, reproduce, training
 
@@ -646,10 +640,7 @@ def test_a_fresh_machine_takes_the_teacher_from_the_results_folder(tmp_path, mon
     assert not (second / "models" / "soft").exists()
     rows = [stored(folder, "hybrid")["rows"]["hybrid_dot_kd_eq1"] for folder in (tmp_path / "first", second)]
     assert rows[0]["stages"] == rows[1]["stages"] and rows[0]["scores"] == rows[1]["scores"]
-    models = [AutoModelForSeq2SeqLM.from_pretrained(folder / "models" / "hybrid_dot_kd_eq1")
-              for folder in (tmp_path / "first", second)]
-    for (name, a), b in zip(models[0].state_dict().items(), models[1].state_dict().values()):
-        assert torch.equal(a, b), name
+    assert_same_saved_model("hybrid_dot_kd_eq1", tmp_path / "first", second)
 
     header["num_beams"] = 4  # another teacher setting's translations
     path.write_bytes(gzip.compress(("\n".join(json.dumps(x) for x in [header, *targets]) + "\n").encode()))

@@ -431,10 +431,7 @@ def translate_dataset(teacher, tokenizer, dataset, output_dir, source_column: st
         if [r["index"] for r in rows] != list(range(start, min(start + shard_size, len(sources)))):
             raise ValueError(f"shard {shard_path(start)} is incomplete or corrupt; delete it and rerun.")
         translations += [r["translation"] for r in rows]
-    columns = {"source": sources, "target": translations}
-    if target_column is not None and target_column in dataset.column_names:
-        columns["reference"] = list(dataset[target_column])
-    distilled = datasets.Dataset.from_dict(columns)
+    distilled = _distilled(sources, translations, dataset, target_column)
     distilled.save_to_disk(os.path.join(str(output_dir), "dataset"))
     return distilled
 
@@ -461,6 +458,11 @@ def load_translations(path, dataset, source_column: str = "source", target_colum
     if changed or len(translations) != len(sources):
         raise ValueError(f"{str(path)!r} holds translations of another teacher or data ({changed or ['rows']} differ "
                          f"from this run's); allowed: translate again with this teacher.")
+    return _distilled(sources, translations, dataset, target_column)
+
+
+def _distilled(sources, translations, dataset, target_column):
+    """The KD dataset: "source", the teacher's "target" and, where ``dataset`` has ``target_column``, "reference"."""
     columns = {"source": sources, "target": translations}
     if target_column is not None and target_column in dataset.column_names:
         columns["reference"] = list(dataset[target_column])
