@@ -272,6 +272,28 @@ def test_a_fresh_output_folder_adds_to_the_results_dir_table(run_dir, tmp_path):
     assert "| soft |" in (results / "reproduce_multi30k_tiny.md").read_text()
 
 
+def test_runs_that_share_the_results_dir_keep_each_others_rows(run_dir, tmp_path, monkeypatch):
+    """Two runs side by side, each with its own output folder and the same --results-dir: the second finishes a row
+    while the first trains; the first's write then keeps that row (read back from --results-dir, which its own output
+    folder does not hold) instead of writing its older view over it."""
+    results = tmp_path / "results"
+    common = ["--task", "multi30k", "--preset", "tiny", "--data", str(run_dir["data"]), "--quiet",
+              "--results-dir", str(results)]
+    real_run_row = reproduce.run_row
+
+    def while_another_run_finishes(row, ctx):
+        monkeypatch.setattr(reproduce, "run_row", real_run_row)
+        reproduce.main(common + ["--output-dir", str(tmp_path / "second"), "--rows", "hc_sa"])
+        assert set(load_results(results)["rows"]) == {"hc_sa"}
+        return real_run_row(row, ctx)
+
+    monkeypatch.setattr(reproduce, "run_row", while_another_run_finishes)
+    reproduce.main(common + ["--output-dir", str(tmp_path / "first"), "--rows", "soft"])
+    assert set(load_results(results)["rows"]) == {"soft", "hc_sa"}
+    assert load_results(results)["rows"]["hc_sa"] == load_results(tmp_path / "second")["rows"]["hc_sa"]
+    assert "| hc_sa |" in (results / "reproduce_multi30k_tiny.md").read_text()
+
+
 def test_bad_input(tmp_path):
     with pytest.raises(ValueError, match="`rows`.*full_joint_rnn"):  # full-joint is a nouns-only row
         reproduce.main(["--task", "multi30k", "--preset", "tiny", "--rows", "full_joint_rnn",

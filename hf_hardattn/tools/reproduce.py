@@ -57,8 +57,9 @@ hybrid's GRU decoder, label smoothing 0.1). Finished rows are stored in ``reprod
 output folder and skipped on a rerun (``--force`` redoes them), so a run can be interrupted and resumed (a row
 trained by steps, as under every paper recipe, also resumes part-way from its last checkpoint:
 :func:`prepare_trainer_dir`, ``distill.train_two_stage(resume_from_checkpoint=True)``), and two
-processes may run disjoint sets of rows into the same folder (e.g. one thread each for the small nouns models; train
-the tokenizer first). Every row stores the command that produced it, its seed, the recipe (``recipe_name`` and every
+processes may run disjoint sets of rows into the same output folder (e.g. one thread each for the small nouns models;
+train the tokenizer first) or, each from its own output folder, into the same ``--results-dir`` (each write keeps the
+rows the other has written there). Every row stores the command that produced it, its seed, the recipe (``recipe_name`` and every
 field of :class:`Recipe`) and the training settings its model was built with (``model_fields``: sizes, dropouts,
 label smoothing, init, dropout placement, RNN widths), so that no override goes unrecorded. ``--export-fp16 DIR``
 also keeps each trained row's final model in fp16 with its tokenizer and card.
@@ -740,22 +741,24 @@ def refresh_cards(ctx, table):
 
 
 def write_outputs(ctx):
-    """Write results.json / .md (merged with rows that another process running other rows of the same folder has
-    written meanwhile) and refresh the model cards."""
+    """Write results.json / .md (merged with rows that another process running other rows has written meanwhile to
+    the same output folder or the same ``--results-dir``) and refresh the model cards."""
     task, preset, results = ctx["task"], ctx["preset"], ctx["results"]
     file_stem = results_stem(task, preset, ctx["recipe"].name)
-    path = os.path.join(ctx["out"], f"{file_stem}.json")
-    if os.path.exists(path):
-        with open(path) as handle:
-            on_disk = json.load(handle)["rows"]
-        for name, row in on_disk.items():
-            results.setdefault(name, row)
+    folders = [folder for folder in (ctx["out"], ctx["args"].results_dir) if folder is not None]
+    for folder in folders:
+        path = os.path.join(folder, f"{file_stem}.json")
+        if os.path.exists(path):
+            with open(path) as handle:
+                on_disk = json.load(handle)["rows"]
+            for name, row in on_disk.items():
+                results.setdefault(name, row)
     payload = dict(task=task, preset=preset, recipe_name=ctx["recipe"].name, recipe=dataclasses.asdict(ctx["recipe"]),
                    batch_size=ctx["batch_size"],
                    tokens_per_sentence=ctx["tokens_per_sentence"], vocab_size=len(ctx["tokenizer"]),
                    test_examples=len(ctx["test"]), rows=results)
     table = row_table(task, preset, results)
-    for folder in {ctx["out"], ctx["args"].results_dir} - {None}:
+    for folder in dict.fromkeys(folders):
         os.makedirs(folder, exist_ok=True)
         stem = os.path.join(folder, file_stem)
         write_json_atomic(stem + ".json", payload)  # atomic: a reader (or a killed run's successor) never sees half
