@@ -858,7 +858,7 @@ def status_line(entries) -> str:
     ours = m - n - paper
     head = ("**No quality verdict yet rests on rows trained to convergence with the paper's recipe**" if not n else
             f"**{n} of the {m} quality verdicts rest on converged paper-recipe rows** ({PAPER_SEEDS}+ seeds, every "
-            "row trained to convergence; such a group heads its claim)")
+            "row converged; such a group heads its claim)")
     rest = []
     if ours:
         rest.append(("all are" if ours == m else f"{ours} of the {m} {'is' if ours == 1 else 'are'}") +
