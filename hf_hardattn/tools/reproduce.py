@@ -56,13 +56,13 @@ the beam-joint paper's plain likelihood (the ``*_bahdanau`` rows keep the earlie
 hybrid's GRU decoder, label smoothing 0.1). Finished rows are stored in ``reproduce_TASK_PRESET.json`` in the
 output folder and skipped on a rerun (``--force`` redoes them), so a run can be interrupted and resumed (a row
 trained by steps, as under every paper recipe, also resumes part-way from its last checkpoint:
-:func:`prepare_trainer_dir`, ``distill.train_two_stage(resume_from_checkpoint=True)``), and two
-processes may run disjoint sets of rows into the same output folder (e.g. one thread each for the small nouns models;
-train the tokenizer first) or, each from its own output folder, into the same ``--results-dir`` (each write keeps the
-rows the other has written there). Every row stores the command that produced it, its seed, the recipe (``recipe_name`` and every
-field of :class:`Recipe`) and the training settings its model was built with (``model_fields``: sizes, dropouts,
-label smoothing, init, dropout placement, RNN widths), so that no override goes unrecorded. ``--export-fp16 DIR``
-also keeps each trained row's final model in fp16 with its tokenizer and card.
+:func:`prepare_trainer_dir`, ``distill.train_two_stage(resume_from_checkpoint=True)``), and two processes may run
+disjoint sets of rows into the same output folder (e.g. one thread each for the small nouns models; train the
+tokenizer first) or, each from its own output folder, into the same ``--results-dir`` (each write keeps the rows the
+other has written there). Every row stores the command that produced it, its seed, the recipe (``recipe_name`` and
+every field of :class:`Recipe`) and the training settings its model was built with (``model_fields``: sizes,
+dropouts, label smoothing, init, dropout placement, RNN widths), so that no override goes unrecorded.
+``--export-fp16 DIR`` also keeps each trained row's final model in fp16 with its tokenizer and card.
 """
 
 from __future__ import annotations
