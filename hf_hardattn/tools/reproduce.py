@@ -518,7 +518,7 @@ def train_row(row: Row, ctx, model, train_tok) -> dict:
             records["mle"] = ctx["results"][row.mle_row]["convergence"]
         resumed = {stage: record["resumed_at"] for stage, record in records.items()
                    if record["resumed_at"] and not (adopted and stage == "mle")}
-        if resumed:  # where each stage took up an interrupted run (its step), e.g. in a later session
+        if resumed:  # where each stage took up an interrupted run (its step), e.g. on another day or machine
             result["resumed_at"] = resumed
         result["convergence"] = records["train"] if set(records) == {"train"} else records
         result["converged"] = all(record["converged"] for record in records.values())
