@@ -746,13 +746,7 @@ def write_outputs(ctx):
     task, preset, results = ctx["task"], ctx["preset"], ctx["results"]
     file_stem = results_stem(task, preset, ctx["recipe"].name)
     folders = [folder for folder in (ctx["out"], ctx["args"].results_dir) if folder is not None]
-    for folder in folders:
-        path = os.path.join(folder, f"{file_stem}.json")
-        if os.path.exists(path):
-            with open(path) as handle:
-                on_disk = json.load(handle)["rows"]
-            for name, row in on_disk.items():
-                results.setdefault(name, row)
+    add_stored_rows(results, folders, file_stem)
     payload = dict(task=task, preset=preset, recipe_name=ctx["recipe"].name, recipe=dataclasses.asdict(ctx["recipe"]),
                    batch_size=ctx["batch_size"],
                    tokens_per_sentence=ctx["tokens_per_sentence"], vocab_size=len(ctx["tokenizer"]),
@@ -766,6 +760,18 @@ def write_outputs(ctx):
         write_text_atomic(stem + ".md", f"# {task}, preset {preset}{recipe_words}\n\n{table}\n")
     refresh_cards(ctx, table)
     return table
+
+
+def add_stored_rows(results: dict, folders, file_stem: str) -> dict:
+    """``results`` with every row stored in ``FOLDER/FILE_STEM.json`` that it lacks, the folders in order (a row
+    ``results`` holds, or an earlier folder's, is kept)."""
+    for folder in folders:
+        path = os.path.join(folder, f"{file_stem}.json")
+        if os.path.exists(path):
+            with open(path) as handle:
+                for name, row in json.load(handle)["rows"].items():
+                    results.setdefault(name, row)
+    return results
 
 
 def results_stem(task: str, preset: str, recipe: str = "today") -> str:
@@ -895,13 +901,8 @@ def run(args) -> dict:
     # rows already in the table: the output folder's (with their models), then those only in --results-dir (e.g. a
     # fresh machine without outputs/), which a new row joins instead of replacing them; a row without its model is
     # rerun when it is asked for or needed
-    results = {}
-    for folder in filter(None, (out, args.results_dir)):
-        path = os.path.join(folder, f"{results_stem(args.task, args.preset, recipe.name)}.json")
-        if os.path.exists(path):
-            with open(path) as handle:
-                for name, row in json.load(handle)["rows"].items():
-                    results.setdefault(name, row)
+    results = add_stored_rows({}, [folder for folder in (out, args.results_dir) if folder is not None],
+                              results_stem(args.task, args.preset, recipe.name))
 
     train, test = load_task(args.task, recipe, args.data, args.seed)
     tokenizer_dir = os.path.join(out, "tokenizer")
