@@ -47,3 +47,24 @@ def test_a_decoded_row_takes_its_sources_training_line():
     # decoded where its source was trained: no note
     same = build.trained_on("x.json", {}, {"soft": soft, "soft_decoded_hard": dict(decoded, machine=machine)})
     assert "decoded on" not in same and "Budget: until 5 evaluations" in same
+
+
+def test_a_two_stage_rows_stages_give_the_convergence_line():
+    """An Eq. 1 row stores one convergence record per stage ({"mle": ..., "kd": ...}): its table still says the
+    rows were trained to convergence (the rule of every stage), not the cap alone; a stage without the rule (or a row
+    without records) leaves only the cap."""
+    build = load_build()
+    machine = dict(cpu="AMD EPYC", cpu_capability="AVX512", threads=1, gpu=None)
+    recipe = dict(bf16=True, max_steps=12000, minutes=None)
+    rule = dict(patience=5, eval_steps=250)
+    hybrid = dict(machine=machine, recipe=recipe, seed=0, command="python benchmarks/reproduce.py --rows hybrid_dot",
+                  convergence=rule, init_std=None, embed_init_std=None)
+    eq1 = dict(hybrid, convergence={"mle": rule, "kd": rule})
+    line = build.trained_on("x.json", {}, {"hybrid_dot": hybrid, "hybrid_dot_kd_eq1": eq1})
+    assert ("Budget: until 5 evaluations of the validation loss, 250 steps apart, bring no new best (12000 steps at "
+            "most, each stage of a two-stage row; the steps column gives where each row stopped, a two-stage row its "
+            "stages summed)") in line, line
+    assert "two-stage" not in build.trained_on("x.json", {}, {"hybrid_dot": hybrid})
+    for other in ({"mle": rule, "kd": dict(rule, patience=None)}, None):
+        line = build.trained_on("x.json", {}, {"hybrid_dot": hybrid, "hybrid_dot_kd_eq1": dict(eq1, convergence=other)})
+        assert "Budget: 12000 steps per row" in line, line
