@@ -301,10 +301,11 @@ def command_option(row, option):
 
 def stage_records(convergence) -> list[dict]:
     """A row's convergence records: none, its one record, or one per stage of a two-stage row (reproduce.py stores
-    ``{"mle": record, "kd": record}`` for the hybrid's Eq. 1 rows)."""
+    ``{"mle": record, "kd": record}`` for the hybrid's Eq. 1 rows), read as benchmarks/tables.py's
+    ``convergence_records`` reads them (that script stays free of torch, so the three lines are not shared)."""
     if not convergence:
         return []
-    return [convergence] if "patience" in convergence else list(convergence.values())
+    return [convergence] if "converged" in convergence else list(convergence.values())
 
 
 def trained_on(path, payload, rows):

@@ -38,7 +38,7 @@ def test_a_decoded_row_takes_its_sources_training_line():
     machine = dict(cpu="AMD EPYC", cpu_capability="AVX512", threads=2, gpu=None)
     recipe = dict(bf16=True, max_steps=12000, minutes=None)
     soft = dict(machine=machine, recipe=recipe, seed=0, command="python benchmarks/reproduce.py --rows soft",
-                convergence=dict(patience=5, eval_steps=250), init_std="lipschitz", embed_init_std=None)
+                convergence=dict(patience=5, eval_steps=250, converged=True), init_std="lipschitz", embed_init_std=None)
     decoded = dict(soft, machine=dict(machine, threads=1), decoded_from="soft", convergence=None)
     line = build.trained_on("x.json", {}, {"soft": soft, "soft_decoded_hard": decoded})
     assert line.startswith("Trained on: AMD EPYC (AVX512), 2 threads; bf16 autocast (soft_decoded_hard decoded on "
@@ -56,7 +56,7 @@ def test_a_two_stage_rows_stages_give_the_convergence_line():
     build = load_build()
     machine = dict(cpu="AMD EPYC", cpu_capability="AVX512", threads=1, gpu=None)
     recipe = dict(bf16=True, max_steps=12000, minutes=None)
-    rule = dict(patience=5, eval_steps=250)
+    rule = dict(patience=5, eval_steps=250, converged=True)
     hybrid = dict(machine=machine, recipe=recipe, seed=0, command="python benchmarks/reproduce.py --rows hybrid_dot",
                   convergence=rule, init_std=None, embed_init_std=None)
     eq1 = dict(hybrid, convergence={"mle": rule, "kd": rule})
