@@ -369,7 +369,14 @@ def trained_on(path, payload, rows):
         (patience, every), = rules  # a paper recipe's rows: trained to convergence, the budget only a cap
         staged = any(len(stages) > 1 for stages in records.values())  # an Eq. 1 row: its MLE stage, then Eq. 1
         cap, stopped = (", each stage of a two-stage row", ", a two-stage row its stages summed") if staged else ("", "")
-        budget = (f"until {patience} evaluations of the validation loss, {every} steps apart, bring no new best "
+        # the metric: the rows' one, or an Eq. 1 stage's own (the recipe's kd_patience_metric)
+        first = {stages[0].get("metric", "val_loss") for stages in records.values() if stages}
+        second = {stages[-1].get("metric", "val_loss") for stages in records.values() if len(stages) > 1}
+        words = {"val_loss": "the validation loss", "val_bleu": "the validation BLEU"}
+        metric = " or ".join(words[m] for m in sorted(first))
+        if second - first:
+            metric += f" (an Eq. 1 stage: {' or '.join(words[m] for m in sorted(second))})"
+        budget = (f"until {patience} evaluations of {metric}, {every} steps apart, bring no new best "
                   f"({budget.replace(' per row', '')} at most{cap}; the steps column gives where each row "
                   f"stopped{stopped})")
     seed = (f"seed {seeds.pop()} (one seed)" if len(seeds) == 1

@@ -65,6 +65,12 @@ def test_a_two_stage_rows_stages_give_the_convergence_line():
             "most, each stage of a two-stage row; the steps column gives where each row stopped, a two-stage row its "
             "stages summed)") in line, line
     assert "two-stage" not in build.trained_on("x.json", {}, {"hybrid_dot": hybrid})
+    # the hybrid recipe's Eq. 1 stage stops on the validation BLEU (its kd_patience_metric): the line says so
+    bleu = dict(eq1, convergence={"mle": dict(rule, metric="val_loss"), "kd": dict(rule, metric="val_bleu")})
+    line = build.trained_on("x.json", {}, {"hybrid_dot": dict(hybrid, convergence=dict(rule, metric="val_loss")),
+                                           "hybrid_dot_kd_eq1": bleu})
+    assert ("until 5 evaluations of the validation loss (an Eq. 1 stage: the validation BLEU), 250 steps apart, "
+            "bring no new best") in line, line
     for other in ({"mle": rule, "kd": dict(rule, patience=None)}, None):
         line = build.trained_on("x.json", {}, {"hybrid_dot": hybrid, "hybrid_dot_kd_eq1": dict(eq1, convergence=other)})
         assert "Budget: 12000 steps per row" in line, line

@@ -505,6 +505,11 @@ def test_hybrid_recipe_student_is_twice_as_wide_and_eq1_continues_the_hybrid_row
 
     monkeypatch.setattr(training, "train_seq2seq", spy)
     monkeypatch.setattr(distill, "train_seq2seq", spy)  # the stages' own import of it
+    # a tiny model's BLEU is 0 at every step: scored by its chrF instead (a figure that moves), in both of the paths
+    # compared below (the patience rule's evaluation and the row's scoring)
+    real_scores = reproduce.row_scores
+    monkeypatch.setattr(reproduce, "row_scores", lambda hyps, refs: dict(real_scores(hyps, refs),
+                                                                         bleu=real_scores(hyps, refs)["chrf"]))
     out = tmp_path / "row"
     reproduce.main(tiny_argv(tmp_path, "--recipe", "hybrid", "--rows", "hybrid_dot_kd_eq1", "--max-steps", "3",
                              "--output-dir", str(out)))
@@ -520,6 +525,16 @@ def test_hybrid_recipe_student_is_twice_as_wide_and_eq1_continues_the_hybrid_row
     assert row["mle_stage"] == "row" and row["mle_row"] == "hybrid_dot" and row["continued_optimizer"] is True
     assert row["stages"]["mle"] == mle_row["steps"] and row["stage_warmup_steps"] is None
     assert row["convergence"]["mle"] == mle_row["convergence"] and "resumed_at" not in row
+    # the Eq. 1 stage stops on the validation BLEU (kd_patience_metric), the MLE stage on the validation loss; the
+    # stage's last evaluation is the BLEU that the row's scoring gives its final model on the same split
+    assert row["recipe"]["kd_patience_metric"] == "val_bleu" and mle_row["convergence"]["metric"] == "val_loss"
+    assert row["convergence"]["kd"]["metric"] == "val_bleu"
+    assert row["convergence"]["kd"]["curve"][-1] == [row["stages"]["kd"], row["scores"]["val"]] and row["scores"]["val"]
+    # the hybrid row's run is recognised without the field it does not read; the Eq. 1 row's records it
+    identities = {name: json.loads((out / "trainer" / name / "run.json").read_text())["recipe"]
+                  for name in ("hybrid_dot", "hybrid_dot_kd_eq1")}
+    assert "kd_patience_metric" not in identities["hybrid_dot"]
+    assert identities["hybrid_dot_kd_eq1"]["kd_patience_metric"] == "val_bleu"
     kd = calls[-1][1]
     assert kd.steps == row["stages"]["kd"] and row["steps"] == sum(row["stages"].values())
     assert kd.optimizer.state[next(iter(kd.optimizer.state))]["step"] == row["steps"]  # Adam went on, not anew

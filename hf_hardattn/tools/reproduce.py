@@ -29,13 +29,15 @@ Recipes (``--recipe``): ``today`` (default), the preset's for every row; or a pa
 (``recipes.PAPER_RECIPES``; results in ``reproduce_TASK_PRESET_RECIPE.json``) for that paper's rows alike, the baseline
 included: ``hard_retrieval`` (Lipschitz init, attention dropout 0.1 before the draw, the average of the last 5
 checkpoints), ``hybrid`` (GRU 2 x d_model wide, each ``hybrid_*`` row trained with at least the teacher's steps and
-continued by its Eq. 1 row, KD data of beam 12), ``beam_joint`` (dropout 0.2, label smoothing 0). Each trains to
+continued by its Eq. 1 row, KD data of beam 12, the Eq. 1 stage stopped by the validation BLEU), ``beam_joint`` (dropout 0.2, label smoothing 0). Each trains to
 convergence (``recipes.CONVERGENCE``; cpu preset: validation loss every 250 steps, patience 5, cap 12000 steps) with
 the inverse-square-root schedule.
 
 Convergence (``--patience N --eval-steps E``, any recipe): every E steps the validation split's loss (``val_loss``:
-teacher-forced NLL per token, no label smoothing) or BLEU (``--patience-metric val_bleu``) is measured; a row stops
-once N evaluations in a row have not improved on its best, or at the cap (``--max-steps``, ``--minutes``). The row
+teacher-forced NLL per token, no label smoothing) or BLEU (``--patience-metric val_bleu``) is measured; a KD row's
+stage 2, which learns the teacher's translations rather than the references, may use another
+(``--kd-patience-metric``; the ``hybrid`` recipe: BLEU). A row stops once N evaluations in a row have not improved on
+its best, or at the cap (``--max-steps``, ``--minutes``). The row
 stores ``converged``, ``steps`` (reached) and ``convergence`` (the rule and its curve [[step, value], ...]; per stage
 for the two-stage rows). The validation split then decides when a row stops; test_2016_flickr stays untouched.
 
@@ -401,13 +403,16 @@ def _losses(trainer):
     return [log["loss"] for log in trainer.state.log_history if "loss" in log]
 
 
-def convergence_rule(ctx, min_steps: int = 0):
+def convergence_rule(ctx, min_steps: int = 0, kd_stage: bool = False):
     """The recipe's patience rule as a :class:`~hf_hardattn.tools.training.Convergence` callback (None without one):
-    the validation split's loss (teacher-forced NLL per token) or its BLEU (beam ``recipe.num_beams``)."""
+    the validation split's loss (teacher-forced NLL per token) or its BLEU (beam ``recipe.num_beams``), as the
+    recipe's ``patience_metric`` says, or for a stage trained on the teacher's translations (``kd_stage``) its
+    ``kd_patience_metric`` where it sets one."""
     recipe = ctx["recipe"]
     if recipe.patience is None:
         return None
-    if recipe.patience_metric == "val_loss":
+    metric = recipe.kd_patience_metric if kd_stage and recipe.kd_patience_metric else recipe.patience_metric
+    if metric == "val_loss":
         def evaluate(model):
             return training.validation_loss(model, ctx["tokenizer"], ctx["patience_tok"], recipe.eval_batch_size)
     else:
@@ -416,8 +421,8 @@ def convergence_rule(ctx, min_steps: int = 0):
                                             num_beams=recipe.num_beams, batch_size=recipe.eval_batch_size,
                                             max_length=recipe.max_length)
             return row_scores(hypotheses, ctx["patience"]["target"])["bleu"]
-    return training.Convergence(evaluate, every=recipe.eval_steps, patience=recipe.patience,
-                                metric=recipe.patience_metric, min_steps=min_steps)
+    return training.Convergence(evaluate, every=recipe.eval_steps, patience=recipe.patience, metric=metric,
+                                min_steps=min_steps)
 
 
 def train_row(row: Row, ctx, model, train_tok) -> dict:
@@ -436,7 +441,7 @@ def train_row(row: Row, ctx, model, train_tok) -> dict:
                       learning_rate=recipe.learning_rate, warmup_steps=warmup_steps,
                       lr_scheduler=recipe.lr_scheduler, bf16=recipe.bf16, seed=args.seed, logging_steps=50,
                       progress=not args.quiet)
-        rule = convergence_rule(ctx, min_steps)
+        rule = convergence_rule(ctx, min_steps, kd_stage=stage == "kd")
         if rule is not None:
             rules[stage] = rule
             kwargs["callbacks"] = [rule]
@@ -551,7 +556,7 @@ def adopt_mle_stage(ctx, row: Row, model, trainer_dir) -> None:
             recorded = json.load(handle)
     except FileNotFoundError:
         recorded = None
-    if (ended is None or recorded != dict(row_identity(ctx, row, model), row=row.mle_row)
+    if (ended is None or recorded != row_identity(ctx, row.mle_row, model)
             or not os.path.isfile(os.path.join(ended.checkpoint, checkpointing.OPTIMIZER_FILE))):
         raise ValueError(f"`{row.name}` continues the training of `{row.mle_row}` (the {ctx['recipe'].name} recipe's "
                          f"mle_stage 'row'), and {source!r} holds no finished run of it with this seed, recipe and "
@@ -565,16 +570,22 @@ def prepare_trainer_dir(ctx, row: Row, model, trainer_dir, resumable: bool) -> b
     """True when ``trainer_dir`` holds an interrupted run of this very row (same row, seed, recipe, batch and model
     configuration) that may resume: ``resumable`` (the recipe trains by steps, not minutes) and no --force; otherwise
     it is emptied (:func:`~hf_hardattn.tools.checkpointing.prepare_run_folder`)."""
-    identity = row_identity(ctx, row, model)
+    identity = row_identity(ctx, row.name, model, kd=row.kd)
     resume = resumable and not getattr(ctx["args"], "force", False)
     return checkpointing.prepare_run_folder(trainer_dir, identity, resume)
 
 
-def row_identity(ctx, row: Row, model) -> dict:
-    """What a row's training depends on (``trainer/ROW/run.json``), as JSON reads it back."""
+def row_identity(ctx, name: str, model, kd: bool = False) -> dict:
+    """What the training of row ``name`` depends on (``trainer/ROW/run.json``), as JSON reads it back: the recipe's
+    KD-stage fields only for a row with a KD stage (``kd``), and only where set, so that the run of a row they do
+    not change (e.g. an Eq. 1 row's MLE stage) is recognised across them."""
     config = getattr(model, "config", None)  # (None: a test's stand-in for the model)
     config = {k: v for k, v in config.to_dict().items() if k != "transformers_version"} if config is not None else None
-    identity = dict(row=row.name, seed=ctx["args"].seed, recipe=dataclasses.asdict(ctx["recipe"]),
+    recipe = dataclasses.asdict(ctx["recipe"])
+    for field in KD_STAGE_FIELDS:
+        if not kd or recipe[field] is None:
+            del recipe[field]
+    identity = dict(row=name, seed=ctx["args"].seed, recipe=recipe,
                     batch_size=ctx["batch_size"], config=config)
     return json.loads(json.dumps(identity, default=str, sort_keys=True))
 
@@ -602,6 +613,7 @@ def kd_data(ctx):
     return ctx["kd_data"]
 
 
+KD_STAGE_FIELDS = ("kd_patience_metric",)  # recipe fields that only a KD stage reads
 KD_SUFFIX = "_kd_data.jsonl.gz"  # beside the results JSON: the teacher's translations (a header line, then one per row)
 KD_TEACHER_KEYS = ("seed", "steps", "score", "scores")  # the teacher row's fields that tie its translations to it
 
@@ -785,7 +797,7 @@ def row_command(ctx, name) -> str:
              "--seed", str(args.seed)]
     if getattr(args, "recipe", "today") != "today":
         parts += ["--recipe", args.recipe]
-    for flag in (*RECIPE_OVERRIDES, "patience_metric", "init_std", "embed_init_std", "precision", "data", "output_dir",
+    for flag in (*RECIPE_OVERRIDES, "patience_metric", "kd_patience_metric", "init_std", "embed_init_std", "precision", "data", "output_dir",
                  "threads"):
         value = getattr(args, flag)
         if value is not None:
@@ -837,6 +849,9 @@ def add_arguments(parser: argparse.ArgumentParser):
     parser.add_argument("--patience-metric", choices=tuple(training.PATIENCE_METRICS), default=None,
                         help="the metric of --patience: val_loss (default: the validation split's teacher-forced NLL "
                              "per token) or val_bleu (its BLEU, beam 4: slower)")
+    parser.add_argument("--kd-patience-metric", choices=tuple(training.PATIENCE_METRICS), default=None,
+                        help="the metric of --patience for a stage trained on the teacher's translations (a KD row's "
+                             "stage 2; default: the recipe's, under --recipe hybrid val_bleu, else --patience-metric)")
     parser.add_argument("--eval-steps", type=int, default=None,
                         help="steps between the evaluations of --patience (default: the recipe's)")
     parser.add_argument("--init-std", type=_std_or("xavier"), default=None, metavar="{xavier,STD}",
@@ -886,8 +901,9 @@ def run(args) -> dict:
     for name in RECIPE_OVERRIDES:  # the recipe every row uses and stores
         if getattr(args, name) is not None:
             setattr(recipe, name, getattr(args, name))
-    if getattr(args, "patience_metric", None) is not None:
-        recipe.patience_metric = args.patience_metric
+    for name in ("patience_metric", "kd_patience_metric"):
+        if getattr(args, name, None) is not None:
+            setattr(recipe, name, getattr(args, name))
     if args.precision is not None:
         recipe.bf16 = args.precision == "bf16"
     if recipe.patience is not None and recipe.eval_steps is None:
