@@ -294,6 +294,31 @@ def test_runs_that_share_the_results_dir_keep_each_others_rows(run_dir, tmp_path
     assert "| hc_sa |" in (results / "reproduce_multi30k_tiny.md").read_text()
 
 
+def test_a_row_rerun_elsewhere_is_not_put_back_by_a_stale_copy(run_dir, tmp_path):
+    """A row rerun (--force) by a second process into the shared --results-dir, while the first process's output
+    folder keeps a copy of its earlier version: the first process's next run keeps the rerun (the later ``finished``)
+    in --results-dir and in its own table, rather than writing the stale copy back."""
+    results = tmp_path / "results"
+    common = ["--task", "multi30k", "--preset", "tiny", "--data", str(run_dir["data"]), "--quiet",
+              "--results-dir", str(results)]
+    first, second = tmp_path / "first", tmp_path / "second"
+    reproduce.main(common + ["--output-dir", str(first), "--rows", "soft", "hc_sa"])
+    stale = load_results(first)["rows"]["hc_sa"]
+    reproduce.main(common + ["--output-dir", str(second), "--rows", "hc_sa", "--force"])
+    rerun = load_results(second)["rows"]["hc_sa"]
+    assert rerun["finished"] > stale["finished"] and load_results(results)["rows"]["hc_sa"] == rerun
+    reproduce.main(common + ["--output-dir", str(first), "--rows", "soft", "--force"])
+    assert load_results(results)["rows"]["hc_sa"] == rerun == load_results(first)["rows"]["hc_sa"]
+    # rows stored before rows recorded `finished` count as the oldest: a held row is kept over them
+    held = {"hc_sa": rerun}
+    (tmp_path / "old").mkdir()
+    old = dict(rerun, score=-1.0)
+    del old["finished"]
+    (tmp_path / "old" / "reproduce_multi30k_tiny.json").write_text(json.dumps({"rows": {"hc_sa": old}}))
+    assert reproduce.add_stored_rows(held, [tmp_path / "old"], "reproduce_multi30k_tiny")["hc_sa"] == rerun
+    assert reproduce.add_stored_rows({}, [tmp_path / "old", results], "reproduce_multi30k_tiny")["hc_sa"] == rerun
+
+
 def test_bad_input(tmp_path):
     with pytest.raises(ValueError, match="`rows`.*full_joint_rnn"):  # full-joint is a nouns-only row
         reproduce.main(["--task", "multi30k", "--preset", "tiny", "--rows", "full_joint_rnn",

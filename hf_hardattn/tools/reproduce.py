@@ -72,6 +72,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import datetime
 import json
 import os
 import shlex
@@ -681,6 +682,8 @@ def run_row(row: Row, ctx) -> dict:
         result["model_fields"]["label_smoothing"] = recipe.label_smoothing
     others = {VALIDATION_SET: ctx["val"]} if ctx.get("val") is not None else None
     result.update(evaluate(ctx["task"], model, ctx["tokenizer"], ctx["test"], recipe, other_sets=others))
+    # when the row was finished (UTC): of two stored versions of a row (one rerun with --force), the later one is kept
+    result["finished"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="microseconds")
     folder = model_dir(ctx, row.name)
     save_row_model(ctx, row.name, model, result, folder)
     if getattr(args, "export_fp16", None) and row.source is None:  # a trained row's final (averaged) weights in fp16
@@ -775,14 +778,18 @@ def write_outputs(ctx):
 
 
 def add_stored_rows(results: dict, folders, file_stem: str) -> dict:
-    """``results`` with every row stored in ``FOLDER/FILE_STEM.json`` that it lacks, the folders in order (a row
-    ``results`` holds, or an earlier folder's, is kept)."""
+    """``results`` with every row stored in ``FOLDER/FILE_STEM.json`` that it lacks, the folders in order, or holds in
+    an older version: a stored row finished later (its ``finished``; rows written before that field count as oldest)
+    replaces the one held, so that a row rerun (``--force``) by another process into a shared ``--results-dir`` is not
+    put back to its earlier version by a process whose output folder kept a copy of it. Otherwise the row ``results``
+    holds, or an earlier folder's, is kept."""
     for folder in folders:
         path = os.path.join(folder, f"{file_stem}.json")
         if os.path.exists(path):
             with open(path) as handle:
                 for name, row in json.load(handle)["rows"].items():
-                    results.setdefault(name, row)
+                    if name not in results or row.get("finished", "") > results[name].get("finished", ""):
+                        results[name] = row
     return results
 
 
@@ -915,8 +922,8 @@ def run(args) -> dict:
     out = args.output_dir or os.path.join("outputs", "reproduce", f"{args.task}-{args.preset}{suffix}")
     os.makedirs(out, exist_ok=True)
     # rows already in the table: the output folder's (with their models), then those only in --results-dir (e.g. a
-    # fresh machine without outputs/), which a new row joins instead of replacing them; a row without its model is
-    # rerun when it is asked for or needed
+    # fresh machine without outputs/) or finished there later (a rerun by another process), which a new row joins
+    # instead of replacing them; a row without its model is rerun when it is asked for or needed
     results = add_stored_rows({}, [folder for folder in (out, args.results_dir) if folder is not None],
                               results_stem(args.task, args.preset, recipe.name))
 
