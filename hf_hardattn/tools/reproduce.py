@@ -406,9 +406,8 @@ def _losses(trainer):
 
 def convergence_rule(ctx, min_steps: int = 0, kd_stage: bool = False):
     """The recipe's patience rule as a :class:`~hf_hardattn.tools.training.Convergence` callback (None without one):
-    the validation split's loss (teacher-forced NLL per token) or its BLEU (beam ``recipe.num_beams``), as the
-    recipe's ``patience_metric`` says, or for a stage trained on the teacher's translations (``kd_stage``) its
-    ``kd_patience_metric`` where it sets one."""
+    the validation split's loss (teacher-forced NLL per token) or its BLEU (beam ``recipe.num_beams``): the recipe's
+    ``patience_metric``, or for a stage trained on the teacher's translations (``kd_stage``) its kd_patience_metric."""
     recipe = ctx["recipe"]
     if recipe.patience is None:
         return None
@@ -577,17 +576,15 @@ def prepare_trainer_dir(ctx, row: Row, model, trainer_dir, resumable: bool) -> b
 
 
 def row_identity(ctx, name: str, model, kd: bool = False) -> dict:
-    """What the training of row ``name`` depends on (``trainer/ROW/run.json``), as JSON reads it back: the recipe's
-    KD-stage fields only for a row with a KD stage (``kd``), and only where set, so that the run of a row they do
-    not change (e.g. an Eq. 1 row's MLE stage) is recognised across them."""
+    """What the training of row ``name`` depends on (``trainer/ROW/run.json``), as JSON reads it back; the recipe's
+    KD-stage fields only for a row with a KD stage (``kd``) and where set (an Eq. 1 row's MLE stage ignores them)."""
     config = getattr(model, "config", None)  # (None: a test's stand-in for the model)
     config = {k: v for k, v in config.to_dict().items() if k != "transformers_version"} if config is not None else None
     recipe = dataclasses.asdict(ctx["recipe"])
     for field in KD_STAGE_FIELDS:
         if not kd or recipe[field] is None:
             del recipe[field]
-    identity = dict(row=name, seed=ctx["args"].seed, recipe=recipe,
-                    batch_size=ctx["batch_size"], config=config)
+    identity = dict(row=name, seed=ctx["args"].seed, recipe=recipe, batch_size=ctx["batch_size"], config=config)
     return json.loads(json.dumps(identity, default=str, sort_keys=True))
 
 
@@ -682,7 +679,6 @@ def run_row(row: Row, ctx) -> dict:
         result["model_fields"]["label_smoothing"] = recipe.label_smoothing
     others = {VALIDATION_SET: ctx["val"]} if ctx.get("val") is not None else None
     result.update(evaluate(ctx["task"], model, ctx["tokenizer"], ctx["test"], recipe, other_sets=others))
-    # when the row was finished (UTC): of two stored versions of a row (one rerun with --force), the later one is kept
     result["finished"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="microseconds")
     folder = model_dir(ctx, row.name)
     save_row_model(ctx, row.name, model, result, folder)
@@ -778,11 +774,9 @@ def write_outputs(ctx):
 
 
 def add_stored_rows(results: dict, folders, file_stem: str) -> dict:
-    """``results`` with every row stored in ``FOLDER/FILE_STEM.json`` that it lacks, the folders in order, or holds in
-    an older version: a stored row finished later (its ``finished``; rows written before that field count as oldest)
-    replaces the one held, so that a row rerun (``--force``) by another process into a shared ``--results-dir`` is not
-    put back to its earlier version by a process whose output folder kept a copy of it. Otherwise the row ``results``
-    holds, or an earlier folder's, is kept."""
+    """``results`` with every row stored in ``FOLDER/FILE_STEM.json`` (folders in order) that it lacks or holds in an
+    older version (an earlier ``finished``; rows without one are the oldest): a row rerun by another process into a
+    shared ``--results-dir`` is not put back by an output folder's stale copy. Ties keep the row held first."""
     for folder in folders:
         path = os.path.join(folder, f"{file_stem}.json")
         if os.path.exists(path):
