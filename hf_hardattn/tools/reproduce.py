@@ -29,17 +29,17 @@ Recipes (``--recipe``): ``today`` (default), the preset's for every row; or a pa
 (``recipes.PAPER_RECIPES``; results in ``reproduce_TASK_PRESET_RECIPE.json``) for that paper's rows alike, the baseline
 included: ``hard_retrieval`` (Lipschitz init, attention dropout 0.1 before the draw, the average of the last 5
 checkpoints), ``hybrid`` (GRU 2 x d_model wide, each ``hybrid_*`` row trained with at least the teacher's steps and
-continued by its Eq. 1 row, KD data of beam 12, the Eq. 1 stage stopped by the validation BLEU), ``beam_joint`` (dropout 0.2, label smoothing 0). Each trains to
-convergence (``recipes.CONVERGENCE``; cpu preset: validation loss every 250 steps, patience 5, cap 12000 steps) with
-the inverse-square-root schedule.
+continued by its Eq. 1 row, KD data of beam 12, the Eq. 1 stage stopped by the validation BLEU), ``beam_joint``
+(dropout 0.2, label smoothing 0). Each trains to convergence (``recipes.CONVERGENCE``; cpu preset: validation loss
+every 250 steps, patience 5, cap 12000 steps) with the inverse-square-root schedule.
 
 Convergence (``--patience N --eval-steps E``, any recipe): every E steps the validation split's loss (``val_loss``:
 teacher-forced NLL per token, no label smoothing) or BLEU (``--patience-metric val_bleu``) is measured; a KD row's
 stage 2, which learns the teacher's translations rather than the references, may use another
 (``--kd-patience-metric``; the ``hybrid`` recipe: BLEU). A row stops once N evaluations in a row have not improved on
-its best, or at the cap (``--max-steps``, ``--minutes``). The row
-stores ``converged``, ``steps`` (reached) and ``convergence`` (the rule and its curve [[step, value], ...]; per stage
-for the two-stage rows). The validation split then decides when a row stops; test_2016_flickr stays untouched.
+its best, or at the cap (``--max-steps``, ``--minutes``). The row stores ``converged``, ``steps`` (reached) and
+``convergence`` (the rule and its curve [[step, value], ...]; per stage for the two-stage rows). The validation split
+then decides when a row stops; test_2016_flickr stays untouched.
 
 Rows (``--rows``, default all): see :data:`ROWS`. A row that decodes another row's model differently (e.g.
 ``soft_decoded_hard``) or learns from its translations (``hybrid_*_kd``, ``hybrid_*_kd_eq1``) runs that row first,
@@ -798,8 +798,8 @@ def row_command(ctx, name) -> str:
              "--seed", str(args.seed)]
     if getattr(args, "recipe", "today") != "today":
         parts += ["--recipe", args.recipe]
-    for flag in (*RECIPE_OVERRIDES, "patience_metric", "kd_patience_metric", "init_std", "embed_init_std", "precision", "data", "output_dir",
-                 "threads"):
+    for flag in (*RECIPE_OVERRIDES, "patience_metric", "kd_patience_metric", "init_std", "embed_init_std", "precision",
+                 "data", "output_dir", "threads"):
         value = getattr(args, flag)
         if value is not None:
             parts += [f"--{flag.replace('_', '-')}", str(value)]
