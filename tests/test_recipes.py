@@ -508,8 +508,12 @@ def test_hybrid_recipe_student_is_twice_as_wide_and_eq1_continues_the_hybrid_row
     # a tiny model's BLEU is 0 at every step: scored by its chrF instead (a figure that moves), in both of the paths
     # compared below (the patience rule's evaluation and the row's scoring)
     real_scores = reproduce.row_scores
-    monkeypatch.setattr(reproduce, "row_scores", lambda hyps, refs: dict(real_scores(hyps, refs),
-                                                                         bleu=real_scores(hyps, refs)["chrf"]))
+
+    def chrf_as_bleu(hypotheses, references):
+        scores = real_scores(hypotheses, references)
+        return dict(scores, bleu=scores["chrf"])
+
+    monkeypatch.setattr(reproduce, "row_scores", chrf_as_bleu)
     out = tmp_path / "row"
     reproduce.main(tiny_argv(tmp_path, "--recipe", "hybrid", "--rows", "hybrid_dot_kd_eq1", "--max-steps", "3",
                              "--output-dir", str(out)))
