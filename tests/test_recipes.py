@@ -426,11 +426,12 @@ def test_hard_retrieval_recipe_row_converges_by_patience_and_stores_every_field(
     assert "| hard_cross |" in (tmp_path / "fp16" / "hard_cross" / "README.md").read_text()
 
 
-def test_an_interrupted_paper_recipe_row_resumes_where_it_stopped(tmp_path, monkeypatch):
+def test_an_interrupted_paper_recipe_row_resumes_where_it_stopped(tmp_path, monkeypatch, capsys):
     """hard_cross under the hard-retrieval recipe (a constant validation loss: it stops at step 6 of 10; checkpoints
     2, 4, 6 averaged) cut off after step 4, then the same command again: the row resumes from checkpoint-4 (stored as
     resumed_at), stops at 6 and stores the uninterrupted run's model (bit for bit), scores and curve. The finished
-    row's checkpoints keep their weights, not the optimizer state; --force trains the row anew."""
+    row's checkpoints keep their weights, not the optimizer state; --force trains the row anew, and a --force rerun
+    cut off part-way resumes with --force (the plain command meanwhile skips the row and says so)."""
     import json
 
     from hf_hardattn.tools import reproduce, training
@@ -468,12 +469,28 @@ def test_an_interrupted_paper_recipe_row_resumes_where_it_stopped(tmp_path, monk
     # --force: anew (nothing resumed)
     reproduce.main(argv(out, "--force"))
     assert "resumed_at" not in stored(out, "hard_retrieval")["rows"]["hard_cross"]
+    # a --force rerun cut off after step 4: the plain command keeps the finished row and names the cut-off rerun;
+    # --force again resumes that rerun from its checkpoint-4 and ends as the uninterrupted run; then --force is anew
+    monkeypatch.setattr(training, "train_seq2seq", cut_off)
+    with pytest.raises(Interrupted):
+        reproduce.main(argv(out, "--force"))
+    monkeypatch.setattr(training, "train_seq2seq", real)
+    capsys.readouterr()
+    reproduce.main(argv(out))
+    assert "(skipped; a --force rerun was cut off part-way: --force resumes it)" in capsys.readouterr().out
+    reproduce.main(argv(out, "--force"))
+    row = stored(out, "hard_retrieval")["rows"]["hard_cross"]
+    assert row["resumed_at"] == {"train": 4} and row["steps"] == 6
+    assert_same_saved_model("hard_cross", tmp_path / "whole", out)
+    reproduce.main(argv(out, "--force"))
+    assert "resumed_at" not in stored(out, "hard_retrieval")["rows"]["hard_cross"]
 
 
 def test_a_run_folder_resumes_only_the_run_it_records(tmp_path):
     """prepare_run_folder: the same identity with resume allowed keeps the folder (True); another identity, or resume
-    not allowed, empties it and records the new identity (False)."""
-    from hf_hardattn.tools.checkpointing import prepare_run_folder
+    not allowed, empties it and records the new identity (False); a redo empties a finished run's folder, and resumes
+    only a redo that was cut off."""
+    from hf_hardattn.tools.checkpointing import end_redo, prepare_run_folder, redo_begun
 
     folder = tmp_path / "run"
     assert prepare_run_folder(folder, dict(row="soft", seed=0), resume=True) is False  # nothing there yet
@@ -483,8 +500,20 @@ def test_a_run_folder_resumes_only_the_run_it_records(tmp_path):
     assert prepare_run_folder(folder, dict(row="soft", seed=1), resume=True) is False  # another run's folder
     assert sorted(p.name for p in folder.iterdir()) == ["run.json"]
     (folder / "checkpoint-2").mkdir()
-    assert prepare_run_folder(folder, dict(row="soft", seed=1), resume=False) is False  # e.g. --force
+    assert prepare_run_folder(folder, dict(row="soft", seed=1), resume=False) is False  # e.g. a recipe by minutes
     assert sorted(p.name for p in folder.iterdir()) == ["run.json"]
+    # redo (--force): the run in the folder starts anew, unless it is a redo not yet ended (end_redo), which resumes
+    (folder / "checkpoint-2").mkdir()
+    assert prepare_run_folder(folder, dict(row="soft", seed=1), resume=True, redo=True) is False
+    assert sorted(p.name for p in folder.iterdir()) == ["redo", "run.json"] and redo_begun(folder)
+    (folder / "checkpoint-2").mkdir()
+    assert prepare_run_folder(folder, dict(row="soft", seed=1), resume=True, redo=True) is True
+    assert prepare_run_folder(folder, dict(row="soft", seed=1), resume=True) is True  # a plain resume keeps it too
+    assert (folder / "checkpoint-2").is_dir() and redo_begun(folder)
+    end_redo(folder)
+    assert not redo_begun(folder) and (folder / "checkpoint-2").is_dir()
+    assert prepare_run_folder(folder, dict(row="soft", seed=1), resume=True, redo=True) is False
+    assert not (folder / "checkpoint-2").exists()
 
 
 def test_hybrid_recipe_student_is_twice_as_wide_and_eq1_continues_the_hybrid_row(tmp_path, monkeypatch):

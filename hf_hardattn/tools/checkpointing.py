@@ -229,14 +229,19 @@ def continuation_checkpoint(finished: FinishedRun, folder) -> str:
     return folder
 
 
-def prepare_run_folder(folder, identity: dict, resume: bool) -> bool:
+REDO_FILE = "redo"  # in a run folder: a rerun asked for over a finished run began there and has not finished
+
+
+def prepare_run_folder(folder, identity: dict, resume: bool, redo: bool = False) -> bool:
     """True when ``folder`` holds an interrupted run with this ``identity`` (a JSON-able dict of what the run depends
     on, kept in ``folder/run.json``) and ``resume`` allows continuing it. Otherwise the folder is emptied (checkpoints
-    of another run must be neither resumed nor averaged), this ``identity`` written, and False returned."""
+    of another run must be neither resumed nor averaged), this ``identity`` written, and False returned. ``redo`` (a
+    finished run asked for again, e.g. ``reproduce --force``) starts the run anew, unless the folder holds such a redo
+    begun earlier and cut off (marked by :data:`REDO_FILE` until :func:`end_redo`): that one resumes."""
     folder = os.fspath(folder)
     identity = json.loads(json.dumps(identity, default=str, sort_keys=True))
     path = os.path.join(folder, "run.json")
-    if resume and os.path.isfile(path):
+    if resume and os.path.isfile(path) and (not redo or redo_begun(folder)):
         with open(path, encoding="utf-8") as handle:
             if json.load(handle) == identity:
                 return True
@@ -244,7 +249,20 @@ def prepare_run_folder(folder, identity: dict, resume: bool) -> bool:
         shutil.rmtree(folder)
     os.makedirs(folder)
     write_json_atomic(path, identity)
+    if redo:
+        write_json_atomic(os.path.join(folder, REDO_FILE), True)
     return False
+
+
+def redo_begun(folder) -> bool:
+    """Whether ``folder`` holds a redo (:func:`prepare_run_folder`'s ``redo``) that has not finished."""
+    return os.path.isfile(os.path.join(os.fspath(folder), REDO_FILE))
+
+
+def end_redo(folder) -> None:
+    """The run in ``folder`` finished: a later redo starts it anew."""
+    if redo_begun(folder):
+        os.remove(os.path.join(os.fspath(folder), REDO_FILE))
 
 
 def drop_optimizer_states(*folders) -> None:

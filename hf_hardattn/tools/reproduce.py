@@ -34,37 +34,35 @@ continued by its Eq. 1 row, KD data of beam 12, the Eq. 1 stage stopped by the v
 every 250 steps, patience 5, cap 12000 steps) with the inverse-square-root schedule.
 
 Convergence (``--patience N --eval-steps E``, any recipe): every E steps the validation split's loss (``val_loss``:
-teacher-forced NLL per token, no label smoothing) or BLEU (``--patience-metric val_bleu``) is measured; a KD row's
-stage 2, which learns the teacher's translations rather than the references, may use another
-(``--kd-patience-metric``; the ``hybrid`` recipe: BLEU). A row stops once N evaluations in a row have not improved on
-its best, or at the cap (``--max-steps``, ``--minutes``). The row stores ``converged``, ``steps`` (reached) and
-``convergence`` (the rule and its curve [[step, value], ...]; per stage for the two-stage rows). The validation split
-then decides when a row stops; test_2016_flickr stays untouched.
+teacher-forced NLL per token, no label smoothing) or BLEU (``--patience-metric val_bleu``) is measured; a KD row's stage
+2, which learns the teacher's translations, may use another (``--kd-patience-metric``; ``hybrid``: BLEU). A row stops
+once N evaluations in a row have not improved on its best, or at the cap (``--max-steps``, ``--minutes``). The row
+stores ``converged``, ``steps`` (reached) and ``convergence`` (the rule and its curve [[step, value], ...]; per stage
+for the two-stage rows). The validation split then decides when a row stops; test_2016_flickr stays untouched.
 
 Rows (``--rows``, default all): see :data:`ROWS`. A row that decodes another row's model differently (e.g.
-``soft_decoded_hard``) or learns from its translations (``hybrid_*_kd``, ``hybrid_*_kd_eq1``) runs that row first,
-as an Eq. 1 row under the ``hybrid`` recipe runs its ``hybrid_*`` row.
-KD rows name their stage-2 objective (``hf_hardattn.tools.distill`` ``kd_scheme``): ``hybrid_*_kd`` are sequence-level KD
-only, not the hybrid paper's Eq. 1 (``sequence_only``: trained from scratch on the soft row's beam-4 translations,
-no reference term, no MLE stage); ``hybrid_*_kd_eq1`` are Eq. 1 with the paper's two stages (``eq1_sequence``: MLE
-on the references, then reference NLL + lambda * NLL of the teacher's translation, lambda 1; today's recipe gives
-each stage half the row's budget and a new optimizer running the preset's schedule compressed onto its half, warm-up
-halved too; the ``hybrid`` recipe's MLE stage is the ``hybrid_*`` row itself, trained with at least the teacher's
-steps, whose weights, optimizer and schedule Eq. 1 continues: ``recipes.MLE_STAGES``). The teacher's translations
-are kept in ``--results-dir`` (:func:`kd_data`), so that a later run in a fresh output folder trains these rows
-without training the teacher again. The beam-joint
-rows and ``rnn_luong_soft`` (their soft baseline on the same Luong-style LSTM decoder) train with label smoothing 0,
-the beam-joint paper's plain likelihood (the ``*_bahdanau`` rows keep the earlier recipe: the
-hybrid's GRU decoder, label smoothing 0.1). Finished rows are stored in ``reproduce_TASK_PRESET.json`` in the
-output folder and skipped on a rerun (``--force`` redoes them), so a run can be interrupted and resumed (a row
-trained by steps, as under every paper recipe, also resumes part-way from its last checkpoint:
+``soft_decoded_hard``) or learns from its translations (``hybrid_*_kd``, ``hybrid_*_kd_eq1``) runs that row first, as an
+Eq. 1 row under the ``hybrid`` recipe runs its ``hybrid_*`` row. KD rows name their stage-2 objective
+(``hf_hardattn.tools.distill`` ``kd_scheme``): ``hybrid_*_kd`` are sequence-level KD only, not the hybrid paper's Eq. 1
+(``sequence_only``: trained from scratch on the soft row's beam-4 translations, no reference term, no MLE stage);
+``hybrid_*_kd_eq1`` are Eq. 1 with the paper's two stages (``eq1_sequence``: MLE on the references, then reference NLL +
+lambda * NLL of the teacher's translation, lambda 1; today's recipe gives each stage half the row's budget and a new
+optimizer running the preset's schedule compressed onto its half, warm-up halved too; the ``hybrid`` recipe's MLE stage
+is the ``hybrid_*`` row itself, trained with at least the teacher's steps, whose weights, optimizer and schedule Eq. 1
+continues: ``recipes.MLE_STAGES``). The teacher's translations are kept in ``--results-dir`` (:func:`kd_data`), so that
+a later run in a fresh output folder trains these rows without training the teacher again. The beam-joint rows and
+``rnn_luong_soft`` (their soft baseline on the same Luong-style LSTM decoder) train with label smoothing 0, the
+beam-joint paper's plain likelihood (the ``*_bahdanau`` rows keep the earlier recipe: the hybrid's GRU decoder, label
+smoothing 0.1). Finished rows are stored in ``reproduce_TASK_PRESET.json`` in the output folder and skipped on a rerun
+(``--force`` redoes them; a --force rerun cut off part-way resumes with --force), so a run can be interrupted and
+resumed (a row trained by steps, as under every paper recipe, also resumes part-way from its last checkpoint:
 :func:`prepare_trainer_dir`, ``distill.train_two_stage(resume_from_checkpoint=True)``), and two processes may run
-disjoint sets of rows into the same output folder (e.g. one thread each for the small nouns models; train the
-tokenizer first) or, each from its own output folder, into the same ``--results-dir`` (each write keeps the rows the
-other has written there). Every row stores the command that produced it, its seed, the recipe (``recipe_name`` and
-every field of :class:`Recipe`) and the training settings its model was built with (``model_fields``: sizes,
-dropouts, label smoothing, init, dropout placement, RNN widths), so that no override goes unrecorded.
-``--export-fp16 DIR`` also keeps each trained row's final model in fp16 with its tokenizer and card.
+disjoint sets of rows into the same output folder (e.g. one thread each for the small nouns models; train the tokenizer
+first) or, each from its own output folder, into the same ``--results-dir`` (each write keeps the rows the other has
+written there). Every row stores the command that produced it, its seed, the recipe (``recipe_name`` and every field of
+:class:`Recipe`) and the training settings its model was built with (``model_fields``: sizes, dropouts, label smoothing,
+init, dropout placement, RNN widths), so that no override goes unrecorded. ``--export-fp16 DIR`` also keeps each trained
+row's final model in fp16 with its tokenizer and card.
 """
 
 from __future__ import annotations
@@ -532,6 +530,7 @@ def train_row(row: Row, ctx, model, train_tok) -> dict:
         checkpointing.load_average(model, paths)
         result["averaged_checkpoints"] = [int(os.path.basename(p).rsplit("-", 1)[1]) for p in paths]
         result["checkpoint_steps"] = checkpoint_steps
+    checkpointing.end_redo(trainer_dir)  # trained: a --force from now on trains the row anew
     if not stage_one:  # the row is finished
         checkpointing.drop_optimizer_states(last_dir, os.path.join(trainer_dir, "mle"))
     return result
@@ -568,11 +567,11 @@ def adopt_mle_stage(ctx, row: Row, model, trainer_dir) -> None:
 
 def prepare_trainer_dir(ctx, row: Row, model, trainer_dir, resumable: bool) -> bool:
     """True when ``trainer_dir`` holds an interrupted run of this very row (same row, seed, recipe, batch and model
-    configuration) that may resume: ``resumable`` (the recipe trains by steps, not minutes) and no --force; otherwise
-    it is emptied (:func:`~hf_hardattn.tools.checkpointing.prepare_run_folder`)."""
+    configuration) that may resume: ``resumable`` (the recipe trains by steps, not minutes), and under --force only a
+    --force rerun cut off before its training ended; otherwise it is emptied
+    (:func:`~hf_hardattn.tools.checkpointing.prepare_run_folder`)."""
     identity = row_identity(ctx, row.name, model, kd=row.kd)
-    resume = resumable and not getattr(ctx["args"], "force", False)
-    return checkpointing.prepare_run_folder(trainer_dir, identity, resume)
+    return checkpointing.prepare_run_folder(trainer_dir, identity, resumable, redo=getattr(ctx["args"], "force", False))
 
 
 def row_identity(ctx, name: str, model, kd: bool = False) -> dict:
@@ -877,7 +876,7 @@ def add_arguments(parser: argparse.ArgumentParser):
                              "enough to keep beside the results (a d_model 256 row: about 15 MB)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--seed", type=int, default=0, help="random seed of every row (default 0)")
-    parser.add_argument("--force", action="store_true", help="rerun rows that are already in results.json")
+    parser.add_argument("--force", action="store_true", help="rerun finished rows (a rerun cut off resumes with --force)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
@@ -972,7 +971,9 @@ def run(args) -> dict:
         done = name in results and (os.path.isdir(model_dir(ctx, name))
                                     or teacher_from_results(ctx, name, wanted, [task_rows[o] for o in order]))
         if done and not (args.force and name in wanted):
-            print(f"[{name}] done: {results[name]['metric']} {results[name]['score']} (skipped)", flush=True)
+            cut = checkpointing.redo_begun(os.path.join(ctx["out"], "trainer", name))
+            print(f"[{name}] done: {results[name]['metric']} {results[name]['score']} (skipped"
+                  f"{'; a --force rerun was cut off part-way: --force resumes it' if cut else ''})", flush=True)
             continue
         if "soft" in order[:order.index(name)] and any(task_rows[other].kd for other in order):
             kd_data(ctx)  # the teacher's translations first (kept in --results-dir), before a later row trains
