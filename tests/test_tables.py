@@ -220,6 +220,28 @@ def test_the_headline_rule_by_hand():
         tables.headline(claim, [])
 
 
+def test_the_headline_prefers_the_task_the_paper_made_the_claim_on():
+    """After the earned rule and before the seed count: the claim's task (translation, our Multi30k, unless a claim
+    says otherwise); a claim the paper made on both tasks (task None) ranks by seeds and training alone."""
+    translation = tables.Claim("x", "001", "beam-joint above soft (Table 1)", tables.Bound(low=0.0), "quality")
+    assert translation.task == "multi30k"
+    nouns = dict(quality_entry("earlier init", [0, 1, 2, 3], [9000]), task="nouns")
+    m30k = quality_entry("earlier init", [0, 1], [1500])
+    assert tables.headline(translation, [nouns, m30k]) is m30k
+    paper = dict(recipe="paper (beam_joint)", converged=True, seeds=[0, 1, 2], steps=[6000])
+    earned_nouns, earned_m30k = dict(nouns, **dict(paper, steps=[9000])), dict(m30k, **paper)
+    assert tables.headline(translation, [m30k, earned_nouns]) is earned_nouns  # earned comes first
+    assert tables.headline(translation, [earned_nouns, earned_m30k]) is earned_m30k
+    either = tables.Claim("y", "001", "full-joint above soft", tables.Bound(low=0.0), "quality", task=None)
+    assert tables.headline(either, [m30k, nouns]) is nouns and tables.headline(either, [earned_m30k, earned_nouns]) \
+        is earned_nouns  # longer training
+    on_nouns = tables.Claim("z", "001", "full-joint above soft", tables.Bound(low=0.0), "quality", task="nouns")
+    assert tables.headline(on_nouns, [earned_m30k, earned_nouns]) is earned_nouns
+    assert tables.headline(on_nouns, [dict(nouns, seeds=[0, 1], steps=[500]), m30k])["task"] == "nouns"
+    with pytest.raises(ValueError, match=r"Claim w: task='wmt'; allowed: 'multi30k' \(translation\), 'nouns'"):
+        tables.Claim("w", "001", "c", tables.Bound(low=0.0), "quality", task="wmt")
+
+
 def test_the_speed_headline_is_timed_rounds_on_the_papers_device(tmp_path, monkeypatch):
     """Speed: rounds before figures; the GPU's rounds (fewer) where the claim's paper timed a GPU, a CPU's otherwise;
     then the most rounds."""
