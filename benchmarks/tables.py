@@ -349,7 +349,7 @@ CLAIMS = [
         Rows("Transformer, earlier init", H200_1500, "beam_joint_k6_decoded_k1@xavier", "soft@xavier"),
         Rows("Luong LSTM, earlier init", NOUNS_BJ, "beam_joint_rnn_k6_decoded_k1@xavier", "rnn_luong_soft@xavier"),
     )),
-    Claim("001-full-joint", "001", "full-joint above soft (Fig. 1a)", Bound(low=0.0), "quality", (
+    Claim("001-full-joint", "001", "full-joint above soft (Fig. 1a, de-N)", Bound(low=0.0), "quality", (
         PaperRows("beam_joint", "full_joint_rnn", "rnn_luong_soft", "Luong LSTM"),
         Rows("Luong LSTM, earlier init (full-joint at fewer steps)", NOUNS_BJ, "full_joint_rnn@xavier",
              "rnn_luong_soft@xavier"),
@@ -862,12 +862,12 @@ def status_line(entries) -> str:
     paper = sum(is_paper(top) and not earned(top) for top in tops)
     ours = m - n - paper
     head = ("**No quality verdict yet rests on rows trained to convergence with the paper's recipe**" if not n else
-            f"**{n} of the {m} quality verdicts rest on converged paper-recipe rows** ({PAPER_SEEDS}+ seeds, every "
-            "row converged; such a group heads its claim)")
+            f"**{n} of the {m} quality verdicts rest on converged paper-recipe rows** ({PAPER_SEEDS}+ seeds, all "
+            "converged; they head their claims)")
     rest = []
     if ours:
         rest.append(("all are" if ours == m else f"{ours} of the {m} {'is' if ours == 1 else 'are'}") +
-                    " of our recipe (our init, fixed budgets, the last checkpoint): a \"no\" there is about the "
+                    " of our recipe (our init, fixed budgets, last checkpoint): a \"no\" there is about the "
                     "budget, not yet the mechanism")
     if paper:
         rest.append(f"{paper} of the {m} rest{'s' if paper == 1 else ''} on paper-recipe rows not all converged or "
