@@ -25,8 +25,9 @@ regions between ``<!-- tables.py: NAME -->`` and ``<!-- /tables.py -->`` in READ
 has one row per claim, its headline evidence (headline_key: a group of converged paper-recipe rows with three or more
 seeds first, as a verdict is earned at convergence with the paper's recipe; then the paper's task for the claim,
 the most seeds, the longest training, today's default init; for speed, timed rounds on the paper's device, then the
-most rounds) with the other groups' words and a link to docs/results.md, whose generated tables hold every group (the headline marked) and every
-set's per-seed differences. The README's status line counts the quality verdicts that rest on such rows.
+most rounds) with the other groups' words and a link to docs/results.md, whose generated tables hold every group (the
+headline marked) and every set's per-seed differences. The README's status line counts the quality verdicts that
+rest on such rows.
 """
 
 from __future__ import annotations
