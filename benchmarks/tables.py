@@ -697,12 +697,16 @@ def steps_text(entry) -> str:
     return f"{reached} steps reached, {'converged' if entry['converged'] else 'not converged'}"
 
 
+def task_prefix(entry) -> str:
+    """ "nouns, " before the evidence of a row group trained on the nouns task; nothing for Multi30k (the default)."""
+    return "nouns, " if entry["task"] == "nouns" else ""
+
+
 def rows_cell(entry) -> str:
     if entry["task"] == "speed":
         rounds = f", {joined(entry['rounds'])} rounds" if entry.get("rounds") else ""
         return f"{entry['evidence']}; {entry['machine']}, {entry['precision']}{rounds}"
-    task = "nouns, " if entry["task"] == "nouns" else ""
-    return (f"{task}{entry['evidence']}; {entry['machine']}, {entry['precision']}, {steps_text(entry)}, "
+    return (f"{task_prefix(entry)}{entry['evidence']}; {entry['machine']}, {entry['precision']}, {steps_text(entry)}, "
             f"{seeds_text(entry['seeds'])}")
 
 
@@ -809,9 +813,8 @@ def short_rows(entry) -> str:
     if entry["task"] == "speed":
         count = (f"{joined(entry['rounds'])} rounds" if entry.get("rounds") else "one figure per setting")
         return f"{entry['evidence']}; {entry['machine']} {entry['precision']}, {count}"
-    task = "nouns, " if entry["task"] == "nouns" else ""
     n = len(entry["seeds"])
-    return (f"{task}{entry['evidence']}; {entry['machine']} {entry['precision']}, {steps_text(entry)}, "
+    return (f"{task_prefix(entry)}{entry['evidence']}; {entry['machine']} {entry['precision']}, {steps_text(entry)}, "
             f"{n} seed{'s' if n != 1 else ''}")
 
 
