@@ -539,13 +539,14 @@ def test_tokenizer_command(tmp_path, monkeypatch):
 @pytest.mark.parametrize("name", TYPE_NAMES)
 def test_the_trainer_warns_after_a_load_only_of_names_no_loaded_name_holds(name, tmp_path, monkeypatch):
     """A checkpoint stores a tied parameter once, so ``load_state_dict`` (the Trainer's ``load_best_model_at_end``,
-    a resumed run) reports its other names missing (stock models too). Seq2SeqLengthTrainer warns of a
-    missing name only where no loaded name holds its parameter. References: torch's own missing keys, and the names
-    that ``named_parameters`` gives one parameter."""
+    a resumed run) reports its other names missing (stock models too). Our trainers (Seq2SeqCardTrainer and
+    train_seq2seq's Seq2SeqLengthTrainer) warn of a missing name only where no loaded name holds its parameter.
+    References: torch's own missing keys, and the names that ``named_parameters`` gives one parameter."""
     import transformers.trainer
     from transformers import Seq2SeqTrainingArguments
     from safetensors.torch import load_file
 
+    from hf_hardattn.tools.trainer_card import Seq2SeqCardTrainer
     from hf_hardattn.tools.training import Seq2SeqLengthTrainer
 
     model = TYPE_MODELS[name]()
@@ -556,24 +557,24 @@ def test_the_trainer_warns_after_a_load_only_of_names_no_loaded_name_holds(name,
         groups.setdefault(id(param), []).append(key)
     tied = [sorted(keys) for keys in groups.values() if len(keys) > 1]
     assert tied, "every type ties its embeddings and output layer"
-    trainer = Seq2SeqLengthTrainer(model=model, args=Seq2SeqTrainingArguments(output_dir=str(tmp_path / "run"),
-                                                                              report_to=[], use_cpu=True))
+    args = Seq2SeqTrainingArguments(output_dir=str(tmp_path / "run"), report_to=[], use_cpu=True)
     warned = []
     monkeypatch.setattr(transformers.trainer.logger, "warning", lambda message, *a, **k: warned.append(message))
 
-    def load(state):
+    def load(trainer, state):
         warned.clear()
         result = model.load_state_dict(state, strict=False)
         trainer._issue_warnings_after_load(result)
         return result
 
-    result = load(stored)  # the checkpoint as saved: every tied name but one is missing to torch
-    assert sorted(result.missing_keys) == sorted(k for keys in tied for k in keys if k not in stored)
-    assert result.missing_keys and warned == []
-    lost = next(key for key in stored if all(key not in keys for keys in tied))  # a name nothing else holds
-    load({key: value for key, value in stored.items() if key != lost})
-    assert len(warned) == 1 and f"'{lost}'" in warned[0]
-    assert all(f"'{key}'" not in warned[0] for keys in tied for key in keys)
-    group = tied[0]  # every name of a tied parameter missing: all of them are named
-    load({key: value for key, value in stored.items() if key not in group})
-    assert len(warned) == 1 and all(f"'{key}'" in warned[0] for key in group)
+    for trainer in (Seq2SeqCardTrainer(model=model, args=args), Seq2SeqLengthTrainer(model=model, args=args)):
+        result = load(trainer, stored)  # the checkpoint as saved: every tied name but one is missing to torch
+        assert sorted(result.missing_keys) == sorted(k for keys in tied for k in keys if k not in stored)
+        assert result.missing_keys and warned == []
+        lost = next(key for key in stored if all(key not in keys for keys in tied))  # a name nothing else holds
+        load(trainer, {key: value for key, value in stored.items() if key != lost})
+        assert len(warned) == 1 and f"'{lost}'" in warned[0]
+        assert all(f"'{key}'" not in warned[0] for keys in tied for key in keys)
+        group = tied[0]  # every name of a tied parameter missing: all of them are named
+        load(trainer, {key: value for key, value in stored.items() if key not in group})
+        assert len(warned) == 1 and all(f"'{key}'" in warned[0] for key in group)

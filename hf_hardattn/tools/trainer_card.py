@@ -74,7 +74,25 @@ def eval_rows(summary: TrainingSummary) -> list:
 
 class Seq2SeqCardTrainer(Seq2SeqTrainer):
     """``Seq2SeqTrainer`` whose ``push_to_hub`` uploads the model's own card (``trainer_model_card``) if it has one,
-    with what the Trainer measured (:meth:`card_measurements`)."""
+    with what the Trainer measured (:meth:`card_measurements`), and which warns after loading a checkpoint only of
+    weights truly missing (:meth:`_issue_warnings_after_load`)."""
+
+    def _issue_warnings_after_load(self, load_result):
+        """transformers' warnings after it loads a checkpoint into the model (``load_best_model_at_end``, a resumed
+        run), less the tied copies: a checkpoint stores a tied parameter once (``model.shared.weight``), and
+        ``load_state_dict`` reports its other names (the embeddings, ``lm_head.weight``) missing although the tensor
+        they name was loaded (stock BART, Marian or T5 models get the same warning from transformers' Trainer). A
+        missing name is left out only where a name that was loaded holds the very same parameter; every other stays."""
+        if not hasattr(load_result, "_replace"):
+            return super()._issue_warnings_after_load(load_result)
+        missing = set(load_result.missing_keys)
+        names_of = {}
+        for name, param in self.model.named_parameters(remove_duplicate=False):
+            names_of.setdefault(id(param), []).append(name)
+        loaded_ties = {name for names in names_of.values() if len(names) > 1 and not missing.issuperset(names)
+                       for name in names}
+        kept = [key for key in load_result.missing_keys if key not in loaded_ties]
+        return super()._issue_warnings_after_load(load_result._replace(missing_keys=kept))
 
     def card_measurements(self, dataset_tags=None, dataset=None, dataset_args=None) -> dict:
         """``trainer_model_card``'s arguments from the Trainer: ``eval_results`` (model-index rows), ``metrics``,
