@@ -120,6 +120,19 @@ def average_checkpoints(paths) -> dict:
     return {name: (value / len(paths)).to(dtypes[name]) if name in dtypes else value for name, value in total.items()}
 
 
+def missing_untied(model, missing_keys) -> list:
+    """The names of ``missing_keys`` (``load_state_dict``'s) that no loaded name holds: a checkpoint stores a tied
+    parameter once (``model.shared.weight``), so its other names (the embeddings, ``lm_head.weight``) come back missing
+    although the tensor they name was loaded; they are left out, and so is nothing else."""
+    missing = set(missing_keys)
+    names_of = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(param), []).append(name)
+    loaded_ties = {name for names in names_of.values() if len(names) > 1 and not missing.issuperset(names)
+                   for name in names}
+    return [key for key in missing_keys if key not in loaded_ties]
+
+
 def load_average(model, paths):
     """``model`` (in place, returned) with the mean of the checkpoints ``paths`` (:func:`average_checkpoints`). Only
     tied weights (saved once) may be missing from the checkpoints."""
@@ -127,8 +140,7 @@ def load_average(model, paths):
     target = model.state_dict()
     averaged = {name: value.to(target[name].device) for name, value in averaged.items() if name in target}
     missing, unexpected = model.load_state_dict(averaged, strict=False)
-    tied = set(getattr(model, "all_tied_weights_keys", {}) or {})
-    missing = [name for name in missing if name not in tied]
+    missing = missing_untied(model, missing)
     if missing or unexpected:
         raise ValueError(f"the checkpoints do not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}.")
     if hasattr(model, "tie_weights"):

@@ -18,6 +18,8 @@ import inspect
 from transformers import Seq2SeqTrainer
 from transformers.modelcard import TrainingSummary, infer_metric_tags_from_eval_results
 
+from .checkpointing import missing_untied
+
 # Trainer.create_model_card's parameters, in order (5.10 - 5.24): positional arguments are bound to these names
 CARD_PARAMETERS = ("language", "license", "tags", "model_name", "finetuned_from", "tasks", "dataset_tags", "dataset",
                    "dataset_args")
@@ -85,13 +87,7 @@ class Seq2SeqCardTrainer(Seq2SeqTrainer):
         missing name is left out only where a name that was loaded holds the very same parameter; every other stays."""
         if not hasattr(load_result, "_replace"):
             return super()._issue_warnings_after_load(load_result)
-        missing = set(load_result.missing_keys)
-        names_of = {}
-        for name, param in self.model.named_parameters(remove_duplicate=False):
-            names_of.setdefault(id(param), []).append(name)
-        loaded_ties = {name for names in names_of.values() if len(names) > 1 and not missing.issuperset(names)
-                       for name in names}
-        kept = [key for key in load_result.missing_keys if key not in loaded_ties]
+        kept = missing_untied(self.model, load_result.missing_keys)
         return super()._issue_warnings_after_load(load_result._replace(missing_keys=kept))
 
     def card_measurements(self, dataset_tags=None, dataset=None, dataset_args=None) -> dict:
