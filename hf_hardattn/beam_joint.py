@@ -58,6 +58,7 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from transformers import GenerationMixin
 from transformers.utils import ModelOutput
 
@@ -65,7 +66,7 @@ from .configuration_hardattn import HardAttnConfig
 from .caches import CACHE_FIELD, HardAttnCache, StaticHardAttnCache
 from .hybrid import HybridConfig, HybridForConditionalGeneration, HybridModel
 from .inputs import is_tracing
-from .joint_kernel import JointWorkspace, at_least_fp32, joint_log_probs, select_candidates
+from .joint_kernel import JointWorkspace, at_least_fp32, joint_log_probs, joint_mixture, select_candidates
 from .layers import DecoderResult, check_memory_rows
 from .loss import token_mean
 from .modeling_hardattn import HardAttnForConditionalGeneration, HardAttnModel
@@ -179,7 +180,8 @@ class JointOutputMixin(JointDecoding):
     """The full beam-joint models: the mixture head and the loss."""
 
     # quantize_int8 keeps these fp32: the chunked mixture reads the vocabulary projection's weight, and the RNN
-    # setting's candidates split the readout's weight (candidate_readouts)
+    # setting's candidates split the readout's weight (candidate_readouts; a layer that is not a plain nn.Linear is
+    # called instead, at K times the readout's cost)
     INT8_KEEP = ("lm_head", "decoder.readout_proj", ".score")
     output_logits_static = True  # a traced step takes joint_log_probs' plain form: no buffers, shapes unchanged
 
@@ -187,6 +189,8 @@ class JointOutputMixin(JointDecoding):
         """LOG-probabilities [B, T, V] of the mixture (Eq. 4-5), fp32."""
         if not isinstance(hidden, JointCandidates):
             raise TypeError("beam-joint output_logits expects the JointCandidates returned by `decode`.")
+        if type(self.lm_head) is not nn.Linear:  # a PEFT adapter, a quantized layer: its weight is not its map
+            return joint_mixture(self.lm_head(hidden.hidden), hidden.log_weights)
         workspace = None  # a traced graph takes joint_log_probs' plain form: no buffers, the model's left alone
         if not is_tracing():
             if getattr(self, "_joint_workspace", None) is None:  # a plain attribute: not a parameter, never saved
@@ -509,12 +513,18 @@ class BeamJointRNNModel(JointModelMixin, HybridModel):
         """readout(s_t, x_a) for every selected a (luong: h~_{t,a}; bahdanau: o_{t,a}): states [B, T, H], hard
         [B, S, C], index [B, T, K] -> [B, T, K, d]. The readout is tanh(W [s; c] + b) (HybridDecoder.readout), so
         W = [W_s | W_c] splits: W_s s_t once per step, W_c x_a once per source position, and each candidate costs
-        one gather + add + tanh (tested against ``decoder.readout`` on explicitly built candidates)."""
+        one gather + add + tanh (tested against ``decoder.readout`` on explicitly built candidates). A readout layer
+        that is not a plain ``nn.Linear`` (a PEFT adapter, a quantized layer) is called on [s_t; x_a] per candidate:
+        its weight alone is not the map it applies."""
         proj = self.decoder.readout_proj
+        batch, length, n_cand = index.shape
+        if type(proj) is not nn.Linear:
+            picked = torch.gather(hard, 1, index.reshape(batch, -1, 1).expand(-1, -1, hard.shape[-1]))
+            picked = picked.view(batch, length, n_cand, -1)
+            return self.decoder.readout(states[:, :, None, :].expand(-1, -1, n_cand, -1), picked)
         hidden = states.shape[-1]
         from_state = F.linear(states, proj.weight[:, :hidden], proj.bias)  # [B, T, d]
         from_context = F.linear(hard, proj.weight[:, hidden:])  # [B, S, d]
-        batch, length, n_cand = index.shape
         picked = torch.gather(from_context, 1, index.reshape(batch, -1, 1).expand(-1, -1, from_context.shape[-1]))
         return torch.tanh(from_state[:, :, None, :] + picked.view(batch, length, n_cand, -1))
 

@@ -198,7 +198,11 @@ class AdditiveAttention(nn.Module):
         source rows (grouped memory: g consecutive rows per sentence, see :meth:`HybridDecoder.forward`)."""
         batch, rows = keys.shape[0], query.shape[0]
         hidden = torch.tanh(keys[:, 0, None] + query.view(batch, -1, 1, query.shape[-1]))  # [B, g, S, A]
-        probs = _masked_softmax(torch.matmul(hidden, self.score.weight[0]), mask)  # [B, g, S]
+        if type(self.score) is nn.Linear:  # v read as a vector
+            scores = torch.matmul(hidden, self.score.weight[0])
+        else:  # wrapped (a PEFT adapter): its weight is not its map
+            scores = self.score(hidden).squeeze(-1)
+        probs = _masked_softmax(scores, mask)  # [B, g, S]
         return torch.matmul(probs, values[:, 0]).view(rows, -1), probs.view(rows, 1, -1)
 
     def hard_contexts(self, memory):

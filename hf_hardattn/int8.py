@@ -16,8 +16,8 @@ from .packed_linear import Int8Linear, unpack_linears
 class Int8Mixin:
     """The int8 path of ``HardAttnPreTrainedModel`` (mixed in before transformers' ``PreTrainedModel``)."""
 
-    # linear layers whose weight the model reads directly (not through the layer's call): kept in fp32 by
-    # quantize_int8 (name suffixes; variants extend it)
+    # linear layers whose weight the model's fast path reads directly (not through the layer's call; a layer that is
+    # not a plain nn.Linear is called instead): kept in fp32 by quantize_int8 (name suffixes; variants extend it)
     INT8_KEEP: tuple = ()
     is_int8: bool = False  # set by quantize_int8
 

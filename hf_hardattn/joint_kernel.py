@@ -208,14 +208,19 @@ def _floor(dtype):
     return torch.finfo(dtype).tiny ** 0.8
 
 
+def joint_mixture(logits, log_weights):
+    """The plain log-space form of Eq. 4-5: logits [..., K, V] of every candidate, log_weights [..., K] -> mixture
+    log-probabilities [..., V] in fp32 (fp64 for fp64 logits), all K x V values at once (no chunks, no buffers)."""
+    acc = torch.promote_types(logits.dtype, torch.float32)
+    return torch.logsumexp(log_weights.to(acc)[..., None] + logits.to(acc).log_softmax(-1), dim=-2)
+
+
 def joint_log_probs(hidden, log_weights, weight, chunk_rows=16384, workspace=None):
     """hidden [..., K, d], log_weights [..., K] -> mixture log-probabilities [..., V] in fp32 (fp64 for fp64
     inputs) (Eq. 4-5). ``workspace``: a :class:`JointWorkspace` reused between calls (None = buffers of this call)."""
     lead = hidden.shape[:-2]
     if is_tracing():  # a traced graph (compile, export): the plain log-space form, no buffers or branch on values
-        acc = torch.promote_types(hidden.dtype, torch.float32)
-        log_softmax = torch.matmul(hidden, weight.t()).to(acc).log_softmax(-1)  # [..., K, V]
-        return torch.logsumexp(log_weights.to(acc)[..., None] + log_softmax, dim=-2)
+        return joint_mixture(torch.matmul(hidden, weight.t()), log_weights)
     out = JointMixture.apply(hidden.reshape(-1, *hidden.shape[-2:]), log_weights.reshape(-1, log_weights.shape[-1]),
                              weight, chunk_rows, workspace)
     return out.view(*lead, weight.shape[0])
@@ -235,4 +240,4 @@ def select_candidates(log_p, k, full_joint, renormalize):
     return log_w, index
 
 
-__all__ = ["JointMixture", "JointWorkspace", "at_least_fp32", "joint_log_probs", "select_candidates"]
+__all__ = ["JointMixture", "JointWorkspace", "at_least_fp32", "joint_log_probs", "joint_mixture", "select_candidates"]

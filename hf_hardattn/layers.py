@@ -94,7 +94,9 @@ class PositionEmbedding(nn.Module):
         end = start + length
         self.check_length(end)
         if self.kind == "learned":
-            return self.embed.weight[start:end]
+            if type(self.embed) is nn.Embedding:  # its table is the map: a slice
+                return self.embed.weight[start:end]
+            return self.embed(torch.arange(start, end, device=self.embed.weight.device))  # wrapped (a PEFT adapter)
         if end > self.limit:  # sinusoidal positions extend beyond the table
             return self.sinusoids(length, start).to(self.table)
         return self.table[start:end]

@@ -580,14 +580,36 @@ def test_every_type_decodes_in_int8_close_to_fp32(name, engine):
     assert clear_choices >= MIN_CLEAR_CHOICES[kind], clear_choices  # the selection's, each clear
 
 
-def test_layers_read_by_weight_must_stay_fp32():
-    """Negative control: beam-joint with nothing kept fails where its mixture reads the vocabulary weight."""
-    model = copy.deepcopy(contract_model("beam_joint_transformer")).eval()
+@pytest.mark.parametrize("name", ["beam_joint_transformer", "beam_joint_rnn", "beam_joint_rnn_bahdanau"])
+def test_beam_joint_with_nothing_kept_calls_its_int8_layers(name):
+    """With ``INT8_KEEP`` emptied, beam-joint's output layer and candidate readout are int8 too, and the model calls
+    them rather than reading a weight they no longer have: its log-probabilities are Eq. 4-5 by hand on the int8
+    output layer's own outputs for the candidates (log sum_k w_k softmax(z_k))."""
+    model = copy.deepcopy(contract_model(name)).eval()
     model.INT8_KEEP = ()
     model.quantize_int8()
+    layers = {"lm_head": model.lm_head, "readout": getattr(model.model.decoder, "readout_proj", None)}
+    assert all(layer is None or layer in quantized_linears(model).values() for layer in layers.values())
+    seen = {}
+
+    def record(layer_name):
+        def hook(module, args, out):
+            seen.setdefault(layer_name, []).append(out)  # returns None: the output is left as it is
+        return hook
+
+    hooks = [layer.register_forward_hook(record(n)) for n, layer in layers.items() if layer is not None]
     ids, mask = source_batch()
-    with pytest.raises(AttributeError):
-        log_probs(model, ids, mask, torch.tensor([[model.config.decoder_start_token_id, 5]] * 2))
+    decoder = torch.tensor([[model.config.decoder_start_token_id, 5, 9, 7]] * ids.shape[0])
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder)
+    for hook in hooks:
+        hook.remove()
+    assert set(seen) == {n for n, layer in layers.items() if layer is not None}
+    (logits,) = seen["lm_head"]  # once, on every candidate [B, T, K, V]
+    with torch.no_grad():  # the attention beam's weights: the bare model's output
+        log_w = model.model(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder).candidate_log_weights
+    expected = torch.logsumexp(log_w.float()[..., None] + logits.float().log_softmax(-1), dim=-2)
+    assert torch.equal(out.logits, expected)
 
 
 def test_int8_is_inference_only_and_not_saved(tmp_path):
