@@ -518,15 +518,17 @@ class BeamJointRNNModel(JointModelMixin, HybridModel):
         its weight alone is not the map it applies."""
         proj = self.decoder.readout_proj
         batch, length, n_cand = index.shape
+
+        def pick(source):  # [B, S, n] -> [B, T, K, n]: the rows of the selected positions
+            rows = torch.gather(source, 1, index.reshape(batch, -1, 1).expand(-1, -1, source.shape[-1]))
+            return rows.view(batch, length, n_cand, -1)
+
         if type(proj) is not nn.Linear:
-            picked = torch.gather(hard, 1, index.reshape(batch, -1, 1).expand(-1, -1, hard.shape[-1]))
-            picked = picked.view(batch, length, n_cand, -1)
-            return self.decoder.readout(states[:, :, None, :].expand(-1, -1, n_cand, -1), picked)
+            return self.decoder.readout(states[:, :, None, :].expand(-1, -1, n_cand, -1), pick(hard))
         hidden = states.shape[-1]
         from_state = F.linear(states, proj.weight[:, :hidden], proj.bias)  # [B, T, d]
         from_context = F.linear(hard, proj.weight[:, hidden:])  # [B, S, d]
-        picked = torch.gather(from_context, 1, index.reshape(batch, -1, 1).expand(-1, -1, from_context.shape[-1]))
-        return torch.tanh(from_state[:, :, None, :] + picked.view(batch, length, n_cand, -1))
+        return torch.tanh(from_state[:, :, None, :] + pick(from_context))
 
     def decode(self, decoder_input_ids, encoder_hidden_states, attention_mask, decoder_attention_mask,
                decoder_inputs_embeds, cache, output_attentions=False, output_hidden_states=False):

@@ -81,10 +81,8 @@ class Seq2SeqCardTrainer(Seq2SeqTrainer):
 
     def _issue_warnings_after_load(self, load_result):
         """transformers' warnings after it loads a checkpoint into the model (``load_best_model_at_end``, a resumed
-        run), less the tied copies: a checkpoint stores a tied parameter once (``model.shared.weight``), and
-        ``load_state_dict`` reports its other names (the embeddings, ``lm_head.weight``) missing although the tensor
-        they name was loaded (stock BART, Marian or T5 models get the same warning from transformers' Trainer). A
-        missing name is left out only where a name that was loaded holds the very same parameter; every other stays."""
+        run), less the tied copies that were loaded under another name (:func:`checkpointing.missing_untied`; stock
+        BART, Marian or T5 models get the same warning from transformers' Trainer)."""
         if not hasattr(load_result, "_replace"):
             return super()._issue_warnings_after_load(load_result)
         kept = missing_untied(self.model, load_result.missing_keys)
