@@ -306,7 +306,7 @@ class SoftAttention(nn.Module):
         q, k_own, v_own = self.split_heads(self.qkv_proj(hidden), 3)
         scale = self.head_dim**-0.5
         hist = (q @ k_hist.transpose(-1, -2)) * scale
-        hist = hist.masked_fill(~hist_mask, torch.finfo(torch.float32).min)
+        hist = hist.masked_fill(~hist_mask, torch.finfo(hist.dtype).min)
         own = (q * k_own).sum(-1, keepdim=True) * scale
         probs = F.dropout(torch.cat([hist, own], dim=-1).softmax(-1), self.dropout, self.training)
         return self.merge(probs[..., :-1] @ v_hist + probs[..., -1:] * v_own), probs
