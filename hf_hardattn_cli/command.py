@@ -268,8 +268,11 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                     help="with --int8: the int8 kernels (default fbgemm; onednn: VNNI / AMX kernels where the CPU "
                          "has them, slower on the AVX2 CPU measured; traced: int8 layers in torch operators, "
                          "one activation scale per row)")
-    tr.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
-                    help="weights' dtype while decoding (bfloat16: CPUs with native bf16)")
+    tr.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                    help="weights' dtype while decoding (bfloat16: GPUs and CPUs with native bf16; float16: GPUs)")
+    tr.add_argument("--device", default=None,
+                    help="where to decode: cpu, cuda, cuda:N or another torch accelerator (default: the accelerator "
+                         "torch sees, else cpu; cpu with --int8 or --pack-linears, which are CPU kernels)")
     tr.add_argument("--compile", action="store_true",
                     help="static cache and compiled decoding steps (torch.compile; the first batches pay the compile, "
                          "tens of seconds; soft and hard-retrieval models, MarianMTModel / BART; not with --int8 or "

@@ -6,6 +6,7 @@ import gzip
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -185,6 +186,54 @@ def test_translate_pack_linears_gives_the_same_output(saved, tmp_path):
     assert outputs[1] == outputs[0]
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_translate_dtype_decodes_in_that_dtype_on_the_device(saved, tmp_path, monkeypatch, dtype, capsys):
+    """``--dtype bfloat16|float16 --device cpu``: the model decodes with its weights in that dtype on that device
+    (recorded at the call), and greedy decoding gives the memorised reversals. Premise: every teacher-forced
+    decision of the fitted soft model, computed in that dtype, is still won by a clear margin (its float64 margins
+    are at least MARGIN), so a correct half-precision decoder outputs REVERSED."""
+    from hf_hardattn.tools import training
+
+    folder, tok = saved
+    margins, _ = reversal_margins(SoftTransformerForConditionalGeneration.from_pretrained(folder / "soft"), tok,
+                                  getattr(torch, dtype))
+    assert margins.min() > MARGIN / 4, f"a decision within {dtype} rounding: smallest margin {margins.min():.3g}"
+    seen, translate = [], training.translate
+    monkeypatch.setattr(training, "translate", lambda model, *a, **kw: seen.append(
+        {(p.dtype, p.device.type) for p in model.parameters()}) or translate(model, *a, **kw))
+    source, out = tmp_path / "in.txt", tmp_path / "out.txt"
+    source.write_text("\n".join(SOURCES), encoding="utf-8")
+    assert main(["translate", str(folder / "soft"), "-i", str(source), "-o", str(out), "--threads", "1",
+                 "--num-beams", "1", "--dtype", dtype, "--device", "cpu"]) == 0
+    assert seen == [{(getattr(torch, dtype), "cpu")}]
+    assert out.read_text().splitlines() == REVERSED
+    assert f"{dtype}, 1 threads)" in capsys.readouterr().err
+
+
+def test_translate_device_defaults_to_the_accelerator_and_checks_it(monkeypatch):
+    """Without ``--device``: the accelerator torch sees (here faked: two CUDA devices), the CPU where there is none
+    or where --int8 / --pack-linears ask for CPU kernels. ``--device`` is checked against what torch sees."""
+    import argparse
+
+    from hf_hardattn.tools.cli import translation_device
+    from hf_hardattn_cli.arguments import CommandError
+
+    def args(device=None, int8=False, pack_linears=False):
+        return argparse.Namespace(device=device, int8=int8, pack_linears=pack_linears)
+
+    assert translation_device(args()) == torch.device("cpu") == translation_device(args("cpu"))
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda: torch.device("cuda"))
+    monkeypatch.setattr(torch.accelerator, "device_count", lambda: 2)
+    assert translation_device(args()) == torch.device("cuda")
+    assert translation_device(args(int8=True)) == translation_device(args(pack_linears=True)) == torch.device("cpu")
+    assert translation_device(args("cuda:1")) == torch.device("cuda:1")
+    for device, message in [("cuda:2", "--device='cuda:2' is not available: torch sees 2 cuda device(s); allowed: cpu, "
+                                        "cuda, cuda:0 to 1."), ("mps", "--device='mps' is not available")]:
+        with pytest.raises(CommandError, match=re.escape(message)):
+            translation_device(args(device))
+
+
 @pytest.mark.parametrize("engine", [None, "fbgemm", "onednn"])
 def test_translate_int8_quantizes_for_the_engine_and_writes_one_line_per_source(saved, tmp_path, monkeypatch, engine):
     from hf_hardattn.int8 import Int8Mixin
@@ -217,7 +266,8 @@ def test_pack_linears_without_onednn_packing_is_one_line_error(saved, tmp_path, 
 
 
 @pytest.mark.parametrize("case", ["missing input", "not a model", "too long", "pack marian", "beyond positions",
-                                  "int8 packed", "int8 bf16", "engine without int8", "bad beams", "bad top-p"])
+                                  "int8 packed", "int8 bf16", "engine without int8", "not a device",
+                                  "no such device", "int8 off the cpu", "bad beams", "bad top-p"])
 def test_translate_bad_input_is_one_line_error(saved, tmp_path, case, capsys):
     folder, _ = saved
     good = tmp_path / "in.txt"
@@ -230,6 +280,9 @@ def test_translate_bad_input_is_one_line_error(saved, tmp_path, case, capsys):
             "int8 packed": ["translate", str(folder / "hard"), "-i", str(good), "--int8", "--pack-linears"],
             "int8 bf16": ["translate", str(folder / "hard"), "-i", str(good), "--int8", "--dtype", "bfloat16"],
             "engine without int8": ["translate", str(folder / "hard"), "-i", str(good), "--int8-engine", "onednn"],
+            "not a device": ["translate", str(folder / "hard"), "-i", str(good), "--device", "gpu"],
+            "no such device": ["translate", str(folder / "hard"), "-i", str(good), "--device", "meta"],
+            "int8 off the cpu": ["translate", str(folder / "hard"), "-i", str(good), "--int8", "--device", "cuda"],
             "bad beams": ["translate", str(folder / "hard"), "--num-beams", "0"],
             "bad top-p": ["translate", str(folder / "hard"), "--top-p", "-1"]}[case]
     out = tmp_path / "out.txt"
@@ -245,7 +298,10 @@ def test_translate_bad_input_is_one_line_error(saved, tmp_path, case, capsys):
     expected = {"missing input": "--input=", "not a model": "MODEL=", "too long": "line 2",
                 "pack marian": "--pack-linears", "beyond positions": "max_position_embeddings=",
                 "int8 packed": "--int8 and --pack-linears exclude", "int8 bf16": "--int8 and --dtype bfloat16",
-                "engine without int8": "--int8-engine=onednn needs --int8"}[case]
+                "engine without int8": "--int8-engine=onednn needs --int8",
+                "not a device": "--device='gpu' is not a torch device; allowed: cpu, cuda, cuda:N",
+                "no such device": "--device='meta' is not available: torch sees no accelerator; allowed: cpu.",
+                "int8 off the cpu": "--int8 run CPU kernels, not on --device=cuda"}[case]
     assert expected in err
     assert not out.exists()  # nothing written
 

@@ -284,6 +284,34 @@ def source_limit(model) -> int | None:
     return getattr(model.config, "max_position_embeddings", None)
 
 
+CPU_ONLY_OPTIONS = ("int8", "pack_linears")  # translate options that run CPU kernels
+
+
+def translation_device(args) -> torch.device:
+    """The device ``translate`` decodes on: ``--device``, else the accelerator torch sees (a GPU), else the CPU; the
+    CPU when --int8 or --pack-linears asks for CPU kernels. Errors name the value and what is allowed."""
+    cpu_only = [f"--{name.replace('_', '-')}" for name in CPU_ONLY_OPTIONS if getattr(args, name)]
+    if args.device is None:
+        accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+        return torch.device("cpu") if cpu_only or accelerator is None else accelerator
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as error:
+        raise CommandError(f"--device={args.device!r} is not a torch device; allowed: cpu, cuda, cuda:N or another "
+                           f"accelerator's name ({' '.join(str(error).split())[:120]}).") from None
+    if device.type != "cpu":
+        if cpu_only:
+            raise CommandError(f"{' and '.join(cpu_only)} run CPU kernels, not on --device={args.device}; decode "
+                               f"on the CPU (--device cpu) or drop {' and '.join(cpu_only)}.")
+        accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+        count = torch.accelerator.device_count() if accelerator is not None else 0
+        if accelerator is None or accelerator.type != device.type or (device.index or 0) >= count:
+            seen = f"{count} {accelerator.type} device(s)" if accelerator is not None else "no accelerator"
+            raise CommandError(f"--device={args.device!r} is not available: torch sees {seen}; allowed: cpu"
+                               + (f", {accelerator.type}, {accelerator.type}:0 to {count - 1}" if count else "") + ".")
+    return device
+
+
 def run_translate(args):
     if args.int8_engine and not args.int8:
         raise CommandError(f"--int8-engine={args.int8_engine} needs --int8 (it picks the kernels of the int8 layers).")
@@ -294,6 +322,7 @@ def run_translate(args):
     if args.pack_linears and not packed_linear.packing_available():
         raise CommandError("--pack-linears needs oneDNN's prepacked linear layers, which this torch build lacks; "
                            "translate without it (or with --int8).")
+    device = translation_device(args)
     torch.set_num_threads(args.threads)
     lines = read_lines(args.input, "--input")
     model, tokenizer = load_for_translation(args.model, args.tokenizer)
@@ -306,8 +335,7 @@ def run_translate(args):
         if not hasattr(model, "quantize_int8"):
             raise CommandError(f"--int8 needs an hf_hardattn model; {args.model!r} is a {type(model).__name__}.")
         model.eval().quantize_int8(engine=args.int8_engine or "fbgemm")
-    if args.dtype == "bfloat16":
-        model = model.to(torch.bfloat16)
+    model = model.to(device=device, dtype=getattr(torch, args.dtype))
     positions = source_limit(model)
     if args.max_source_tokens and positions and args.max_source_tokens > positions:
         raise CommandError(f"--max-source-tokens={args.max_source_tokens} exceeds the model's "
@@ -339,7 +367,8 @@ def run_translate(args):
     if not args.quiet:
         rate = len(todo) / seconds if seconds > 0 else float("inf")
         print(f"hf-hardattn translate: {len(todo)} sentences in {seconds:.1f} s, {rate:.2f} sentences/s "
-              f"(beam {args.num_beams}, batch {args.batch_size}, {torch.get_num_threads()} threads)", file=sys.stderr,
+              f"(beam {args.num_beams}, batch {args.batch_size}, {args.dtype}, "
+              f"{f'{torch.get_num_threads()} threads' if device.type == 'cpu' else device})", file=sys.stderr,
               flush=True)
 
 
