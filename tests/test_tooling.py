@@ -340,6 +340,27 @@ def test_bf16_refused_on_a_cpu_without_bf16_matmul(tmp_path, monkeypatch):
     hf_hardattn.tools.training.check_bf16(False)  # fp32 is always allowed
 
 
+def test_fp16_refused_without_an_accelerator_where_accelerate_would_train_fp32(tmp_path, monkeypatch):
+    """``fp16=True`` on a CPU: accelerate leaves out fp16 autocast and its loss scaler there (no autocast seen by the
+    layers, no scaler: the premise, checked with the refusal bypassed), so train_seq2seq refuses it, naming the field."""
+    import hf_hardattn.tools.training
+
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: False)
+    raw = reversal_dataset()
+    tok = train_tokenizer(raw, kind="char", min_frequency=1)
+    data = tokenize_dataset(raw, tok, max_length=16)
+    model = SoftTransformerForConditionalGeneration(SoftTransformerConfig(**tiny_kwargs(vocab_size=len(tok))))
+    with pytest.raises(ValueError, match=r"`fp16` asks for fp16 mixed precision.*silently train in fp32"):
+        train_seq2seq(model, tok, data, output_dir=tmp_path / "run", max_steps=2, progress=False, fp16=True)
+    monkeypatch.setattr(hf_hardattn.tools.training, "check_fp16", lambda fp16: None)
+    autocast = []
+    model.model.encoder.layers[0].register_forward_hook(
+        lambda module, inputs, output: autocast.append(torch.is_autocast_enabled("cpu")) and None)
+    trainer = train_seq2seq(model, tok, data, output_dir=tmp_path / "run", max_steps=2, progress=False, fp16=True)
+    assert autocast == [False, False] and trainer.accelerator.scaler is None
+    hf_hardattn.tools.training.check_fp16(False)  # fp32 is always allowed
+
+
 @pytest.mark.skipif(not os.path.exists("/proc/cpuinfo") or platform.machine() != "x86_64", reason="x86 Linux only")
 def test_bf16_matmul_probe_matches_the_cpu_flags():
     """oneDNN runs bf16 GEMMs natively on x86 CPUs with AVX512 BW + VL + DQ (AVX512-BF16 / AMX make them faster),

@@ -18,7 +18,7 @@ from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, MarianConfig, Mar
 
 from hf_hardattn.tools import train_cli
 from hf_hardattn.tools.tokenization import train_tokenizer
-from hf_hardattn.tools.training import translate
+from hf_hardattn.tools.training import machine, translate
 from hf_hardattn_cli.command import main
 
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -65,6 +65,9 @@ def test_train_writes_a_model_whose_test_bleu_recomputes(data, tmp_path):
     assert train(data, out, "--max-steps", "30", "--test", str(data / "valid"), "--num-beams", "2") == 0
     results = json.loads((out / "results.json").read_text())
     assert results["steps"] == 30 and results["model_type"] == "hard_retrieval_transformer"
+    assert (results["precision"], results["seed"]) == ("fp32", 0)
+    assert {k: results["machine"][k] for k in ("cpu", "torch", "threads")} == {"cpu": machine()["cpu"],
+                                                                               "torch": torch.__version__, "threads": 1}
     model = AutoModelForSeq2SeqLM.from_pretrained(out / "model")
     tokenizer = AutoTokenizer.from_pretrained(out / "model")
     sources = (data / "valid.en").read_text().splitlines()
@@ -328,8 +331,8 @@ def test_sizes_from_yaml_config_flags_and_set_in_that_order(data, tmp_path):
 
 
 @pytest.mark.parametrize("case", ["no data", "eval without validation", "bad type", "too long", "length > positions",
-                                  "no length", "bad config", "vocab below bpe's"])
-def test_bad_input_is_a_one_line_error(data, tmp_path, case, capsys):
+                                  "no length", "bad config", "vocab below bpe's", "fp16 on a cpu", "bf16 and fp16"])
+def test_bad_input_is_a_one_line_error(data, tmp_path, case, capsys, monkeypatch):
     (tmp_path / "bad.json").write_text("[1, 2]")
     extra = {"no data": ["--max-steps", "1", "--train", str(tmp_path / "none")],
              "eval without validation": ["--max-steps", "1", "--eval-steps", "5"],
@@ -338,11 +341,24 @@ def test_bad_input_is_a_one_line_error(data, tmp_path, case, capsys):
              "length > positions": ["--max-steps", "1", "--max-length", "5000"],
              "no length": [],
              "bad config": ["--max-steps", "1", "--config", str(tmp_path / "bad.json")],
-             "vocab below bpe's": ["--max-steps", "1", "--vocab-size", "100"]}[case]
+             "vocab below bpe's": ["--max-steps", "1", "--vocab-size", "100"],
+             "fp16 on a cpu": ["--max-steps", "1", "--fp16"],
+             "bf16 and fp16": ["--max-steps", "1", "--fp16", "--bf16"]}[case]
+    if case == "fp16 on a cpu":
+        monkeypatch.setattr(torch.accelerator, "is_available", lambda: False)  # (where a GPU is: as on a CPU)
+    if case == "bf16 and fp16":  # argparse: exit status 2 and the options named
+        with pytest.raises(SystemExit) as exit_info:
+            train(data, tmp_path / "out", *extra)
+        assert exit_info.value.code == 2
+        assert "argument --bf16: not allowed with argument --fp16" in capsys.readouterr().err
+        return
     assert train(data, tmp_path / "out", *extra, tokenizer=case != "vocab below bpe's") == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("hf-hardattn train: error:")
     assert {"no data": "--train:", "eval without validation": "--eval-steps needs --validation",
             "bad type": "--model-type='softer'", "too long": "longer than --max-length=5",
             "length > positions": "max_position_embeddings", "no length": "--max-steps, --minutes or --epochs",
-            "bad config": "must hold a mapping", "vocab below bpe's": "--vocab-size=100 is below 260"}[case] in err
+            "bad config": "must hold a mapping", "vocab below bpe's": "--vocab-size=100 is below 260",
+            "fp16 on a cpu": "`--fp16` asks for fp16 mixed precision"}[case] in err
+    if case == "fp16 on a cpu":
+        assert not (tmp_path / "out").exists()  # refused before any work

@@ -223,6 +223,11 @@ def run_train(args) -> dict:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not args.tokenizer and not args.init_from:
         raise _error("a multi-process run needs --tokenizer (or --init-from with one): train it first with "
                      "`hf-hardattn tokenizer`, so that every process reads the same vocabulary.")
+    try:
+        training.check_bf16(args.bf16, name="--bf16", fix="Drop --bf16 (fp32)")
+        training.check_fp16(args.fp16, name="--fp16")
+    except ValueError as error:
+        raise _error(error) from error
     fields = config_fields(args)
     check_model_arguments(args, fields)
     splits = load_data(args)
@@ -242,7 +247,7 @@ def run_train(args) -> dict:
     if args.max_tokens:
         lengths = [max(len(a), len(b)) for a, b in zip(tokenized["train"]["input_ids"], tokenized["train"]["labels"])]
         batch_size = max(1, round(args.max_tokens / (sum(lengths) / len(lengths))))
-    extra = dict(bf16=args.bf16)
+    extra = dict(bf16=args.bf16, fp16=args.fp16)
     callbacks = []
     if args.eval_steps:
         extra.update(save_steps=args.eval_steps, load_best_model_at_end=True, metric_for_best_model="bleu",
@@ -268,7 +273,9 @@ def run_train(args) -> dict:
         raise _error(error) from error
     model = trainer.model
     results = dict(model_type=args.model_type, origin=origin, tokenizer=tokenizer_source, steps=trainer.state.global_step,
-                   batch_size=batch_size, processes=trainer.args.world_size, skipped_long=skipped, command=" ".join(["hf-hardattn"] + [shlex.quote(a) for a in getattr(args, "argv", sys.argv[1:])]))
+                   batch_size=batch_size, processes=trainer.args.world_size, skipped_long=skipped,
+                   precision="bf16" if args.bf16 else "fp16" if args.fp16 else "fp32", seed=args.seed,
+                   machine=training.machine(), command=" ".join(["hf-hardattn"] + [shlex.quote(a) for a in getattr(args, "argv", sys.argv[1:])]))
     results["decoding"] = training.decoding_setting(model)  # of every score below and of the saved model
     if args.eval_steps:
         results["best_validation_bleu"] = round(trainer.state.best_metric, 2)
@@ -330,6 +337,9 @@ def card_results(args, results: dict, tokenizer_source: str) -> dict:
     if results.get("best_checkpoint"):
         table["best_step"] = int(results["best_checkpoint"].rstrip("/").rsplit("-", 1)[-1])
     table["command"] = public_text(results["command"])
+    machine = results["machine"]
+    threads = "" if machine["gpu"] else f"{machine['threads']} threads, "
+    table["machine"] = f"{machine['gpu'] or machine['cpu']}, {threads}torch {machine['torch']}"
     datasets = list(args.dataset or [])
     evals = []
     for name in ("validation", "test"):
@@ -412,7 +422,10 @@ def add_arguments(parser: argparse.ArgumentParser):
     run.add_argument("--warmup-steps", type=int, default=1000, help="linear warm-up steps (1000)")
     run.add_argument("--lr-scheduler", choices=("inverse_sqrt", "linear", "cosine", "constant_with_warmup"),
                      default="inverse_sqrt", help="learning-rate schedule after the warm-up (inverse_sqrt)")
-    run.add_argument("--bf16", action="store_true", help="bf16 autocast (GPUs; CPUs with AVX512-BF16 or AMX)")
+    precision = run.add_mutually_exclusive_group()
+    precision.add_argument("--bf16", action="store_true", help="bf16 autocast (GPUs; CPUs with AVX512-BF16 or AMX)")
+    precision.add_argument("--fp16", action="store_true",
+                           help="fp16 autocast with a loss scaler (GPUs, e.g. those without bf16; not on a CPU)")
     run.add_argument("--seed", type=int, default=0, help="seed of the initial weights, data order, dropout")
     run.add_argument("--eval-steps", type=positive_int, default=None,
                      help="validation BLEU and a checkpoint every N steps; the best is kept as the final model")

@@ -363,6 +363,16 @@ def check_bf16(bf16: bool, name: str = "bf16", fix: str = "Pass bf16=False (fp32
             f"AMX): its bf16 GEMMs run ~100x slower than fp32. {fix}.")
 
 
+def check_fp16(fp16: bool, name: str = "fp16") -> None:
+    """Refuse fp16 mixed-precision training without an accelerator: accelerate runs fp16 autocast and its loss scaler
+    on GPUs (and other accelerators) only, and on a CPU leaves both out, so the run would train in fp32 silently."""
+    if fp16 and not torch.accelerator.is_available():
+        raise ValueError(
+            f"`{name}` asks for fp16 mixed precision (autocast with a loss scaler), which accelerate runs on a GPU or "
+            f"other accelerator only; torch sees none here, and on the CPU the run would silently train in fp32. "
+            f"Train in fp32, or in bf16 on a CPU with AVX512 or AMX.")
+
+
 # Seq2SeqTrainingArguments fields that train_seq2seq sets from a parameter of its own (pass that one instead)
 RENAMED_ARGUMENTS = {"per_device_train_batch_size": "batch_size", "lr_scheduler_type": "lr_scheduler",
                      "num_train_epochs": "epochs", "train_sampling_strategy": "group_by_length"}
@@ -502,8 +512,9 @@ def train_seq2seq(
     lr * sqrt(warmup / step)), "linear", "cosine" (these two decay to 0 at ``max_steps``; with only ``minutes``, at
     the end of the time budget, see :func:`time_decay_schedule`) or "constant_with_warmup". ``bf16=True`` (a
     ``Seq2SeqTrainingArguments`` field) trains under bf16 autocast, on CPU too (2x faster steps on CPUs with AMX; a
-    ValueError on CPUs without native bf16 matrix products, see :func:`check_bf16`); the returned model runs in its
-    own precision again.
+    ValueError on CPUs without native bf16 matrix products, see :func:`check_bf16`); ``fp16=True`` under fp16
+    autocast with a loss scaler, on a GPU (a ValueError without one, see :func:`check_fp16`); the returned model runs
+    in its own precision again.
     ``group_by_length`` batches sentences of similar max(source, target) length (little padding; an
     approximation of the papers' token-based batches, see :class:`Seq2SeqLengthTrainer`). ``compute_metrics`` goes to
     the Trainer (its evaluations). ``trainer_class`` (a :class:`Seq2SeqLengthTrainer` subclass, e.g.
@@ -539,6 +550,7 @@ def train_seq2seq(
                                           and issubclass(trainer_class, Seq2SeqLengthTrainer)):
         raise ValueError(f"`trainer_class` must be a subclass of Seq2SeqLengthTrainer, got {trainer_class!r}.")
     check_bf16(training_args.get("bf16", False))
+    check_fp16(training_args.get("fp16", False))
     for name, dataset in (("train_ds", train_ds), ("eval_ds", eval_ds)):
         if dataset is not None and hasattr(dataset, "__len__") and len(dataset) == 0:
             raise ValueError(f"`{name}` is empty (0 examples); allowed: a tokenized dataset with at least one example"
