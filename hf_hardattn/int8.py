@@ -55,6 +55,11 @@ class Int8Mixin:
             raise ValueError(f"quantize_int8() needs an fp32 model on the CPU (torch's int8 layers run there only); "
                              f"its parameters are {sorted(f'{d} on {t}' for d, t in kinds)}: load or keep it in "
                              f"float32 (bfloat16 and int8 are two separate choices).")
+        adapters = [name for name, module in self.named_modules() if type(module).__module__.startswith("peft.")]
+        if adapters:  # their own small linears would become int8 layers, which the adapter code cannot read
+            raise ValueError(f"quantize_int8(): the model carries PEFT adapter layers ({len(adapters)}, e.g. "
+                             f"{adapters[0]!r}); merge them into the weights first (`model = "
+                             f"peft_model.merge_and_unload()`), then quantize the merged model.")
         unpack_linears(self)
         keep = self.INT8_KEEP or ("\0",)
         names = [name for name, module in self.named_modules()

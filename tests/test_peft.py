@@ -181,3 +181,20 @@ def test_a_saved_adapter_reloads_onto_a_fresh_base_model(name, tmp_path):
     fresh = type(base).from_pretrained(tmp_path / "base", dtype=torch.float64).eval()
     reloaded = peft.PeftModel.from_pretrained(fresh, tmp_path / "adapter").eval()
     assert_close(logits(reloaded), expected, "reloaded")
+
+
+@pytest.mark.parametrize("name", CONTRACT_MODELS)
+def test_int8_asks_for_merged_adapters_and_quantizes_the_merged_model(name):
+    """``quantize_int8()`` on an adapted model (through the PeftModel) is refused naming ``merge_and_unload`` and
+    changes nothing; the merged model quantizes and decodes."""
+    model = adapted(untied(name).float())
+    for number, (_, layer) in enumerate(lora_layers(model)):
+        randomize_adapter(layer, std=0.1, seed=number)
+    before = logits(model)
+    with pytest.raises(ValueError, match=r"quantize_int8\(\): the model carries PEFT adapter layers.*merge_and_unload"):
+        model.quantize_int8()
+    assert not model.base_model.model.is_int8 and torch.equal(logits(model), before)
+    merged = model.merge_and_unload().quantize_int8()
+    assert merged.is_int8
+    ids, mask = source_batch()
+    assert merged.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, min_new_tokens=4).shape == (2, 5)
