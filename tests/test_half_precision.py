@@ -17,8 +17,8 @@ from common import JOINT_TYPES, TYPE_MODELS, forward_logits, randomize, source_b
 def assert_close_in_half(got, expected, every_position, dtype):
     """Log-probabilities [B, T, V] of the half-precision model against the fp32 model's. Each rounding to ``dtype``
     moves a value by up to half its eps (bf16 2^-7, fp16 2^-10), relative; through weights, activations and the
-    layers the log-probabilities here move by 1.5-4 eps at the median position and up to 7 eps at the worst (measured on every
-    type in both formats), so the bounds are 12.8 and 19.2 eps (0.1 and 0.15 in bf16). Where a hard selection can flip
+    layers the log-probabilities here move by 1.5-4 eps at the median position and up to 7 eps at the worst
+    (measured on every type in both formats), so the bounds are 12.8 and 19.2 eps (0.1 and 0.15 in bf16). Where a hard selection can flip
     at a near tie (hard retrieval's argmax, beam-joint's top K), a flipped position moves further, so for those kinds
     the bound holds for the median position."""
     eps = torch.finfo(dtype).eps

@@ -340,12 +340,13 @@ def test_bf16_refused_on_a_cpu_without_bf16_matmul(tmp_path, monkeypatch):
     hf_hardattn.tools.training.check_bf16(False)  # fp32 is always allowed
 
 
-def test_fp16_refused_without_an_accelerator_where_accelerate_would_train_fp32(tmp_path, monkeypatch):
+def test_fp16_refused_without_a_gpu_where_accelerate_would_train_fp32(tmp_path, monkeypatch):
     """``fp16=True`` on a CPU: accelerate leaves out fp16 autocast and its loss scaler there (no autocast seen by the
-    layers, no scaler: the premise, checked with the refusal bypassed), so train_seq2seq refuses it, naming the field."""
+    layers, no scaler: the premise, checked with the refusal bypassed), so train_seq2seq refuses it, naming the
+    field."""
     import hf_hardattn.tools.training
 
-    monkeypatch.setattr(torch.accelerator, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     raw = reversal_dataset()
     tok = train_tokenizer(raw, kind="char", min_frequency=1)
     data = tokenize_dataset(raw, tok, max_length=16)

@@ -345,7 +345,7 @@ def test_bad_input_is_a_one_line_error(data, tmp_path, case, capsys, monkeypatch
              "fp16 on a cpu": ["--max-steps", "1", "--fp16"],
              "bf16 and fp16": ["--max-steps", "1", "--fp16", "--bf16"]}[case]
     if case == "fp16 on a cpu":
-        monkeypatch.setattr(torch.accelerator, "is_available", lambda: False)  # (where a GPU is: as on a CPU)
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # (where a GPU is: as on a CPU)
     if case == "bf16 and fp16":  # argparse: exit status 2 and the options named
         with pytest.raises(SystemExit) as exit_info:
             train(data, tmp_path / "out", *extra)

@@ -275,7 +275,8 @@ def run_train(args) -> dict:
     results = dict(model_type=args.model_type, origin=origin, tokenizer=tokenizer_source, steps=trainer.state.global_step,
                    batch_size=batch_size, processes=trainer.args.world_size, skipped_long=skipped,
                    precision="bf16" if args.bf16 else "fp16" if args.fp16 else "fp32", seed=args.seed,
-                   machine=training.machine(), command=" ".join(["hf-hardattn"] + [shlex.quote(a) for a in getattr(args, "argv", sys.argv[1:])]))
+                   machine=training.machine(),
+                   command=" ".join(["hf-hardattn"] + [shlex.quote(a) for a in getattr(args, "argv", sys.argv[1:])]))
     results["decoding"] = training.decoding_setting(model)  # of every score below and of the saved model
     if args.eval_steps:
         results["best_validation_bleu"] = round(trainer.state.best_metric, 2)

@@ -364,13 +364,14 @@ def check_bf16(bf16: bool, name: str = "bf16", fix: str = "Pass bf16=False (fp32
 
 
 def check_fp16(fp16: bool, name: str = "fp16") -> None:
-    """Refuse fp16 mixed-precision training without an accelerator: accelerate runs fp16 autocast and its loss scaler
-    on GPUs (and other accelerators) only, and on a CPU leaves both out, so the run would train in fp32 silently."""
-    if fp16 and not torch.accelerator.is_available():
+    """Refuse fp16 mixed-precision training without a GPU (train_seq2seq trains on CUDA where torch sees it, else on
+    the CPU): accelerate runs fp16 autocast and its loss scaler on accelerators only and leaves both out on a CPU, so
+    the run would silently train in fp32."""
+    if fp16 and not torch.cuda.is_available():
         raise ValueError(
-            f"`{name}` asks for fp16 mixed precision (autocast with a loss scaler), which accelerate runs on a GPU or "
-            f"other accelerator only; torch sees none here, and on the CPU the run would silently train in fp32. "
-            f"Train in fp32, or in bf16 on a CPU with AVX512 or AMX.")
+            f"`{name}` asks for fp16 mixed precision (autocast with a loss scaler), which accelerate runs on a GPU "
+            f"only; torch sees no CUDA device here, and on the CPU the run would silently train in fp32. Train in "
+            f"fp32, or in bf16 on a CPU with AVX512 or AMX.")
 
 
 # Seq2SeqTrainingArguments fields that train_seq2seq sets from a parameter of its own (pass that one instead)
