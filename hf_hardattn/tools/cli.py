@@ -291,8 +291,8 @@ def translation_device(args) -> torch.device:
     """The device ``translate`` decodes on: ``--device``, else the accelerator torch sees (a GPU), else the CPU; the
     CPU when --int8 or --pack-linears asks for CPU kernels. Errors name the value and what is allowed."""
     cpu_only = [f"--{name.replace('_', '-')}" for name in CPU_ONLY_OPTIONS if getattr(args, name)]
+    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
     if args.device is None:
-        accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
         return torch.device("cpu") if cpu_only or accelerator is None else accelerator
     try:
         device = torch.device(args.device)
@@ -303,7 +303,6 @@ def translation_device(args) -> torch.device:
         if cpu_only:
             raise CommandError(f"{' and '.join(cpu_only)} run CPU kernels, not on --device={args.device}; decode "
                                f"on the CPU (--device cpu) or drop {' and '.join(cpu_only)}.")
-        accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
         count = torch.accelerator.device_count() if accelerator is not None else 0
         if accelerator is None or accelerator.type != device.type or (device.index or 0) >= count:
             seen = f"{count} {accelerator.type} device(s)" if accelerator is not None else "no accelerator"
