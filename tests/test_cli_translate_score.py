@@ -207,7 +207,7 @@ def test_translate_dtype_decodes_in_that_dtype_on_the_device(saved, tmp_path, mo
                  "--num-beams", "1", "--dtype", dtype, "--device", "cpu"]) == 0
     assert seen == [{(getattr(torch, dtype), "cpu")}]
     assert out.read_text().splitlines() == REVERSED
-    assert f"{dtype}, 1 threads)" in capsys.readouterr().err
+    assert f"{dtype}, 1 thread)" in capsys.readouterr().err
 
 
 def test_translate_device_defaults_to_the_accelerator_and_checks_it(monkeypatch):

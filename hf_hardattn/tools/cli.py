@@ -365,10 +365,10 @@ def run_translate(args):
     write_lines(args.output, result)
     if not args.quiet:
         rate = len(todo) / seconds if seconds > 0 else float("inf")
+        threads = torch.get_num_threads()
+        where = f"{threads} thread{'s' if threads != 1 else ''}" if device.type == "cpu" else str(device)
         print(f"hf-hardattn translate: {len(todo)} sentences in {seconds:.1f} s, {rate:.2f} sentences/s "
-              f"(beam {args.num_beams}, batch {args.batch_size}, {args.dtype}, "
-              f"{f'{torch.get_num_threads()} threads' if device.type == 'cpu' else device})", file=sys.stderr,
-              flush=True)
+              f"(beam {args.num_beams}, batch {args.batch_size}, {args.dtype}, {where})", file=sys.stderr, flush=True)
 
 
 def run_plot(args) -> list[str]:
