@@ -12,6 +12,15 @@ sentences/s = batch / median time of one ``generate`` call. Models: soft, attent
 attention core returns the first value row without any scores: the ceiling for a change of the attention function
 alone, as benchmarks/decode_speed.py), hard_retrieval, sh_x, hc_sa, hybrid_additive and hybrid_dot (6-1).
 
+``--compiled``: soft, marian (transformers.MarianMTModel of the same sizes), attention_removed, hard_retrieval, sh_x,
+hc_sa and hybrid_dot each eagerly and as ``<name>_compiled``: ``hf_hardattn.modeling_hardattn.compiled_decoding``'s
+generate() keywords (static cache, the step compiled with ``fullgraph=True``, ``dynamic=True``; CUDA graphs on a GPU;
+Marian through transformers' own path). Per setting it also records each model's first call (its compile, or its
+graphs' recording for new shapes), each compiled model's tokens against its eager twin's, and torch's counters
+(graphs compiled, CUDA graphs skipped); ``--profile`` adds torch.profiler's table of one greedy batch-1 call of soft
+and soft_compiled. Its claims: the decoding claims below again between compiled models, soft_compiled / soft >= 4
+(the project's target at greedy batch 1) and soft_compiled / marian_compiled >= 1.
+
 Training step (forward + backward + Adam step, dropout 0.1, batch 64 sentences x 30 source + 30 target tokens, no
 padding: 1920 target tokens, the batch of beam_joint_bench.py / recurrent_speed.py): fp32 weights and optimizer
 state under ``torch.autocast(device, torch.bfloat16)``, which is what ``--precision bf16`` of the training commands
@@ -40,6 +49,7 @@ JSON is rewritten after every setting, so a run killed from outside keeps what i
     python benchmarks/gpu_speed.py                   # -> benchmarks/results/gpu_speed_<gpu-name-slug or CPU kind>.json
     python benchmarks/gpu_speed.py --smoke           # tiny dims, bf16 on the CPU, one round: every code path, ~10 s
     bash benchmarks/run_gpu_speed.sh                 # what the GPU machine runs (output also under $OUT/)
+    bash benchmarks/run_gpu_speed.sh --compiled --sections decoding --profile   # -> ..._compiled.json
 """
 
 import argparse
@@ -62,6 +72,7 @@ from hf_hardattn import (BeamJointRNNConfig, BeamJointRNNForConditionalGeneratio
                          RecurrentForConditionalGeneration, SoftTransformerConfig,
                          SoftTransformerForConditionalGeneration)
 from hf_hardattn.layers import SoftAttention
+from hf_hardattn.modeling_hardattn import compiled_decoding
 from machine_kind import machine_kind
 
 BASE = dict(dims=dict(vocab_size=32000, d_model=512, encoder_layers=6, decoder_layers=6, encoder_attention_heads=8,
@@ -75,6 +86,10 @@ SPECIAL = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_tok
 RECURRENT_VARIANTS = ("concat_context", "concat_weight", "concat_accumulated", "expand_1", "expand_2", "expand_3",
                       "expand_4", "continuity", "coverage")  # hf_hardattn.recurrent.RECURRENT_VARIANTS
 DECODE_MODELS = ("soft", "attention_removed", "hard_retrieval", "sh_x", "hc_sa", "hybrid_additive", "hybrid_dot")
+# --compiled: each of these eager and as ``<name>_compiled`` (hf_hardattn.modeling_hardattn.compiled_decoding's
+# generate() keywords: static cache, the step compiled with fullgraph=True, CUDA graphs on a GPU); Marian through
+# transformers' own static cache + compile path
+COMPILED_MODELS = ("soft", "marian", "attention_removed", "hard_retrieval", "sh_x", "hc_sa", "hybrid_dot")
 TRAIN_MODELS = ("soft", "beam_joint_k6", "hybrid_rnn_soft", "beam_joint_rnn_k6") + tuple(
     f"recurrent_{v}" for v in RECURRENT_VARIANTS)
 MODES = (("greedy", 1), ("beam4", 4))
@@ -99,6 +114,16 @@ CLAIMS = [
      for v in RECURRENT_VARIANTS]
 
 
+# --compiled: the decoding claims again between compiled models, and the compiled path's own targets
+COMPILED_CLAIMS = [
+    ("decoding", "soft_compiled", "soft", "project target (static cache, compiled step, CUDA graphs)",
+     ">= 4x eager generate() (at greedy batch 1)", ">=", 4.0),
+    ("decoding", "soft_compiled", "marian_compiled", "project target",
+     "ahead of MarianMTModel's static cache + compile", ">=", 1.0),
+] + [(section, f"{num}_compiled", f"{den}_compiled", *rest) for section, num, den, *rest in CLAIMS
+     if section == "decoding" and num in COMPILED_MODELS and den in COMPILED_MODELS]
+
+
 def compare(value, op, threshold):
     return value >= threshold if op == ">=" else value <= threshold
 
@@ -113,6 +138,10 @@ def removed_attend(q, k, v, mask, causal):
 
 def build(name, size, training):
     dims = dict(size["dims"], **SPECIAL, **(dict(dropout=0.1) if training else {}))
+    if name == "marian":  # decode_speed.py's MarianMTModel of the same sizes
+        return transformers.MarianMTModel(transformers.MarianConfig(
+            **dims, activation_function="relu", scale_embedding=True, share_encoder_decoder_embeddings=True,
+            forced_eos_token_id=None, max_position_embeddings=512))
     rnn = dict(dims, decoder_layers=1)
     if name in ("soft", "attention_removed"):
         model = SoftTransformerForConditionalGeneration(SoftTransformerConfig(**dims))
@@ -175,16 +204,19 @@ class Budget:
         return max(0.0, self.seconds - self.elapsed()) / max(1, settings_left)
 
 
-def interleaved(label, names, call, device, rounds, warmup, deadline, errors):
+def interleaved(label, names, call, device, rounds, warmup, deadline, errors, first=None):
     """Times ``call(name)`` for every name, alternating round by round; warm-up rounds not recorded. A model that
-    raises is recorded in ``errors`` and left out of the later rounds. Returns (times per model, rounds done,
-    whether the deadline stopped it)."""
+    raises is recorded in ``errors`` and left out of the later rounds. ``first``: a dict that gets each model's first
+    call's time (a compiled model's compile, or its CUDA graphs' recording for new shapes). Returns (times per model,
+    rounds done, whether the deadline stopped it)."""
     alive = list(names)
     times = {name: [] for name in names}
+    first = {} if first is None else first
 
     def attempt(name, record):
         try:
             elapsed = timed(lambda: call(name), device)
+            first.setdefault(name, elapsed)
         except Exception as exc:  # noqa: BLE001 -- one model's failure must not lose the others' numbers
             errors[name] = error_text(exc)
             print(f"  {label}: {name} FAILED: {errors[name].splitlines()[-1]}", flush=True)
@@ -236,15 +268,62 @@ def environment(device, args):
         smoke=args.smoke)
 
 
+def compiled_report(outputs, first):
+    """--compiled, per setting: each model's first call (s; a compiled model's compile or its CUDA graphs' recording
+    for new shapes), each compiled model's tokens against its eager twin's (last call: the share of equal tokens, of
+    equal rows), and torch's counters so far (graphs compiled, CUDA graph skips)."""
+    agreement = {}
+    for name, out in outputs.items():
+        twin = outputs.get(name.removesuffix("_compiled"))
+        if name.endswith("_compiled") and twin is not None:
+            agreement[name] = dict(tokens=(out == twin).double().mean().item(),
+                                   rows=(out == twin).all(dim=1).double().mean().item())
+    counters = torch._dynamo.utils.counters
+    return dict(first_call_s={n: round(t, 4) for n, t in first.items()}, agreement_with_eager=agreement,
+                counters=dict(unique_graphs=counters["stats"]["unique_graphs"],
+                              cudagraph_skips=counters["inductor"]["cudagraph_skips"]))
+
+
+def profile_call(model, ids, new_tokens, device):
+    """One greedy batch-1 ``generate`` under torch.profiler: its wall time, the host (CPU) and device time of the
+    operators, and the 20 operators of most host time (the table as text)."""
+    activities = [torch.profiler.ProfilerActivity.CPU] + (
+        [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
+
+    def call():
+        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                       min_new_tokens=new_tokens, num_beams=1, do_sample=False)
+
+    with torch.inference_mode():
+        timed(call, device)  # warm: the shapes of the last setting were another's
+        with torch.profiler.profile(activities=activities) as prof:
+            wall = timed(call, device)
+    events = prof.key_averages()
+    device_us = sum(getattr(e, "self_device_time_total", 0) for e in events)
+    return dict(wall_s=wall, host_self_us=sum(e.self_cpu_time_total for e in events), device_self_us=device_us,
+                table=events.table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=60))
+
+
 def make_ids(batch, length, vocab, seed):
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(4, vocab, (batch, length), generator=generator)
 
 
+def claims_for(result):
+    """The claims a result is judged by: the papers' (CLAIMS); with --compiled, the decoding ones (eager and
+    COMPILED_CLAIMS) whose two models were asked for, and the training ones."""
+    protocol = result["protocol"]
+    if not protocol.get("compiled"):
+        return CLAIMS
+    asked = {"decoding": protocol["decode_models"], "training": TRAIN_MODELS}
+    return [claim for claim in CLAIMS + COMPILED_CLAIMS if claim[0] in protocol["sections"]
+            and claim[1] in asked[claim[0]] and claim[2] in asked[claim[0]]]
+
+
 def claims_table(result):
     """One row per (claim, setting): the ratio of the medians, the claim, held (None where a model is missing)."""
     rows = []
-    for claim in CLAIMS:
+    for claim in claims_for(result):
         section, num, den, source, text, op, value = claim[:7]
         target = claim[7:] or None
         settings = result["decoding"] if section == "decoding" else [result["training"]]
@@ -295,6 +374,16 @@ def main(argv=None):
     parser.add_argument("--warmup", type=int, default=None, help="untimed rounds per setting (default 2)")
     parser.add_argument("--budget-seconds", type=float, default=420.0,
                         help="wall time from the start, building included (settings shrink to fit; default 420)")
+    parser.add_argument("--compiled", action="store_true",
+                        help="decode each of " + ", ".join(COMPILED_MODELS) + " eagerly and as <name>_compiled (static "
+                             "cache, compiled step; CUDA graphs on a GPU): the compiled claims; default output "
+                             "gpu_speed_<gpu>_compiled.json")
+    parser.add_argument("--compiled-models", nargs="+", choices=COMPILED_MODELS, default=list(COMPILED_MODELS),
+                        help="with --compiled: which of them (default all)")
+    parser.add_argument("--profile", action="store_true",
+                        help="after decoding, torch.profiler over one greedy batch-1 call of soft (and soft_compiled)")
+    parser.add_argument("--modes", nargs="+", choices=[m for m, _ in MODES], default=[m for m, _ in MODES],
+                        help="decoding modes (default greedy beam4)")
     parser.add_argument("--sections", nargs="+", choices=("decoding", "training"), default=["decoding", "training"])
     parser.add_argument("--output", default=None,
                         help="default benchmarks/results/gpu_speed_<gpu-name-slug>.json (gpu_speed_cpu_smoke.json "
@@ -319,8 +408,12 @@ def main(argv=None):
     name = env["gpu_name"] or "cpu"
     output = args.output or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                          f"gpu_speed_{slug(env['gpu_name']) if env['gpu_name'] else machine_kind()}"
-                                         f"{'_smoke' if args.smoke else ''}.json")
+                                         f"{'_compiled' if args.compiled else ''}{'_smoke' if args.smoke else ''}.json")
     bf16 = args.precision == "bf16"
+    decode_names = [f"{n}{suffix}" for n in args.compiled_models for suffix in ("", "_compiled")] \
+        if args.compiled else list(DECODE_MODELS)
+    if args.compiled and device.type == "cuda":
+        torch._logging.set_logs(perf_hints=True)  # says why CUDA graphs were skipped, if they are
     print(f"gpu_speed: {name} ({device}), torch {torch.__version__} (CUDA {torch.version.cuda}), transformers "
           f"{transformers.__version__}, precision {args.precision}, budget {args.budget_seconds:.0f}s, -> {output}",
           flush=True)
@@ -341,13 +434,14 @@ def main(argv=None):
         protocol=dict(decode_rounds=decode_rounds, train_rounds=train_rounds, warmup_rounds=warmup,
                       budget_seconds=args.budget_seconds, median="per model over its timed rounds",
                       timing="time.perf_counter() between torch.cuda.synchronize() calls (cuda)",
-                      interleaved="models alternate within each round"),
+                      interleaved="models alternate within each round", compiled=args.compiled,
+                      decode_models=list(decode_names), sections=list(args.sections)),
         models={}, build_errors={}, decoding=[], training={})
     sections = [s for s in ("decoding", "training") if s in args.sections]
 
     # ---- build everything first (CPU, fp32, seed 0), then move to the device
     decode_models, train_models = {}, {}
-    for section, names, target in (("decoding", DECODE_MODELS, decode_models),
+    for section, names, target in (("decoding", decode_names, decode_models),
                                    ("training", TRAIN_MODELS, train_models)):
         if section not in sections:
             continue
@@ -355,10 +449,12 @@ def main(argv=None):
             start = time.perf_counter()
             try:
                 torch.manual_seed(0)
-                model = build(model_name, size, training=section == "training")
+                model = build(model_name.removesuffix("_compiled"), size, training=section == "training")
                 params = sum(p.numel() for p in model.parameters())
                 if section == "decoding":
                     model = model.to(device, torch.bfloat16 if bf16 else torch.float32).eval()
+                    if model_name.endswith("_compiled"):  # after the move: the device decides on CUDA graphs
+                        model.generation_config.update(**compiled_decoding(model))
                 else:
                     model = model.to(device).train()
                     model = (model, torch.optim.Adam(model.parameters(), lr=1e-4))
@@ -371,19 +467,21 @@ def main(argv=None):
                                                               build_s=round(time.perf_counter() - start, 3))
         print(f"built {len(target)} {section} models, {budget.elapsed():.1f}s", flush=True)
     result["build_s"] = round(budget.elapsed(), 2)
-    settings_left = (len(MODES) * len(size["batch_sizes"]) if "decoding" in sections else 0) + (
+    settings_left = (len(args.modes) * len(size["batch_sizes"]) if "decoding" in sections else 0) + (
         1 if "training" in sections else 0)
 
     # ---- decoding
     if "decoding" in sections:
-        for mode, beams in MODES:
+        for mode, beams in [(m, b) for m, b in MODES if m in args.modes]:
             for batch_size in size["batch_sizes"]:
                 ids = make_ids(batch_size, size["source_length"], size["dims"]["vocab_size"], seed=1).to(device)
                 ids[:, -1] = SPECIAL["eos_token_id"]
                 mask = torch.ones_like(ids)
                 new_tokens = size["new_tokens"]
 
-                def call(model_name, ids=ids, mask=mask, beams=beams):
+                outputs = {}
+
+                def call(model_name, ids=ids, mask=mask, beams=beams, outputs=outputs):
                     with torch.inference_mode():
                         out = decode_models[model_name].generate(
                             input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
@@ -391,24 +489,34 @@ def main(argv=None):
                     if out.shape != (ids.shape[0], new_tokens + 1):
                         raise RuntimeError(f"generate returned shape {tuple(out.shape)}, expected "
                                            f"{(ids.shape[0], new_tokens + 1)}")
+                    outputs[model_name] = out
 
                 label = f"{mode} b{batch_size}"
                 share = budget.share(settings_left)
-                errors = {}
+                errors, first = {}, {}
                 times, done, stopped = interleaved(label, list(decode_models), call, device, decode_rounds, warmup,
-                                                   time.perf_counter() + share, errors)
+                                                   time.perf_counter() + share, errors, first)
                 settings_left -= 1
                 models = {}
                 for model_name, values in times.items():
                     median = statistics.median(values)
                     models[model_name] = dict(times_s=[round(v, 6) for v in values], median_s=median,
                                               sentences_per_s=batch_size / median)
-                result["decoding"].append(dict(mode=mode, num_beams=beams, batch_size=batch_size,
-                                               new_tokens=new_tokens, rounds=done, stopped_by_budget=stopped,
-                                               share_s=round(share, 2), models=models, errors=errors))
+                setting = dict(mode=mode, num_beams=beams, batch_size=batch_size, new_tokens=new_tokens, rounds=done,
+                               stopped_by_budget=stopped, share_s=round(share, 2), models=models, errors=errors)
+                if args.compiled:
+                    setting.update(compiled_report(outputs, first))
+                result["decoding"].append(setting)
                 print(f"{label}: " + ", ".join(f"{n} {m['sentences_per_s']:.2f} sent/s" for n, m in models.items())
                       + f"  [{budget.elapsed():.0f}s]", flush=True)
                 write(result, output)
+        if args.profile:  # where a greedy batch-1 call's time goes, eager and compiled
+            ids = make_ids(1, size["source_length"], size["dims"]["vocab_size"], seed=1).to(device)
+            for model_name in [n for n in ("soft", "soft_compiled") if n in decode_models]:
+                result.setdefault("profile", {})[model_name] = profile_call(
+                    decode_models[model_name], ids, size["new_tokens"], device)
+                print(f"profile {model_name}:\n{result['profile'][model_name]['table']}", flush=True)
+            write(result, output)
         del decode_models
         if device.type == "cuda":
             torch.cuda.empty_cache()

@@ -4,6 +4,9 @@
 # with the log to $OUT/ (the runner's output folder; default: benchmarks/results). Extra arguments go to the script.
 #   bash benchmarks/run_gpu_speed.sh                       # <= 8 minutes on one H100/H200 (budget 420 s + start-up)
 #   BUDGET=300 bash benchmarks/run_gpu_speed.sh --decode-rounds 5
+#   BUDGET=470 HARD_STOP=560 bash benchmarks/run_gpu_speed.sh --compiled --sections decoding --profile
+# HARD_STOP (default 540 s) ends the script from outside. A transformers newer than the machine's (the compiled rows:
+# 5.24) travels as a wheel installed with `pip install --no-deps --target DIR` and DIR put on PYTHONPATH first.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/benchmarks/results}
@@ -17,7 +20,7 @@ git log -1 --format='commit %H %s' 2>/dev/null || true
 STAMP=$(mktemp)
 # 540 s hard stop (the script's own budget is BUDGET s from its start, model building included); the JSON is
 # rewritten after every setting, so a stop keeps what was measured
-timeout 540 $PY benchmarks/gpu_speed.py --budget-seconds "${BUDGET:-420}" "$@" 2>&1 | tee "$OUT/gpu_speed.log"
+timeout "${HARD_STOP:-540}" $PY benchmarks/gpu_speed.py --budget-seconds "${BUDGET:-420}" "$@" 2>&1 | tee "$OUT/gpu_speed.log"
 RC=${PIPESTATUS[0]}
 for f in $(find benchmarks/results -maxdepth 1 -name 'gpu_speed_*.json' -newer "$STAMP"); do
   [ "$(cd "$(dirname "$f")" && pwd)" = "$(cd "$OUT" && pwd)" ] || cp "$f" "$OUT/"

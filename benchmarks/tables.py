@@ -209,6 +209,9 @@ NOUNS3 = ("nouns_fp32_3min_intel_amx/reproduce_nouns_cpu.json",)
 NOUNS_BJ = ("nouns_fp32_1774_steps_beam_joint_rnn_epyc_avx512/reproduce_nouns_cpu.json",)
 GPU = "gpu_speed_nvidia_h200.json"
 GPU512 = "gpu_speed_nvidia_h200_decoding_b512.json"
+GPU_COMPILED = "gpu_speed_nvidia_h200_compiled.json"  # static cache + compiled steps with CUDA graphs, and eager
+GPU_COMPILED_B1 = "gpu_speed_nvidia_h200_compiled_greedy_b1.json"  # the same at greedy batch 1, 15 rounds
+CUDA_GRAPHS = "Transformer-base, random weights, static cache + compiled steps (CUDA graphs)"
 CPU_DECODE = ("decode_speed_intel_amx.json", "decode_speed_epyc_avx2_grouped.json",
               "decode_speed_epyc_avx512_grouped.json")
 CPU_COMPILED = ("decode_speed_packed_compiled_epyc_avx512.json",)  # packed weights + static cache + compiled steps
@@ -256,6 +259,8 @@ CLAIMS = [
           "speed", (
               Rounds("Transformer-base, random weights", GPU, "decoding", "hard_retrieval", "soft"),
               Rounds("Transformer-base, random weights", GPU512, "decoding", "hard_retrieval", "soft", (512,)),
+              Rounds(CUDA_GRAPHS, GPU_COMPILED_B1, "decoding", "hard_retrieval_compiled", "soft_compiled"),
+              Rounds(CUDA_GRAPHS, GPU_COMPILED, "decoding", "hard_retrieval_compiled", "soft_compiled"),
               Figures("Transformer-base, random weights", CPU_DECODE, "hard_retrieval / soft"),
               Figures(COMPILED, CPU_COMPILED, "hard_retrieval_packed_compiled / soft_packed_compiled"),
               Figures(INT8_COMPILED, CPU_INT8_COMPILED,
@@ -278,6 +283,7 @@ CLAIMS = [
           "speed", (
               Rounds("Transformer-base, random weights", GPU, "decoding", "sh_x", "soft"),
               Rounds("Transformer-base, random weights", GPU512, "decoding", "sh_x", "soft", (512,)),
+              Rounds(CUDA_GRAPHS, GPU_COMPILED, "decoding", "sh_x_compiled", "soft_compiled"),
               Figures("Transformer-base, random weights", CPU_DECODE, "sh_x / soft"),
               Figures(COMPILED, CPU_COMPILED, "sh_x_packed_compiled / soft_packed_compiled"),
           ), device="GPU"),
@@ -285,6 +291,7 @@ CLAIMS = [
           "speed", (
               Rounds("Transformer-base, random weights", GPU, "decoding", "hc_sa", "soft"),
               Rounds("Transformer-base, random weights", GPU512, "decoding", "hc_sa", "soft", (512,)),
+              Rounds(CUDA_GRAPHS, GPU_COMPILED, "decoding", "hc_sa_compiled", "soft_compiled"),
               Figures("Transformer-base, random weights", CPU_DECODE[::2], "hc_sa / soft"),
           ), device="GPU"),
     Claim("002-below-teacher", "002", "the hybrid (6-1, RNN decoder) is below its Transformer teacher (Tables 2-3)",
@@ -309,6 +316,7 @@ CLAIMS = [
     Claim("002-decoding-speed", "002", "6-1 decodes 4.1x as fast as the 6-6 teacher (GPU)", Bound(low=4.1), "speed", (
         Rounds("Transformer-base, random weights", GPU, "decoding", "hybrid_dot", "soft"),
         Rounds("Transformer-base, random weights", GPU512, "decoding", "hybrid_dot", "soft", (512,)),
+        Rounds(CUDA_GRAPHS, GPU_COMPILED, "decoding", "hybrid_dot_compiled", "soft_compiled"),
         Figures("Transformer-base, random weights", CPU_DECODE, "hybrid_dot / soft"),
         Figures(COMPILED, CPU_COMPILED, "hybrid_dot_packed_compiled / soft_packed_compiled"),
         Figures(INT8_COMPILED, CPU_INT8_COMPILED, "hybrid_dot_int8_traced_compiled / soft_int8_traced_compiled",
@@ -424,6 +432,11 @@ def precision_of(row, payload) -> str:
         return words[words.index("--precision") + 1]
     recipe = row.get("recipe") or payload["recipe"]
     return "bf16" if recipe.get("bf16") else "fp32"
+
+
+def rounds_text(rounds) -> str:
+    """Counts of timed rounds in words: "1 round", "15 rounds", "7 / 15 rounds"."""
+    return f"{joined(rounds)} round{'' if list(rounds) == [1] else 's'}"
 
 
 def joined(values) -> str:
@@ -704,7 +717,7 @@ def task_prefix(entry) -> str:
 
 def rows_cell(entry) -> str:
     if entry["task"] == "speed":
-        rounds = f", {joined(entry['rounds'])} rounds" if entry.get("rounds") else ""
+        rounds = f", {rounds_text(entry['rounds'])}" if entry.get("rounds") else ""
         return f"{entry['evidence']}; {entry['machine']}, {entry['precision']}{rounds}"
     return (f"{task_prefix(entry)}{entry['evidence']}; {entry['machine']}, {entry['precision']}, {steps_text(entry)}, "
             f"{seeds_text(entry['seeds'])}")
@@ -811,7 +824,7 @@ def readme_word(verdict: str) -> str:
 def short_rows(entry) -> str:
     """The headline's evidence in short form: label; machine precision, steps, seed count (or rounds)."""
     if entry["task"] == "speed":
-        count = (f"{joined(entry['rounds'])} rounds" if entry.get("rounds") else "one figure per setting")
+        count = rounds_text(entry["rounds"]) if entry.get("rounds") else "one figure per setting"
         return f"{entry['evidence']}; {entry['machine']} {entry['precision']}, {count}"
     n = len(entry["seeds"])
     return (f"{task_prefix(entry)}{entry['evidence']}; {entry['machine']} {entry['precision']}, {steps_text(entry)}, "
@@ -846,7 +859,7 @@ def detail_table(entries) -> str:
             if "figures" in s:
                 detail, mean = ", ".join(f"{v:.2f}x" for v in s["figures"]), ""
             elif "rounds" in s:
-                detail, mean = f"{s['rounds']} rounds", sets_cell(dict(sets={"": s}), kind).strip()
+                detail, mean = rounds_text([s["rounds"]]), sets_cell(dict(sets={"": s}), kind).strip()
             else:
                 detail = ", ".join(f"s{seed} {d:+.2f}" for seed, d in zip(s["seeds"], s["differences"]))
                 mean = sets_cell(dict(sets={"": s}), kind).strip()

@@ -126,3 +126,43 @@ def test_check_catches_a_broken_result(smoke, break_it):
         data["claims"].pop()
     with pytest.raises(AssertionError):
         check_result(data)
+
+
+COMPILED_CLAIMS = {  # --compiled --compiled-models soft marian: the claims whose two models were asked for
+    ("decoding", "soft_compiled", "soft"): (">=", 4.0),
+    ("decoding", "soft_compiled", "marian_compiled"): (">=", 1.0),
+}
+
+
+def test_compiled_smoke_times_eager_and_compiled_twins(tmp_path):
+    """--compiled: each asked model eagerly and as <name>_compiled (static cache, compiled step), the compiled
+    claims derived from the medians, and per setting each model's first call, each compiled model's tokens against
+    its eager twin's and torch's compile counters."""
+    path = str(tmp_path / "compiled.json")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_speed.py"), "--smoke", "--device",
+                           "cpu", "--compiled", "--compiled-models", "soft", "marian", "--sections", "decoding",
+                           "--batch-sizes", "1", "--modes", "greedy", "--output", path],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(path) as handle:
+        data = json.load(handle)
+    names = {"soft", "soft_compiled", "marian", "marian_compiled"}
+    assert data["build_errors"] == {} and set(data["models"]) == {f"decoding/{n}" for n in names}
+    assert data["protocol"]["compiled"] is True and data["training"] == {}
+    [row] = data["decoding"]
+    assert (row["mode"], row["batch_size"], row["errors"]) == ("greedy", 1, {}) and set(row["models"]) == names
+    for entry in row["models"].values():
+        check_times(entry, row["rounds"])
+    assert set(row["first_call_s"]) == names and all(t > 0 for t in row["first_call_s"].values())
+    assert set(row["agreement_with_eager"]) == {"soft_compiled", "marian_compiled"}
+    assert all(0 <= a["rows"] <= a["tokens"] <= 1 for a in row["agreement_with_eager"].values())
+    assert row["counters"]["unique_graphs"] >= 2 and row["counters"]["cudagraph_skips"] == 0  # one graph per model
+    claims = {(c["section"], c["numerator"], c["denominator"]): c for c in data["claims"]}
+    assert set(claims) == set(COMPILED_CLAIMS), set(claims)
+    for key, claim in claims.items():
+        expected = row["models"][key[1]]["sentences_per_s"] / row["models"][key[2]]["sentences_per_s"]
+        assert math.isclose(claim["ratio"], expected, rel_tol=1e-9), (claim, expected)
+        assert (claim["claim"]["op"], claim["claim"]["value"]) == COMPILED_CLAIMS[key], claim
+        assert claim["held"] is holds(claim["ratio"], *COMPILED_CLAIMS[key]), claim
+    assert data["summary"]["missing"] == 0 and data["summary"]["claims"] == 2
