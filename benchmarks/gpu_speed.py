@@ -93,6 +93,7 @@ COMPILED_MODELS = ("soft", "marian", "attention_removed", "hard_retrieval", "sh_
 TRAIN_MODELS = ("soft", "beam_joint_k6", "hybrid_rnn_soft", "beam_joint_rnn_k6") + tuple(
     f"recurrent_{v}" for v in RECURRENT_VARIANTS)
 MODES = (("greedy", 1), ("beam4", 4))
+SEEDS = dict(model_weights=0, decode_source_ids=1, train_source_ids=2, train_labels=3)  # random weights and inputs
 
 # (section, numerator, denominator, source, claim text, op, value[, target op, target value])
 # decoding ratios: sentences/s of numerator / denominator (> 1: numerator faster);
@@ -435,7 +436,8 @@ def main(argv=None):
                       budget_seconds=args.budget_seconds, median="per model over its timed rounds",
                       timing="time.perf_counter() between torch.cuda.synchronize() calls (cuda)",
                       interleaved="models alternate within each round", compiled=args.compiled,
-                      decode_models=list(decode_names), sections=list(args.sections)),
+                      decode_models=list(decode_names), sections=list(args.sections),
+                      seeds=SEEDS),
         models={}, build_errors={}, decoding=[], training={})
     sections = [s for s in ("decoding", "training") if s in args.sections]
 
@@ -448,7 +450,7 @@ def main(argv=None):
         for model_name in names:
             start = time.perf_counter()
             try:
-                torch.manual_seed(0)
+                torch.manual_seed(SEEDS["model_weights"])
                 model = build(model_name.removesuffix("_compiled"), size, training=section == "training")
                 params = sum(p.numel() for p in model.parameters())
                 if section == "decoding":
@@ -474,7 +476,8 @@ def main(argv=None):
     if "decoding" in sections:
         for mode, beams in [(m, b) for m, b in MODES if m in args.modes]:
             for batch_size in size["batch_sizes"]:
-                ids = make_ids(batch_size, size["source_length"], size["dims"]["vocab_size"], seed=1).to(device)
+                ids = make_ids(batch_size, size["source_length"], size["dims"]["vocab_size"],
+                               seed=SEEDS["decode_source_ids"]).to(device)
                 ids[:, -1] = SPECIAL["eos_token_id"]
                 mask = torch.ones_like(ids)
                 new_tokens = size["new_tokens"]
@@ -511,7 +514,8 @@ def main(argv=None):
                       + f"  [{budget.elapsed():.0f}s]", flush=True)
                 write(result, output)
         if args.profile:  # where a greedy batch-1 call's time goes, eager and compiled
-            ids = make_ids(1, size["source_length"], size["dims"]["vocab_size"], seed=1).to(device)
+            ids = make_ids(1, size["source_length"], size["dims"]["vocab_size"],
+                           seed=SEEDS["decode_source_ids"]).to(device)
             for model_name in [n for n in ("soft", "soft_compiled") if n in decode_models]:
                 result.setdefault("profile", {})[model_name] = profile_call(
                     decode_models[model_name], ids, size["new_tokens"], device)
@@ -523,8 +527,9 @@ def main(argv=None):
 
     # ---- training steps
     if "training" in sections:
-        source = make_ids(size["train_batch"], size["train_length"], size["dims"]["vocab_size"], seed=2)
-        labels = make_ids(size["train_batch"], size["train_length"], size["dims"]["vocab_size"], seed=3)
+        vocab = size["dims"]["vocab_size"]
+        source = make_ids(size["train_batch"], size["train_length"], vocab, seed=SEEDS["train_source_ids"])
+        labels = make_ids(size["train_batch"], size["train_length"], vocab, seed=SEEDS["train_labels"])
         batch = dict(input_ids=source.to(device), attention_mask=torch.ones_like(source).to(device),
                      labels=labels.to(device))
 

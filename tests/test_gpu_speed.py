@@ -45,6 +45,7 @@ def check_result(data):
     assert data["environment"]["torch"] and data["environment"]["transformers"] and data["environment"]["device"]
     assert "matmul_allow_tf32" in data["environment"]["settings"]
     assert data["precision"]["name"] in ("bf16", "fp32")
+    assert data["protocol"]["seeds"] == dict(model_weights=0, decode_source_ids=1, train_source_ids=2, train_labels=3)
     assert data["build_errors"] == {}
     assert set(data["models"]) == {f"decoding/{n}" for n in DECODE} | {f"training/{n}" for n in TRAIN}
     assert all(m["params"] > 0 for m in data["models"].values())
