@@ -18,7 +18,7 @@ $PY -c "import sys, torch, transformers; print('python', sys.version.split()[0],
 grep -m1 "model name" /proc/cpuinfo; nproc
 git log -1 --format='commit %H %s' 2>/dev/null || true
 STAMP=$(mktemp)
-# 540 s hard stop (the script's own budget is BUDGET s from its start, model building included); the JSON is
+# HARD_STOP s hard stop (the script's own budget is BUDGET s from its start, model building included); the JSON is
 # rewritten after every setting, so a stop keeps what was measured
 timeout "${HARD_STOP:-540}" $PY benchmarks/gpu_speed.py --budget-seconds "${BUDGET:-420}" "$@" 2>&1 | tee "$OUT/gpu_speed.log"
 RC=${PIPESTATUS[0]}

@@ -91,14 +91,20 @@ def check_result(data):
         len(held), held.count(True), held.count(False), 0), summary
 
 
+def run_smoke(path, *args, timeout=300):
+    """benchmarks/gpu_speed.py --smoke on the CPU, offline, writing ``path``; returns the finished process."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_speed.py"), "--smoke", "--device",
+                           "cpu", *args, "--output", path], capture_output=True, text=True, env=env, cwd=ROOT,
+                          timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("gpu_speed") / "smoke.json")
-    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_speed.py"), "--smoke",
-                           "--device", "cpu", "--output", path], capture_output=True, text=True, env=env, cwd=ROOT,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = run_smoke(path)
     assert "wrote " + path in proc.stdout
     with open(path) as handle:
         return json.load(handle), proc.stdout
@@ -140,12 +146,8 @@ def test_compiled_smoke_times_eager_and_compiled_twins(tmp_path):
     claims derived from the medians, and per setting each model's first call, each compiled model's tokens against
     its eager twin's and torch's compile counters."""
     path = str(tmp_path / "compiled.json")
-    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_speed.py"), "--smoke", "--device",
-                           "cpu", "--compiled", "--compiled-models", "soft", "marian", "--sections", "decoding",
-                           "--batch-sizes", "1", "--modes", "greedy", "--output", path],
-                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_smoke(path, "--compiled", "--compiled-models", "soft", "marian", "--sections", "decoding", "--batch-sizes", "1",
+              "--modes", "greedy", timeout=600)
     with open(path) as handle:
         data = json.load(handle)
     names = {"soft", "soft_compiled", "marian", "marian_compiled"}
