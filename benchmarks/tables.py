@@ -833,7 +833,8 @@ def short_rows(entry) -> str:
 
 def headline_table(entries, paper) -> str:
     """README: one row per claim of the paper: the claim with our measure and its bound, the headline evidence, its
-    mean [90% interval] per set, the rule's word, and a link to the other groups in docs/results.md."""
+    mean [90% interval] per set, the rule's word (the evidence cell gives its recipe, convergence and seeds), and a
+    link to the other groups in docs/results.md."""
     lines = ["| paper's claim: our measure, bound | headline evidence | ours: mean [90% interval] | verdict (more groups) |",
              "| --- | --- | --- | --- |"]
     for claim in claims_of(paper):
@@ -841,10 +842,8 @@ def headline_table(entries, paper) -> str:
         top = headline(claim, group)
         others = [e for e in group if e is not top]
         more = "" if not others else f" ([{len(others)} more](docs/results.md#{anchor(claim)}))"
-        recipe = "" if not top["recipe"].startswith("paper") else \
-            f" (paper's recipe, {'converged' if top['converged'] else 'not converged'})"
         lines.append(f"| {claim.claim}: `{measure_text(top)}` {top['bound']} | {short_rows(top)} | "
-                     f"{sets_cell(top, kind_of(top), compact=True)} | {readme_word(top['verdict'])}{recipe}{more} |")
+                     f"{sets_cell(top, kind_of(top), compact=True)} | {readme_word(top['verdict'])}{more} |")
     return "\n".join(lines)
 
 
